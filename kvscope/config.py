@@ -1,0 +1,86 @@
+"""Engine configuration: every key is known and checked at the boundary.
+
+vLLM and nano-vLLM silently drop unknown keyword arguments; a typo such as ``block_szie=32``
+then changes nothing and nobody notices. kvscope refuses unknown keys and names the nearest
+valid one.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+from typing import Any
+
+SCHEDULING_POLICIES = ("unified", "prefill_first")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """All engine settings. Pass them as keyword arguments to ``LLM(...)``."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "unified"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(
+                    f"unknown engine config key {key!r}{hint} Valid keys: {', '.join(sorted(known))}"
+                )
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def positive_int(name: str, value: Any, minimum: int = 1) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+        positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            positive_int("num_kv_blocks", self.num_kv_blocks)
+        positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            positive_int("max_model_len", self.max_model_len)
+        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        for name, value, allowed in (
+            ("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
+            ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+            ("dtype", self.dtype, DTYPES),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

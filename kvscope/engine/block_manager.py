@@ -1,0 +1,189 @@
+"""Physical KV blocks: reference counts, a free pool in LRU order, and prefix caching by hash.
+
+State lives in numpy arrays so a snapshot of the whole pool is a few array copies. A block is
+either *used* (``ref_count >= 1``, in ``used``) or *free* (in ``free``). A free block whose
+contents are still registered in ``hash_to_block`` is *cached*: a later request with the same
+prefix takes it back instead of recomputing it; otherwise it is evicted when reallocated.
+
+Hashes chain: block ``i``'s hash covers its token ids and the hash of block ``i-1``, so equal
+tokens after a different prefix never match. A lookup also compares the stored token ids;
+the hash alone is never trusted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvscope.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvscope.trace.hooks import HookRegistry
+
+NO_HASH = -1
+_HASH_MASK = (1 << 63) - 1
+
+
+def hash_block(token_ids: list[int], prefix_hash: int) -> int:
+    """Chained 63-bit xxhash64 of one full block (non-negative, so ``-1`` can mean "none")."""
+    h = xxhash.xxh64()
+    h.update(prefix_hash.to_bytes(8, "little", signed=True))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest() & _HASH_MASK
+
+
+class BlockManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hooks: "HookRegistry | None" = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hooks = hooks
+        self.step = 0
+        self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        self.block_hash = np.full(num_blocks, NO_HASH, dtype=np.int64)
+        self.block_tokens = np.zeros((num_blocks, block_size), dtype=np.int32)
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.used: set[int] = set()
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counter name)
+        self.prefix_cache_hits = 0     # tokens found
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return len(self.used) / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs so its table covers ``num_tokens`` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def _seq_block_hash(self, seq: Sequence, i: int) -> int:
+        """Hash of ``seq``'s full block ``i``, computed once and kept on the sequence."""
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            prev = seq.block_hashes[j - 1] if j else NO_HASH
+            seq.block_hashes.append(hash_block(seq.block_tokens(j, self.block_size), prev))
+        return seq.block_hashes[i]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding ``seq``'s longest cached prefix of full blocks.
+
+        The last token is never covered: at least one token must be computed so the step
+        produces logits for the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            b = self.hash_to_block.get(self._seq_block_hash(seq, i))
+            if b is None or not np.array_equal(
+                self.block_tokens[b], seq.block_tokens(i, self.block_size)
+            ):
+                break
+            hits.append(b)
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += len(hits) * self.block_size
+        return hits
+
+    # --------------------------------------------------------------- mutation
+    def _emit(self, event: str, block_id: int, seq: Sequence | None) -> None:
+        hooks = self.hooks
+        if hooks is not None and hooks.active(event):
+            h = int(self.block_hash[block_id])
+            hooks.fire(
+                event,
+                step=self.step,
+                block_id=block_id,
+                request_id=seq.request_id if seq is not None else None,
+                ref_count=int(self.ref_count[block_id]),
+                block_hash=None if h == NO_HASH else h,
+            )
+
+    def _uncache(self, block_id: int) -> None:
+        h = int(self.block_hash[block_id])
+        if h != NO_HASH:
+            if self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
+            self.block_hash[block_id] = NO_HASH
+            self._emit("block.evicted", block_id, None)
+
+    def _take_free(self, seq: Sequence) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        self._uncache(block_id)
+        self.ref_count[block_id] = 1
+        self.used.add(block_id)
+        self._emit("block.allocated", block_id, seq)
+        return block_id
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Extend ``seq``'s table to cover ``num_tokens`` tokens, first claiming ``cached``.
+
+        All or nothing: returns False, changing nothing, when the free pool is too small.
+        """
+        new_from_free = sum(1 for b in cached if self.ref_count[b] == 0)
+        remaining = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached))
+        if new_from_free + remaining > len(self.free):
+            return False
+        for b in cached:
+            if self.ref_count[b] > 0:
+                self.ref_count[b] += 1
+                self._emit("block.shared", b, seq)
+            else:
+                del self.free[b]
+                self.ref_count[b] = 1
+                self.used.add(b)
+                self._emit("block.reused", b, seq)
+            seq.block_table.append(b)
+            seq.num_hashed_blocks += 1
+        for _ in range(remaining):
+            seq.block_table.append(self._take_free(seq))
+        return True
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks, last block first, so a prefix's head outlives its tail in the cache."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                self.used.discard(b)
+                self.free[b] = None
+            self._emit("block.freed", b, seq)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def hash_computed_blocks(self, seq: Sequence) -> None:
+        """Register every newly full, computed block of ``seq`` in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        for i in range(seq.num_hashed_blocks, full):
+            b = seq.block_table[i]
+            seq.num_hashed_blocks = i + 1
+            if self.block_hash[b] != NO_HASH:
+                continue
+            h = self._seq_block_hash(seq, i)
+            if h in self.hash_to_block:
+                continue  # the same content was computed twice in one step; keep the first copy
+            self.block_hash[b] = h
+            self.block_tokens[b] = seq.block_tokens(i, bs)
+            self.hash_to_block[h] = b
+            self._emit("block.hashed", b, seq)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""
+        for b in list(self.free):
+            self._uncache(b)
+        return True

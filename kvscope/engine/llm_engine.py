@@ -1,0 +1,313 @@
+"""The engine loop: validate and admit requests, schedule, execute, post-process, report.
+
+The engine is torch-free: it drives an :class:`~kvscope.engine.executor.Executor` through
+:class:`SchedulerOutput` and receives sampled token ids back.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Callable, Sequence as Seq
+
+from kvscope.config import EngineConfig
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.executor import Executor, StepResult
+from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.sequence import Sequence, SequenceStatus
+from kvscope.engine.step_info import StepInfo
+from kvscope.engine.validator import check_invariants
+from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.sampling_params import SamplingParams
+from kvscope.trace.hooks import HookRegistry
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer: Any,
+        max_model_len: int,
+        eos_token_ids: Seq[int] = (),
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = executor.vocab_size
+        self.hooks = HookRegistry()
+        self.block_manager = BlockManager(
+            executor.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.hooks
+        )
+        self.scheduler = Scheduler(config, self.block_manager, self.hooks)
+        self.scheduler.on_preempt = self._on_preempt
+        self.seqs: dict[int, Sequence] = {}
+        self.by_request_id: dict[str, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.validate_every_step = False
+        self.step_listeners: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue one request; bad input raises here, never inside a step."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty: a request needs at least one prompt token")
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt length ({n}) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"prompt length ({n}) leaves no room to generate within max_model_len ({self.max_model_len})")
+        bs, pool = self.config.block_size, self.block_manager.num_blocks
+        need = -(-(n + max_tokens) // bs)
+        if need > pool:
+            raise ValueError(
+                f"request needs up to {need} KV blocks (prompt {n} + max_tokens {max_tokens} tokens at "
+                f"block_size {bs}) but the whole KV pool has num_kv_blocks={pool}; it could never run"
+            )
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        elif request_id in self.by_request_id:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request_id=request_id,
+            prompt=text,
+            token_ids=list(token_ids),
+            params=params,
+            metrics=RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            max_total_tokens=n + max_tokens,
+        )
+        self.seqs[seq.seq_id] = seq
+        self.by_request_id[request_id] = seq
+        self.scheduler.add(seq)
+        if self.hooks.active("request.added"):
+            self.hooks.fire(
+                "request.added", step=self.scheduler.step_count, request_id=request_id,
+                prompt_token_ids=list(token_ids), params=params, time_s=seq.metrics.arrival_time,
+            )
+        return request_id
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; returns False if it is unknown or already finished."""
+        seq = self.by_request_id.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self.scheduler.remove(seq)
+        self._finish(seq, "abort")
+        self.release(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return a RequestOutput for every request that progressed or finished.
+
+        Finished requests are forgotten once reported, as in vLLM.
+        """
+        outputs = [self.request_output(s) for s in self._step()]
+        for o in outputs:
+            if o.finished:
+                self.release(o.request_id)
+        return outputs
+
+    def _step(self) -> list[Sequence]:
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty and not out.preempted_seq_ids:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "scheduler made no progress with unfinished requests; this is a kvscope bug "
+                    f"(waiting={len(self.scheduler.waiting)}, running={len(self.scheduler.running)}, "
+                    f"free blocks={self.block_manager.num_free_blocks})"
+                )
+            return []
+        if self.hooks.active("step.scheduled"):
+            self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
+        try:
+            result = self.executor.execute(out) if out.requests else StepResult(tokens={})
+        except BaseException:
+            self._rollback(out)
+            raise
+        t2 = time.perf_counter()
+        progressed, finished = self._postprocess(out, result, t2)
+        t3 = time.perf_counter()
+        if self.validate_every_step:
+            self.check_invariants()
+        if self.hooks.active("step.end"):
+            timings = {"schedule_s": t1 - t0, **result.timings, "postprocess_s": t3 - t2}
+            ids = {r.seq_id: self.seqs[r.seq_id].request_id for r in out.requests}
+            ids.update({i: self.seqs[i].request_id for i in out.preempted_seq_ids})
+            self.hooks.fire("step.end", info=StepInfo(
+                step=out.step, time_s=t0, duration_s=t3 - t0, scheduler_output=out, request_ids=ids,
+                sampled=result.tokens, finished=[s.request_id for s in finished],
+                waiting=[s.request_id for s in self.scheduler.waiting],
+                running=[s.request_id for s in self.scheduler.running],
+                timings=timings, cuda_graph=result.cuda_graph,
+            ))
+        for fn in self.step_listeners:
+            fn()
+        return progressed
+
+    def _rollback(self, out: SchedulerOutput) -> None:
+        """The executor failed: put this step's sequences back to waiting with no blocks."""
+        for r in reversed(out.requests):
+            seq = self.seqs[r.seq_id]
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.running.remove(seq)
+                self.block_manager.free_sequence(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.num_computed_tokens = 0
+                self.scheduler.waiting.appendleft(seq)
+
+    def _postprocess(
+        self, out: SchedulerOutput, result: StepResult, now: float
+    ) -> tuple[list[Sequence], list[Sequence]]:
+        progressed, finished = [], []
+        bm = self.block_manager
+        for r in out.requests:
+            seq = self.seqs[r.seq_id]
+            seq.num_computed_tokens += len(r.token_ids)
+            bm.hash_computed_blocks(seq)
+            m = seq.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.num_cached_tokens = r.num_cached_tokens
+            if not r.sample:
+                continue
+            token = result.tokens[r.seq_id]
+            seq.token_ids.append(token)
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if seq.output_logprobs is not None:
+                lp = result.logprobs.get(r.seq_id, {})
+                seq.output_logprobs.append(lp)
+                seq.cumulative_logprob += lp.get(token, 0.0)
+            progressed.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.running.remove(seq)
+                bm.free_sequence(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return progressed, finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in seq.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop_strings and self._hit_stop_string(seq):
+                return "stop"
+        if seq.num_tokens >= seq.max_total_tokens:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self._decode(seq)
+        hits = [(i, s) for s in seq.params.stop_strings if (i := text.find(s)) >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.text = text[: i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
+        seq.stop_reason = s
+        return True
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.metrics.finished_time = time.perf_counter()
+        if not (reason == "stop" and isinstance(seq.stop_reason, str)):
+            seq.text = self._decode(seq)
+        if self.hooks.active("request.finished"):
+            self.hooks.fire(
+                "request.finished", step=self.scheduler.step_count, request_id=seq.request_id,
+                finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                output_token_ids=list(seq.output_token_ids), metrics=seq.metrics,
+            )
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self.hooks.active("request.preempted"):
+            self.hooks.fire(
+                "request.preempted", step=self.scheduler.step_count, request_id=seq.request_id,
+                num_computed_tokens_lost=seq.num_tokens,
+            )
+
+    def _decode(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    # -------------------------------------------------------------- outputs
+    def request_output(self, seq: Sequence) -> RequestOutput:
+        text = seq.text if seq.is_finished else self._decode(seq)
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=None if seq.output_logprobs is None else list(seq.output_logprobs),
+            cumulative_logprob=None if seq.output_logprobs is None else seq.cumulative_logprob,
+        )
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            outputs=[completion],
+            finished=seq.is_finished,
+            metrics=seq.metrics,
+            num_cached_tokens=seq.metrics.num_cached_tokens,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (``LLM.generate`` calls this once it has the output)."""
+        seq = self.by_request_id.pop(request_id, None)
+        if seq is not None:
+            self.seqs.pop(seq.seq_id, None)
+
+    def check_invariants(self) -> None:
+        check_invariants(self.block_manager, self.scheduler.running, self.scheduler.waiting)

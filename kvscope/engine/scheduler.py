@@ -1,0 +1,151 @@
+"""Spends a token budget and KV blocks on sequences, one step at a time.
+
+Two policies (DESIGN.md, "Scheduling policies"):
+
+* ``unified`` (vLLM V1): no phases. Running sequences first, each asking for the tokens it
+  has not computed yet (one for decode, the rest of a prompt for a chunked prefill), clamped
+  to the remaining budget; then waiting sequences with what is left. Prefill chunks and decode
+  rows share one packed forward pass.
+* ``prefill_first`` (nano-vLLM): a step is all prefill (chunks of running prompts, then new
+  admissions) when there is prefill work that fits, otherwise all decode.
+
+When blocks run out for a running sequence, the scheduler preempts from the tail of
+``running`` (LIFO) by recompute: the victim's blocks are freed, its computed tokens reset, and
+it goes to the head of ``waiting``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Callable
+
+from kvscope.config import EngineConfig
+from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvscope.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvscope.trace.hooks import HookRegistry
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, hooks: "HookRegistry | None" = None
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.hooks = hooks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step_count = 0
+        self.num_preemptions = 0
+        self.on_preempt: Callable[[Sequence], None] | None = None
+
+    # ----------------------------------------------------------------- queues
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_sequence(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        self.step_count += 1
+        self.block_manager.step = self.step_count
+        out = SchedulerOutput(step=self.step_count, token_budget=self.config.max_num_batched_tokens)
+        if self.config.scheduling_policy == "prefill_first":
+            self._schedule_prefill_first(out)
+        else:
+            self._schedule_unified(out)
+        return out
+
+    def _schedule_unified(self, out: SchedulerOutput) -> None:
+        budget = self._schedule_running(out, out.token_budget, prefill_only=False)
+        if not out.preempted_seq_ids:
+            self._admit_waiting(out, budget)
+
+    def _schedule_prefill_first(self, out: SchedulerOutput) -> None:
+        budget = self._schedule_running(out, out.token_budget, prefill_only=True)
+        self._admit_waiting(out, budget)
+        if not out.requests:
+            self._schedule_running(out, out.token_budget, prefill_only=False)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_only: bool) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_computed_tokens
+            if prefill_only and start >= seq.prefill_len:
+                i += 1
+                continue
+            n = min(seq.num_tokens - start, budget)
+            while not self.block_manager.allocate(seq, start + n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.requests.append(self._scheduled(seq, n))
+                budget -= n
+                i += 1
+                continue
+            if prefill_only:
+                break
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            n = seq.num_tokens - num_cached
+            if n > budget and not chunked:
+                break
+            n = min(n, budget)
+            if not self.block_manager.allocate(seq, num_cached + n, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            seq.prefill_len = seq.num_tokens
+            self.running.append(seq)
+            out.requests.append(self._scheduled(seq, n, num_cached))
+            budget -= n
+
+    def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledRequest:
+        start = seq.num_computed_tokens
+        end = start + n
+        sample = end == seq.num_tokens
+        return ScheduledRequest(
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:end],
+            start=start,
+            block_table=seq.block_table,
+            is_prefill=start < seq.prefill_len,
+            sample=sample,
+            num_cached_tokens=num_cached,
+            params=seq.params if sample else None,
+            output_index=seq.num_output_tokens,
+        )
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_sequence(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted_seq_ids.append(seq.seq_id)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)

@@ -1,0 +1,46 @@
+"""What the scheduler decided for one step: the contract between control plane and runner.
+
+The runner receives only this (plus the sampling parameters of rows it must sample); it never
+reads scheduler or block-manager state. Everything is plain Python so it can be pickled to
+tensor-parallel workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvscope.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One sequence's share of a step: ``num_new_tokens`` tokens starting at ``start``."""
+
+    seq_id: int
+    token_ids: list[int]        # the tokens computed this step: seq.token_ids[start:start+n]
+    start: int                  # num_computed_tokens before this step (first position)
+    block_table: list[int]      # physical block ids covering positions [0, start + n)
+    is_prefill: bool            # False only for a one-token decode row of a running sequence
+    sample: bool                # True when this chunk reaches the sequence's last token
+    num_cached_tokens: int = 0  # prefix-cache hit on admission (0 on later steps)
+    params: SamplingParams | None = None  # set when ``sample``
+    output_index: int = 0       # how many tokens the sequence has generated so far
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+    token_budget: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests

@@ -1,0 +1,72 @@
+"""A request inside the engine: its tokens, how many have KV in the cache, and its pages."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvscope.outputs import RequestMetrics
+from kvscope.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state. ``token_ids`` is prompt + generated tokens.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the pool; the block table covers
+    exactly those (plus, during a step, the ones scheduled). ``prefill_len`` is the token count
+    at the last admission: positions below it are prefill, later ones decode (a preempted
+    request recomputes its outputs as prefill).
+    """
+
+    seq_id: int
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    eos_token_ids: frozenset[int] = frozenset()
+    max_total_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    prefill_len: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    output_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+        if self.params.logprobs is not None:
+            self.output_logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
