@@ -133,6 +133,8 @@ class BlockManager:
 
         All or nothing: returns False, changing nothing, when the free pool is too small.
         """
+        if not cached and num_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         new_from_free = sum(1 for b in cached if self.ref_count[b] == 0)
         remaining = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached))
         if new_from_free + remaining > len(self.free):
@@ -169,6 +171,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        if full == seq.num_hashed_blocks:
+            return
         for i in range(seq.num_hashed_blocks, full):
             b = seq.block_table[i]
             seq.num_hashed_blocks = i + 1

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvscope.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One sequence's share of a step: ``num_new_tokens`` tokens starting at ``start``."""
 

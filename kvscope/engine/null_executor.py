@@ -1,0 +1,37 @@
+"""An executor with no model: it returns a deterministic pseudo-random token per sampled row.
+
+It exists to exercise and time the control plane alone (property tests, the scheduler
+benchmark); it still packs each step's inputs exactly as the real runner does.
+"""
+from __future__ import annotations
+
+import time
+
+from kvscope.engine.executor import StepResult
+from kvscope.engine.scheduler_output import SchedulerOutput
+
+
+class NullExecutor:
+    def __init__(self, num_kv_blocks: int, vocab_size: int, block_size: int, eos_every: int = 0) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.eos_every = eos_every  # when > 0, token 0 (an EOS) comes out about once per eos_every draws
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        from kvscope.runner.inputs import build_step_inputs
+
+        t0 = time.perf_counter()
+        build_step_inputs(out, self.block_size)
+        tokens = {}
+        for r in out.requests:
+            if r.sample:
+                h = (r.seq_id * 1_000_003 + r.start + len(r.token_ids) * 7919) % 2_147_483_647
+                tok = 1 + h % (self.vocab_size - 1)
+                if self.eos_every and h % self.eos_every == 0:
+                    tok = 0
+                tokens[r.seq_id] = tok
+        return StepResult(tokens=tokens, timings={"prepare_s": time.perf_counter() - t0})
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,45 @@
+"""Finds a model directory on local disk: a path, a hub id already cached, or the bundled model.
+
+Nothing here touches the network: kvscope never downloads weights.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "kvscope-demo"
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> str:
+    if model is None:
+        if not (BUNDLED_MODEL / "config.json").exists():
+            raise FileNotFoundError(
+                f"the bundled demo model is missing at {BUNDLED_MODEL}; reinstall kvscope from its "
+                "source tree (pip install -e .) or pass model=<local HF directory>"
+            )
+        return str(BUNDLED_MODEL)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return str(path)
+    if path.exists():
+        raise ValueError(f"model={str(model)!r} is a file; pass a HF-format model directory")
+    return _cached_hub_snapshot(str(model))
+
+
+def _cached_hub_snapshot(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, FileNotFoundError) as exc:
+        raise FileNotFoundError(
+            f"model={repo_id!r} is neither a local directory nor in the local Hugging Face cache "
+            f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}). "
+            "kvscope never downloads weights: fetch it once with `huggingface-cli download "
+            f"{repo_id}` on a machine with network access, or pass a local path."
+        ) from exc
+    except Exception as exc:  # invalid repo id and similar
+        raise FileNotFoundError(f"model={repo_id!r} is not a local directory and not a cached hub id: {exc}") from exc

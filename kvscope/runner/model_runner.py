@@ -1,0 +1,213 @@
+"""Runs the model for one scheduled step: pack inputs, publish attention metadata, forward, sample.
+
+The runner owns the KV pool (one tensor ``[2, L, N, block_size, H_kv, D]`` per rank), the
+attention backend and the decode CUDA graphs. It consumes integer block ids from the
+scheduler and never decides anything.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvscope.config import EngineConfig
+from kvscope.engine.executor import StepResult
+from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.kernels.select import select_backend
+from kvscope.layers.attention import Attention
+from kvscope.models import build_model
+from kvscope.models.loader import load_weights
+from kvscope.runner.cuda_graphs import DecodeGraphs
+from kvscope.runner.forward_context import AttentionMetadata, forward_context
+from kvscope.runner.inputs import StepInputs, build_step_inputs
+from kvscope.runner.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={config.device!r} but CUDA is not available on this machine")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (exact, and fast enough there); the checkpoint's half type on GPU."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def kv_geometry(hf_config: Any, tp_size: int) -> tuple[int, int, int]:
+    """(layers, KV heads per rank, head_dim) of the pool."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    return hf_config.num_hidden_layers, kv_heads // tp_size, head_dim
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        model_dir: str,
+        max_model_len: int,
+        rank: int = 0,
+        tp_size: int = 1,
+        device: torch.device | None = None,
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.rank = rank
+        self.max_model_len = max_model_len
+        self.device = device if device is not None else resolve_device(config)
+        self.dtype = resolve_dtype(config, hf_config, self.device)
+        self.block_size = config.block_size
+        self.vocab_size = hf_config.vocab_size
+        torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.backend = select_backend(config.attention_backend, self.device)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler(config.seed, self.device)
+        self.num_kv_blocks = self._size_pool(tp_size)
+        self._allocate_pool(tp_size)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self._forward, hf_config.hidden_size, config.max_num_seqs,
+                -(-max_model_len // self.block_size), max_model_len, self.block_size,
+                self.dtype, self.device,
+            )
+
+    # ------------------------------------------------------------- KV pool
+    def _block_bytes(self, tp_size: int) -> int:
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
+        return 2 * layers * self.block_size * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _size_pool(self, tp_size: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        block_bytes = self._block_bytes(tp_size)
+        if self.device.type != "cuda":
+            return max(1, self.config.kv_cache_memory_bytes // block_bytes)
+        self._warm_up()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        # Budget this process's own peak (weights + activations), not other processes' memory,
+        # but never ask for more than is free now.
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        budget = min(budget, free - (peak - current) - (256 << 20))
+        if budget < block_bytes:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}, model peak {peak / 2**30:.2f} GiB of "
+                f"{total / 2**30:.2f} GiB); raise gpu_memory_utilization or use a smaller model"
+            )
+        return budget // block_bytes
+
+    def _warm_up(self) -> None:
+        """One forward of the largest step, so the KV pool is sized after activations peak."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n_tok = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
+        n_seq = max(1, min(self.config.max_num_seqs, n_tok // self.max_model_len or 1))
+        lens = np.full(n_seq, n_tok // n_seq, dtype=np.int64)
+        lens[: n_tok - int(lens.sum())] += 1
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        t = int(lens.sum())
+        dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=self.device),
+            cu_seqlens_q=dev(cu), cu_seqlens_k=dev(cu), context_lens=dev(lens.astype(np.int32)),
+            block_tables=torch.zeros((n_seq, 1), dtype=torch.int32, device=self.device),
+            max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()), num_seqs=n_seq,
+            num_tokens=t, block_size=self.block_size, decode_only=False, no_prefix=True,
+        )
+        ids = torch.zeros(t, dtype=torch.int64, device=self.device)
+        with torch.inference_mode(), forward_context(meta):
+            hidden = self.model(ids, ids)
+            self.model.compute_logits(hidden[dev(cu[1:] - 1).long()])
+        torch.cuda.synchronize(self.device)
+
+    def _allocate_pool(self, tp_size: int) -> None:
+        layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
+        self.kv_cache = torch.zeros(
+            2, layers, self.num_kv_blocks, self.block_size, kv_heads, head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+
+    # ---------------------------------------------------------------- step
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _metadata(self, x: StepInputs) -> AttentionMetadata:
+        dev = self._to_device
+        return AttentionMetadata(
+            slot_mapping=dev(x.slot_mapping), cu_seqlens_q=dev(x.cu_seqlens_q),
+            cu_seqlens_k=dev(x.cu_seqlens_k), context_lens=dev(x.context_lens),
+            block_tables=dev(x.block_tables), max_seqlen_q=x.max_seqlen_q,
+            max_seqlen_k=x.max_seqlen_k, num_seqs=x.num_seqs, num_tokens=x.num_tokens,
+            block_size=self.block_size, decode_only=x.decode_only, no_prefix=x.no_prefix,
+        )
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
+        """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
+        t0 = time.perf_counter()
+        x = build_step_inputs(out, self.block_size)
+        t1 = time.perf_counter()
+        use_graph = self.graphs is not None and self.graphs.can_run(x)
+        if use_graph:
+            hidden = self.graphs.run(x, self._to_device)
+        else:
+            with forward_context(self._metadata(x)):
+                hidden = self._forward(self._to_device(x.input_ids), self._to_device(x.positions))
+        rows = None
+        if len(x.logits_indices) == x.num_tokens:
+            rows = hidden
+        elif len(x.logits_indices):
+            rows = hidden[self._to_device(x.logits_indices)]
+        return rows, x, use_graph, t1 - t0, time.perf_counter() - t1
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
+        t0 = time.perf_counter()
+        sampled = [r for r in out.requests if r.sample]
+        if rows is None:
+            return StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s}, cuda_graph=use_graph)
+        logits = self.model.compute_logits(rows)
+        s = self.sampler(logits, [r.params for r in sampled], [r.output_index for r in sampled])
+        tokens = {r.seq_id: tok for r, tok in zip(sampled, s.tokens)}
+        logprobs = {} if s.logprobs is None else {r.seq_id: lp for r, lp in zip(sampled, s.logprobs)}
+        timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
+        return StepResult(tokens=tokens, logprobs=logprobs, timings=timings, cuda_graph=use_graph)
+
+    def shutdown(self) -> None:
+        self.graphs = None
+        self.kv_cache = None
