@@ -69,6 +69,7 @@ class ModelRunner:
         self.config = config
         self.hf_config = hf_config
         self.rank = rank
+        self.tp_size = tp_size
         self.max_model_len = max_model_len
         self.device = device if device is not None else resolve_device(config)
         self.dtype = resolve_dtype(config, hf_config, self.device)
@@ -207,6 +208,14 @@ class ModelRunner:
         logprobs = {} if s.logprobs is None else {r.seq_id: lp for r, lp in zip(sampled, s.logprobs)}
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
         return StepResult(tokens=tokens, logprobs=logprobs, timings=timings, cuda_graph=use_graph)
+
+    def kv_shards(self) -> list[dict[str, int]]:
+        """This rank's share of the KV heads and of the pool's bytes (see docs/TRACE_API.md)."""
+        _, kv_heads, _ = kv_geometry(self.hf_config, self.tp_size)
+        start = self.rank * kv_heads
+        return [dict(rank=self.rank, kv_head_start=start, kv_head_end=start + kv_heads,
+                     num_kv_heads=kv_heads, num_blocks=self.num_kv_blocks,
+                     bytes=self.kv_cache.numel() * self.kv_cache.element_size())]
 
     def shutdown(self) -> None:
         self.graphs = None
