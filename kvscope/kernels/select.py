@@ -1,19 +1,36 @@
 """Picks the attention backend for a device: flash-attn, then Triton, then pure torch."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import torch
 
 from kvscope.kernels.base import AttentionBackend
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` takes the fastest backend that can run on ``device``."""
+def _importable(module: str) -> bool:
+    """Really import it: an installed package built for another torch or CUDA fails here."""
+    try:
+        importlib.import_module(module)
+    except Exception:  # ImportError, or an extension's OSError / RuntimeError at load
+        return False
+    return True
+
+
+def select_backend(name: str, device: torch.device | str,
+                   block_size: int | None = None) -> AttentionBackend:
+    """``auto`` takes the fastest backend that can run on ``device``.
+
+    flash-attn serves only pages of a multiple of 256 slots, so ``auto`` picks it only when
+    ``block_size`` is given and fits; otherwise Triton on CUDA, else the torch reference.
+    """
+    device = torch.device(device)
     if name == "auto":
-        if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        on_cuda = device.type == "cuda"
+        if (on_cuda and block_size is not None and block_size % 256 == 0
+                and _importable("flash_attn")):
             name = "flash"
-        elif device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        elif on_cuda and _importable("triton"):
             name = "triton"
         else:
             name = "torch"
@@ -26,7 +43,9 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
         return TritonAttentionBackend()
     if name == "flash":
-        from kvscope.kernels.flash_attention import FlashAttentionBackend
+        from kvscope.kernels.flash_attention import FlashAttentionBackend, check_block_size
 
+        if block_size is not None:
+            check_block_size(block_size)
         return FlashAttentionBackend()
     raise ValueError(f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {name!r}")

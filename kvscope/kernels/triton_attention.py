@@ -1,0 +1,308 @@
+"""Triton kernels over the paged KV pool: the KV store and one paged attention kernel.
+
+Everything lives in this one module on purpose: the CPU tests load a private copy of it with
+``TRITON_INTERPRET=1`` (Triton picks interpreter or compiler when ``@triton.jit`` runs), which
+only works if no kernel is imported from a sibling module.
+
+One attention kernel serves every step shape (fresh prefill, chunked or prefix-cached prefill,
+decode, and mixtures of them in one packed batch): each program takes a tile of query rows of
+one sequence and one KV head, walks that sequence's history through its block table, and keeps
+an online softmax in fp32. For decode batches too small to fill the GPU, the same kernel splits
+each history across programs (flash-decoding) and a second kernel merges the partial results.
+Nothing reads device memory on the host, so both launches can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kvscope.runner.forward_context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kvcache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    c_stride_slot, c_stride_h,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per token: copy its K and V (all KV heads) into its slot, unless slot < 0."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    cache_off = slot * c_stride_slot + h[:, None] * c_stride_h + d[None, :]
+    k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    v = tl.load(v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=mask)
+    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    cu_q_ptr, ctx_ptr, block_table_ptr,
+    num_seqs, num_splits, num_q_heads, scale_log2,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    c_stride_slot, c_stride_h, bt_stride,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
+
+    Sequence ``s`` owns tiles starting at ``(cu_q[s] + s * (BLOCK_Q - 1)) // BLOCK_Q``: that
+    index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
+    grid needs only host ints (T, B) and a program finds its sequence by binary search.
+    """
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_start = (tl.load(cu_q_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
+        go_right = mid_start <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_begin = tl.load(cu_q_ptr + seq)
+    q_end = tl.load(cu_q_ptr + seq + 1)
+    tok0 = q_begin + (tile - (q_begin + seq * (BLOCK_Q - 1)) // BLOCK_Q) * BLOCK_Q
+    if tok0 >= q_end:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    first_pos = ctx - (q_end - q_begin)  # absolute position of the sequence's first query row
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_end)
+    q_pos = first_pos + (tok - q_begin)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile can see end at its last query row; with SPLIT, take one share of them.
+    kv_end = first_pos + (tl.minimum(tok0 + BLOCK_Q, q_end) - q_begin)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        per_split = tl.cdiv(num_tiles, num_splits)
+        t_begin = split * per_split
+        t_end = tl.minimum(t_begin + per_split, num_tiles)
+    else:
+        t_begin = 0
+        t_end = num_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_table_ptr + seq.to(tl.int64) * bt_stride
+    kv_off = kv_head * c_stride_h
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        # Page of every key position: tiles need not align with pages of any size.
+        page = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kt = tl.load(k_cache_ptr + kv_off + slot[None, :] * c_stride_slot + d[:, None],
+                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt) * scale_log2
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off + slot[:, None] * c_stride_slot + d[None, :],
+                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        row = (tok * num_q_heads + head) * num_splits + split
+        tl.store(part_m_ptr + row, m_i, mask=row_ok)
+        tl.store(part_l_ptr + row, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty history -> zeros, not NaN
+        tl.store(out_ptr + tok[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
+    num_splits, o_stride_t, o_stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Grid (tokens, query heads): merge the per-split softmax states of one output row."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    row0 = (t * tl.num_programs(1) + h) * num_splits
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.load(part_m_ptr + row0 + s, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + row0 + s, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+    acc = tl.load(part_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    denom = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + t * o_stride_t + h * o_stride_h + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch options of the paged attention kernel."""
+
+    block_m: int     # query rows per tile (tokens x GQA group), >= 16 for tl.dot
+    block_n: int     # key positions per loop step, >= 16 for tl.dot
+    num_warps: int
+    num_stages: int
+
+
+DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+MAX_SPLITS = 16
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The kernels address a layer cache as flat slots; both caches share one layout."""
+    if k_cache.stride() != v_cache.stride() or k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
+        raise ValueError(f"cache must be [N, block_size, H_kv, D] with flat slots, got strides "
+                         f"{tuple(k_cache.stride())}")
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k[t]``/``v[t]`` ([T, H_kv, D]) into slot ``slot_mapping[t]``; -1 skips a token."""
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must be contiguous in the head dimension")
+    _store_kvcache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device,
+                      block_n: int = DECODE_CONFIG.block_n) -> int:
+    """Split decode histories when (sequences x KV heads) programs cannot fill the SMs.
+
+    Aims at about two programs per SM, keeps at least two key tiles per split, and rounds to a
+    power of two so few kernel variants get compiled.
+    """
+    programs = meta.num_seqs * num_kv_heads
+    sms = _sm_count(device)
+    if not meta.decode_only or programs == 0 or programs >= sms:
+        return 1
+    want = min(MAX_SPLITS, triton.cdiv(2 * sms, programs),
+               max(1, meta.max_seqlen_k // (2 * block_n)))
+    return 1 << (want.bit_length() - 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, *, config: KernelConfig | None = None,
+                    num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of packed query rows ``q`` [T, Hq, D] over their paged histories.
+
+    ``config`` and ``num_splits`` default to the heuristics above; tests and benchmarks pass
+    them to reach every path.
+    """
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+    if k_cache.shape[1] != meta.block_size:
+        raise ValueError(f"cache page holds {k_cache.shape[1]} slots, meta.block_size is "
+                         f"{meta.block_size}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if config is None:
+        config = DECODE_CONFIG if meta.decode_only else PREFILL_CONFIG
+    if num_splits is None:
+        num_splits = choose_num_splits(meta, num_kv_heads, q.device, config.block_n)
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    num_tiles = (num_tokens + meta.num_seqs * (block_q - 1)) // block_q
+    block_d = triton.next_power_of_2(head_dim)
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty((num_tokens, num_q_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=q.device)
+        part_m = torch.empty((num_tokens, num_q_heads, num_splits),
+                             dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused: the SPLIT=False branch never touches them
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out,
+        part_acc, part_m, part_l,
+        meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+        meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_acc, part_m, part_l, out,
+            num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+class TritonAttentionBackend:
+    """Store this step's K/V into the pool, then run the paged kernel over every row."""
+
+    name = "triton"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)

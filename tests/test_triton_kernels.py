@@ -1,0 +1,383 @@
+"""Triton KV store and paged attention against a dense torch reference, on random paged layouts.
+
+Three tiers:
+- CPU, Triton interpreter (always, when triton imports): tiny fp32/fp16 shapes.
+- CPU, sm_90 compile check: the kernels' real launch arguments compiled to a Hopper cubin,
+  which catches what the interpreter accepts but the compiler rejects (e.g. tl.dot with K<16).
+- GPU (``-m gpu``): bf16 at real head dims and page sizes, split-KV, CUDA-graph capture.
+
+Why a subprocess for the interpreter: ``TRITON_INTERPRET`` must be set before ``import triton``
+(Triton's own ``tl.cdiv``/``tl.max``/``tl.sum`` are ``@jit`` functions decorated at that import,
+and an interpreted kernel cannot call compiled ones), and setting it for the whole session would
+turn every other test's kernels into interpreted ones. So ``test_interpreter_suite`` reruns this
+file's ``interpreted`` tests in a child pytest with the variable set; in that child (or in any
+run started with ``TRITON_INTERPRET=1``) they run directly and the compiled tiers skip.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kvscope.kernels import triton_attention as ta
+from kvscope.runner.forward_context import AttentionMetadata
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
+compiled_only = pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+SCALE_OF_HEAD_DIM = 0.5  # scale = SCALE_OF_HEAD_DIM / sqrt(D): not 1/sqrt(D), so a missing scale shows
+
+
+@dataclass
+class PagedCase:
+    """One step: packed q/k/v of the new tokens, a NaN-poisoned pool holding the cached prefixes."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    hist_k: list[torch.Tensor]   # per sequence [ctx, H_kv, D]: the whole history, true values
+    hist_v: list[torch.Tensor]
+    scale: float
+
+
+def make_case(specs: list[tuple[int, int]], block_size: int, num_q_heads: int, num_kv_heads: int,
+              head_dim: int, dtype: torch.dtype, device: str | torch.device,
+              seed: int) -> PagedCase:
+    """``specs``: (cached tokens, new tokens) per sequence. Pages are a random permutation of
+    the pool (fragmented, out of order), spare pages stay NaN, tables are padded with -1."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = [c + n for c, n in specs]
+    pages = [-(-n // block_size) for n in ctx]
+    num_blocks = sum(pages) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(pages) + 1
+    tables = torch.full((len(specs), width), -1, dtype=torch.int32)
+    owned = []
+    for i, n in enumerate(pages):
+        owned.append(perm[:n])
+        perm = perm[n:]
+        tables[i, :n] = torch.tensor(owned[i], dtype=torch.int32)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    hist_k, hist_v, new_k, new_v, slots = [], [], [], [], []
+    for (cached, new), blocks in zip(specs, owned):
+        hk, hv = rand(cached + new, num_kv_heads, head_dim), rand(cached + new, num_kv_heads, head_dim)
+        pos = torch.arange(cached + new)
+        slot = torch.tensor(blocks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        k_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = hk[:cached]
+        v_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = hv[:cached]
+        hist_k.append(hk)
+        hist_v.append(hv)
+        new_k.append(hk[cached:])
+        new_v.append(hv[cached:])
+        slots.append(slot[cached:])
+    q_lens = torch.tensor([n for _, n in specs])
+    num_tokens = int(q_lens.sum())
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        cu_seqlens_q=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+        cu_seqlens_k=torch.cat([torch.zeros(1), torch.tensor(ctx).cumsum(0)]).to(torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        block_tables=tables,
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=max(ctx),
+        num_seqs=len(specs),
+        num_tokens=num_tokens,
+        block_size=block_size,
+        decode_only=all(n == 1 for _, n in specs),
+        no_prefix=all(c == 0 for c, _ in specs),
+    )
+    for name in ("slot_mapping", "cu_seqlens_q", "cu_seqlens_k", "context_lens", "block_tables"):
+        setattr(meta, name, getattr(meta, name).to(device))
+    to = lambda t: t.to(device)  # noqa: E731
+    return PagedCase(
+        q=to(rand(num_tokens, num_q_heads, head_dim)), k=to(torch.cat(new_k)), v=to(torch.cat(new_v)),
+        k_cache=to(k_cache), v_cache=to(v_cache), meta=meta,
+        hist_k=[to(h) for h in hist_k], hist_v=[to(h) for h in hist_v],
+        scale=SCALE_OF_HEAD_DIM / head_dim ** 0.5,
+    )
+
+
+def reference(case: PagedCase, acc_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Dense causal softmax attention of each sequence's rows over its true history."""
+    cu = case.meta.cu_seqlens_q.tolist()
+    outs = []
+    for i, (hk, hv) in enumerate(zip(case.hist_k, case.hist_v)):
+        q = case.q[cu[i]:cu[i + 1]].to(acc_dtype)
+        group = q.shape[1] // hk.shape[1]
+        k = hk.to(acc_dtype).repeat_interleave(group, dim=1)
+        v = hv.to(acc_dtype).repeat_interleave(group, dim=1)
+        ctx, q_len = k.shape[0], q.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def gathered_history(case: PagedCase, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence ``i``'s history as read back from the pool through its block table."""
+    bs, ctx = case.meta.block_size, int(case.meta.context_lens[i])
+    pos = torch.arange(ctx, device=case.k_cache.device)
+    slot = case.meta.block_tables[i].long()[pos // bs] * bs + pos % bs
+    return (case.k_cache.flatten(0, 1)[slot], case.v_cache.flatten(0, 1)[slot])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.to(ref.dtype)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm())
+
+
+# --- CPU: Triton interpreter ---------------------------------------------------------------
+
+@compiled_only
+def test_interpreter_suite() -> None:
+    repo = Path(ta.__file__).parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+         __file__], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+# (specs, block_size, group, dtype, config, num_splits): every page size against tiles that
+# span several pages, one page, or part of one; GQA 1/2/4; every kind of row in one batch.
+MIXED = [(0, 7), (5, 3), (13, 1), (0, 1), (16, 9), (30, 1)]
+INTERP_CASES = [
+    (MIXED, 4, 2, torch.float32, None, None),
+    (MIXED, 1, 4, torch.float16, ta.KernelConfig(16, 16, 4, 1), None),
+    (MIXED, 16, 1, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),
+    (MIXED, 16, 2, torch.float16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
+    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, torch.float32, None, 4),   # decode, split-KV
+    ([(0, 12), (0, 5)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),  # fresh prefill
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("specs,block_size,group,dtype,config,num_splits", INTERP_CASES)
+def test_interpreted_paged_attention(specs, block_size, group, dtype, config,
+                                     num_splits) -> None:
+    case = make_case(specs, block_size, 2 * group, 2, 32, dtype, "cpu", seed=block_size + group)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    for i in range(len(specs)):
+        k, v = gathered_history(case, i)
+        assert torch.equal(k, case.hist_k[i]) and torch.equal(v, case.hist_v[i])
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                 config=config, num_splits=num_splits)
+    assert rel_err(out, reference(case)) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@interpreted_only
+def test_interpreted_store_skips_negative_slots() -> None:
+    case = make_case([(0, 5), (3, 2)], 4, 2, 2, 32, torch.float32, "cpu", seed=1)
+    before = case.k_cache.clone()
+    slots = case.meta.slot_mapping.clone()
+    slots[1::2] = -1
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, slots)
+    flat, old = case.k_cache.flatten(0, 1), before.flatten(0, 1)
+    written = slots >= 0
+    assert torch.equal(flat[slots[written]], case.k[written])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots[written]] = False
+    assert torch.equal(flat[untouched].isnan(), old[untouched].isnan())
+
+
+@interpreted_only
+def test_interpreted_backend_empty_history_row() -> None:
+    """A padding row (context 0, slot -1, as in a padded CUDA-graph batch) yields zeros, not NaN."""
+    case = make_case([(6, 1), (0, 1)], 4, 4, 2, 32, torch.float32, "cpu", seed=2)
+    case.meta.context_lens[1] = 0
+    case.meta.slot_mapping[1] = -1
+    case.hist_k[1], case.hist_v[1] = case.hist_k[1][:0], case.hist_v[1][:0]
+    out = ta.TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache,
+                                                  case.v_cache, case.meta, case.scale)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_err(out[:1], reference(case)[:1]) < 1e-5
+
+
+# --- CPU: compile the real launches for sm_90 -----------------------------------------------
+
+class _RecordLaunches:
+    """Stands in for a kernel: ``kernel[grid](...)`` records the call instead of launching."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.calls.append(dict(zip(self.fn.arg_names, args), **kwargs))
+        return launch
+
+
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+        torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def compile_sm90(fn, call: dict):
+    """Compile one recorded launch for sm_90, specialised as the JIT would on a GPU: ints equal
+    to 1 become constants, pointers and ints divisible by 16 are marked so (this is what lets
+    the compiler vectorise loads, so resource use matches a real launch)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    call = dict(call)
+    options = {k: call.pop(k) for k in ("num_warps", "num_stages") if k in call}
+    signature, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
+    for i, param in enumerate(fn.params):
+        value = call[param.name]
+        if param.is_constexpr or (type(value) is int and value == 1 and not param.do_not_specialize):
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _PTR[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = aligned
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if abs(value) < 2 ** 31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = aligned
+        else:
+            signature[param.name] = "fp32"
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.slow
+@compiled_only
+def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernels = {name: _RecordLaunches(getattr(ta, name)) for name in
+               ("_store_kvcache_kernel", "_paged_attention_kernel", "_merge_splits_kernel")}
+    for name, rec in kernels.items():
+        monkeypatch.setattr(ta, name, rec)
+    mixed = make_case([(0, 20), (33, 1), (16, 40)], 16, 8, 2, 128, torch.bfloat16, "cpu", seed=3)
+    decode = make_case([(100, 1), (7, 1)], 16, 8, 2, 128, torch.bfloat16, "cpu", seed=4)
+    ta.store_kvcache(mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta.slot_mapping)
+    ta.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
+    ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale,
+                       num_splits=4)
+    assert [len(r.calls) for r in kernels.values()] == [1, 2, 1]
+    for rec in kernels.values():
+        for call in rec.calls:
+            compile_sm90(rec.fn, call)
+
+
+# --- GPU -----------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
+GPU_MIXED = [(0, 300), (48, 77), (517, 130), (1000, 1), (33, 1), (0, 1), (255, 2), (96, 160)]
+GPU_CASES = [(bs, g, d) for bs in (16, 32, 256) for g, d in ((1, 128), (2, 64), (4, 128), (8, 64))]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES)
+def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
+    """Fresh, prefix-cached and chunked prefills plus decode rows, one packed bf16 step."""
+    case = make_case(GPU_MIXED, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
+                     seed=block_size * group + head_dim)
+    out = ta.TritonAttentionBackend().forward(case.q, case.k, case.v, case.k_cache,
+                                              case.v_cache, case.meta, case.scale)
+    for i in range(len(GPU_MIXED)):
+        k, v = gathered_history(case, i)
+        assert torch.equal(k, case.hist_k[i]) and torch.equal(v, case.hist_v[i])
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::3])
+@pytest.mark.parametrize("num_splits", [None, 1, 5, 16])
+def test_gpu_decode_split_kv(block_size: int, group: int, head_dim: int,
+                             num_splits: int | None) -> None:
+    """Decode with and without splitting histories (None: the heuristic, which splits here)."""
+    specs = [(c, 1) for c in (0, 700, 2048, 63, 4100)]
+    case = make_case(specs, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda", seed=7)
+    if num_splits is None:
+        assert ta.choose_num_splits(case.meta, 2, case.q.device) > 1
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                             num_splits=num_splits)
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_seqs", [4, 96])  # split-KV and plain decode inside the graph
+def test_gpu_cuda_graph_replay(num_seqs: int) -> None:
+    """Capture one decode step (store + attend), replay it on new data: equals eager."""
+    gen = torch.Generator().manual_seed(num_seqs)
+    lens = torch.randint(1, 900, (num_seqs,), generator=gen).tolist()
+    case = make_case([(n, 1) for n in lens], 16, 8, 2, 128, torch.bfloat16, "cuda", seed=11)
+    meta, backend = case.meta, ta.TritonAttentionBackend()
+    meta.max_seqlen_k = 2048  # what a runner captures with: the bucket's largest context
+    # Pages for one more token per sequence, so the replay can advance every context by one.
+    spare = torch.randperm(num_seqs, generator=gen).to("cuda", torch.int32) + case.k_cache.shape[0]
+    pool = (torch.full((num_seqs, *case.k_cache.shape[1:]), float("nan"), dtype=torch.bfloat16,
+                       device="cuda"))
+    k_cache, v_cache = torch.cat([case.k_cache, pool]), torch.cat([case.v_cache, pool])
+    args = [case.q, case.k, case.v]
+
+    def step() -> torch.Tensor:
+        return backend.forward(*args, k_cache, v_cache, meta, case.scale)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    # Next step: every sequence grows by one token into a new page of its own.
+    pos = meta.context_lens.long()
+    for i in range(num_seqs):
+        if int(pos[i]) % 16 == 0:
+            meta.block_tables[i, int(pos[i]) // 16] = spare[i]
+    meta.context_lens += 1
+    meta.slot_mapping.copy_(meta.block_tables.gather(1, (pos // 16)[:, None])[:, 0].long() * 16
+                            + pos % 16)
+    for t in args:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = out.clone()
+    eager = step()
+    assert torch.isfinite(eager).all() and torch.equal(replayed, eager)
+
+
+# --- backend selection ---------------------------------------------------------------------
+
+def test_select_backend() -> None:
+    from kvscope.kernels.flash_attention import check_block_size
+    from kvscope.kernels.select import _importable, select_backend
+    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("triton", "cpu").name == "triton"
+    if torch.cuda.is_available():
+        expect = "flash" if _importable("flash_attn") else "triton"
+        assert select_backend("auto", "cuda", block_size=256).name == expect
+        assert select_backend("auto", "cuda", block_size=16).name == "triton"
+    with pytest.raises(ValueError, match=r"block_size % 256 == 0.*block_size=16"):
+        check_block_size(16)
+    check_block_size(512)
+    if not _importable("flash_attn"):
+        with pytest.raises(ImportError, match="flash-attn"):
+            select_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_backend("fastest", "cpu")
