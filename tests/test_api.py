@@ -1,0 +1,194 @@
+"""The vLLM-compatible surface: prompt forms, ordering, streaming, abort, stops, logprobs, errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import LLM, SamplingParams
+from tiny_models import EOS_ID, tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm(block_size=4, num_kv_blocks=64, max_model_len=256)
+
+
+def test_prompt_forms_agree_and_keep_input_order(llm):
+    tok = llm.get_tokenizer()
+    texts = ["The quick brown fox", "A paged key value cache stores", "Numbers 1 2 3"]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    by_text = llm.generate(texts, greedy(5), use_tqdm=False)
+    by_ids = llm.generate(ids, greedy(5), use_tqdm=False)
+    by_dict = llm.generate([{"prompt_token_ids": i} for i in ids], greedy(5), use_tqdm=False)
+    assert token_ids(by_text) == token_ids(by_ids) == token_ids(by_dict)
+    assert [o.prompt for o in by_text] == texts
+    assert [o.prompt_token_ids for o in by_text] == ids
+    single = llm.generate(texts[1], greedy(5), use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == by_text[1].outputs[0].token_ids
+    one_list = llm.generate(ids[2], greedy(5), use_tqdm=False)  # a bare list of ints is one prompt
+    assert len(one_list) == 1 and one_list[0].outputs[0].token_ids == by_text[2].outputs[0].token_ids
+    assert by_text[0].outputs[0].text == tok.decode(by_text[0].outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_per_prompt_sampling_params_and_lengths(llm):
+    outs = llm.generate([[5, 6, 7]] * 3, [greedy(1), greedy(4), greedy(9)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 4, 9]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    m = outs[2].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[5], [6]], [greedy(1)], use_tqdm=False)
+
+
+def test_step_streams_incrementally_and_abort(llm):
+    a = llm.add_request([9, 8, 7, 6], greedy(6))
+    b = llm.add_request([1, 2, 3], greedy(50))
+    seen: dict[str, list[int]] = {a: [], b: []}
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            toks = out.outputs[0].token_ids
+            assert toks[: len(seen[out.request_id])] == seen[out.request_id]  # grows monotonically
+            seen[out.request_id] = toks
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].finish_reason
+            if len(seen[b]) == 3 and b not in finished:
+                llm.abort_request(b)
+    assert finished == {a: "length"}
+    assert len(seen[a]) == 6 and len(seen[b]) == 3
+    assert seen[a] == llm.generate([[9, 8, 7, 6]], greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    llm.check_invariants()
+    assert llm.llm_engine.block_manager.num_free_blocks == 64
+
+
+def test_stop_token_ids_and_stop_strings(llm):
+    full = llm.generate([[11, 12, 13]], greedy(12), use_tqdm=False)[0].outputs[0]
+    stop_tok = full.token_ids[4]
+    first = full.token_ids.index(stop_tok)
+    out = llm.generate([[11, 12, 13]], greedy(12, stop_token_ids=[stop_tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    text = full.text
+    needle = text[len(text) // 2: len(text) // 2 + 2]
+    if needle.strip():
+        out = llm.generate([[11, 12, 13]], greedy(12, stop=[needle]), use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == needle
+        assert out.text == text[: text.index(needle)]
+
+
+def test_eos_stops_unless_ignored():
+    llm = make_llm(block_size=4)
+    # give the model an output bias that makes EOS the argmax everywhere
+    model = llm.llm_engine.executor.model
+    plain = model.compute_logits
+
+    def eos_biased(hidden):
+        logits = plain(hidden)
+        logits[:, EOS_ID] += 1e4
+        return logits
+
+    model.compute_logits = eos_biased
+    out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [EOS_ID] and out.finish_reason == "stop" and out.text == ""
+    out = llm.generate([[5, 6]], greedy(5), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [EOS_ID] * 5 and out.finish_reason == "length"
+
+
+def test_logprobs_are_log_softmax_of_the_model(llm):
+    out = llm.generate([[20, 21, 22]], greedy(3, logprobs=4), use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) == 4  # greedy: the chosen token is among the top 4
+        assert max(lp, key=lp.get) == tok
+        assert all(v <= 0 for v in lp.values())
+    hf = __import__("tiny_models").load_hf_model(tiny_checkpoint("qwen3"))
+    with torch.no_grad():
+        ref = hf(torch.tensor([[20, 21, 22]])).logits[0, -1].log_softmax(-1)
+    first = out.logprobs[0]
+    for t, v in first.items():
+        assert v == pytest.approx(ref[t].item(), abs=1e-4)
+
+
+BAD_PARAMS = [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-3), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(stop=[""]), "stop"),
+    (dict(n=2), "n must be 1"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD_PARAMS)
+def test_invalid_sampling_params_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_raise_at_add_request_and_engine_keeps_serving(llm):
+    vocab = llm.hf_config.vocab_size
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([], greedy(1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", greedy(1), use_tqdm=False)
+    with pytest.raises(ValueError, match=f"outside the vocabulary \\[0, {vocab}\\)"):
+        llm.add_request([1, vocab], greedy(1))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.add_request([-1], greedy(1))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.add_request([1] * 200, greedy(100))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.add_request([1], {"temperature": 0})
+    # a batch with one bad prompt adds nothing and leaves the engine clean
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2], [vocab + 5]], greedy(2), use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], greedy(4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.check_invariants()
+
+
+def test_request_that_cannot_fit_the_pool_is_refused_not_hung():
+    llm = make_llm(block_size=4, num_kv_blocks=3)
+    with pytest.raises(ValueError, match="could never run.*num_kv_blocks=3|num_kv_blocks=3.*could never run"):
+        llm.generate([[1] * 10], greedy(5), use_tqdm=False)
+    assert len(llm.generate([[1] * 6], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+def test_unknown_and_invalid_config_keys_raise():
+    path = str(tiny_checkpoint("qwen3"))
+    with pytest.raises(TypeError, match="did you mean 'block_size'"):
+        LLM(path, block_szie=8, device="cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(path, block_size=0, device="cpu")
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        LLM(path, scheduling_policy="fifo", device="cpu")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(path, max_model_len=10**6, device="cpu")
+    with pytest.raises(FileNotFoundError, match="never downloads"):
+        LLM("some-org/definitely-not-cached-model")
+
+
+def test_runner_error_is_raised_and_engine_recovers(llm):
+    runner = llm.llm_engine.executor
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected device failure")
+        return original(out)
+
+    runner.execute = flaky
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate([[3, 4, 5]], greedy(5), use_tqdm=False)
+    finally:
+        runner.execute = original
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    assert len(llm.generate([[3, 4, 5]], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5

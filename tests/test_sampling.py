@@ -1,0 +1,81 @@
+"""Sampling: exact masks on a known distribution, frequencies, and per-request seeds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_helpers import make_llm
+from kvscope import SamplingParams
+from kvscope.runner.sampler import Sampler, apply_top_k_top_p
+
+PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+
+
+def _draw(params: SamplingParams, n: int = 40000, seed: int = 0) -> torch.Tensor:
+    sampler = Sampler(seed, torch.device("cpu"))
+    logits = PROBS.log().repeat(n, 1)
+    return torch.tensor(sampler(logits, [params] * n, [0] * n).tokens)
+
+
+def _freq(tokens: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=4).float() / len(tokens)
+
+
+@pytest.mark.parametrize("params,expected", [
+    (SamplingParams(temperature=1.0), PROBS),
+    (SamplingParams(temperature=1.0, top_k=2), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
+    (SamplingParams(temperature=1.0, top_p=0.7), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
+    (SamplingParams(temperature=1.0, top_p=0.81), torch.tensor([0, 0.5, 0.15, 0.3]) / 0.95),
+    (SamplingParams(temperature=1.0, top_p=0.5), torch.tensor([0, 1.0, 0, 0])),
+    (SamplingParams(temperature=1.0, top_k=3, top_p=0.7), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
+    (SamplingParams(temperature=0.5), PROBS ** 2 / (PROBS ** 2).sum()),
+])
+def test_sampling_frequencies_match_the_truncated_distribution(params, expected):
+    freq = _freq(_draw(params))
+    assert (freq[expected == 0] == 0).all(), "a masked token was sampled"
+    # 40k draws: 5 standard errors of the largest-variance cell is < 0.0125
+    assert torch.allclose(freq, expected, atol=0.0125), (freq, expected)
+
+
+def test_top_k_top_p_mask_is_exact():
+    logits = PROBS.log().repeat(3, 1)
+    masked = apply_top_k_top_p(logits, torch.tensor([0, 2, 0]), torch.tensor([1.0, 1.0, 0.6]))
+    keep = torch.isfinite(masked)
+    assert keep.tolist() == [[True] * 4, [False, True, False, True], [False, True, False, True]]
+    assert torch.equal(masked[keep], logits[keep])
+
+
+def test_greedy_rows_ignore_noise_in_mixed_batch():
+    sampler = Sampler(0, torch.device("cpu"))
+    logits = PROBS.log().repeat(500, 1)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 250
+    toks = torch.tensor(sampler(logits, params, [0] * 500).tokens)
+    assert (toks[0::2] == 1).all() and len(set(toks[1::2].tolist())) > 1
+
+
+def test_seeded_requests_reproduce_regardless_of_batch():
+    llm = make_llm(block_size=4)
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([[7, 8, 9]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 3
+    batch = llm.generate([[1, 2], [7, 8, 9], [4, 4, 4, 4], [3]], [others[0], p, others[1], others[2]],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=16, ignore_eos=True)
+    assert llm.generate([[7, 8, 9]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
+    # and under preemption (a pool too small for everyone at once)
+    tight = make_llm(block_size=4, num_kv_blocks=8)
+    outs = tight.generate([[7, 8, 9]] + [[5] * 9] * 3, [p] + others, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert outs[0].outputs[0].token_ids == alone
+
+
+def test_logprob_of_sampled_token_matches_distribution():
+    sampler = Sampler(0, torch.device("cpu"))
+    out = sampler(PROBS.log().unsqueeze(0), [SamplingParams(temperature=1.0, logprobs=2)], [0])
+    lp = out.logprobs[0]
+    assert set(lp) >= {1, 3}
+    assert lp[1] == pytest.approx(math.log(0.5), abs=1e-6)
+    assert lp[out.tokens[0]] == pytest.approx(math.log(PROBS[out.tokens[0]].item()), abs=1e-6)
