@@ -1,0 +1,104 @@
+"""Pure-torch paged attention: runs anywhere and is the reference the fast backends match.
+
+It favours obviousness over speed: one sequence at a time, the history gathered page by page
+through the block table, scores and softmax in float32. The fused Triton / flash-attn backends
+are tested against :func:`paged_attention_reference`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvscope.runner.forward_context import AttentionMetadata
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write row ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to flat slot ``slot_mapping[t]``; -1 skips."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        rows = keep.nonzero().squeeze(1)
+        k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
+    _, _, hkv, d = k_cache.shape
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One sequence: ``q`` ``[n, Hq, D]`` are the last ``n`` positions of the ``L`` keys ``k``/``v``
+    ``[L, Hkv, D]``; query row ``j`` (position ``L - n + j``) sees keys ``0 .. L - n + j``.
+
+    Query head ``h`` reads KV head ``h // (Hq / Hkv)`` (grouped-query attention).
+    """
+    n, hq, d = q.shape
+    length, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
+    if n > length:
+        raise ValueError(f"{n} query rows but only {length} keys")
+    qg = q.float().view(n, hkv, hq // hkv, d)
+    scores = torch.einsum("nhgd,lhd->hgnl", qg, k.float()) * scale
+    q_pos = torch.arange(length - n, length, device=q.device)
+    k_pos = torch.arange(length, device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("hgnl,lhd->nhgd", probs, v.float())
+    return out.reshape(n, hq, d).to(q.dtype)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The read side only: attend every packed query row to its sequence's cached history.
+
+    Sequence ``i``'s history is the first ``context_lens[i]`` slots of the pages
+    ``block_tables[i]``; it must already contain this step's keys. Rows past
+    ``cu_seqlens_q[-1]`` (padding) come back as zeros.
+    """
+    out = torch.zeros_like(q)
+    cu_q = meta.cu_seqlens_q.tolist()
+    lens = meta.context_lens.tolist()
+    bs = k_cache.shape[1]
+    for i in range(meta.num_seqs):
+        start, end, length = cu_q[i], cu_q[i + 1], lens[i]
+        if end == start:
+            continue
+        num_pages = -(-length // bs)
+        pages = meta.block_tables[i, :num_pages].long()
+        if pages.numel() < num_pages or bool((pages < 0).any()):
+            raise ValueError(f"sequence {i}: block table has no page for context length {length}")
+        keys = k_cache[pages].flatten(0, 1)[:length]
+        values = v_cache[pages].flatten(0, 1)[:length]
+        out[start:end] = causal_attention(q[start:end], keys, values, scale)
+    return out
+
+
+def varlen_attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention over this step's packed k/v only, for steps where every sequence computes
+    its whole history (``meta.no_prefix``) and no KV pool exists yet (the memory-profiling
+    warm-up). Uses torch's fused SDPA so that warm-up peak memory resembles a real kernel's,
+    not a materialised score matrix."""
+    out = torch.zeros_like(q)
+    cu = cu_seqlens.tolist()
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end == start:
+            continue
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [H, n, D]
+        ks, vs = ks.repeat_interleave(group, dim=0), vs.repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+class TorchAttentionBackend:
+    """:class:`~kvscope.kernels.base.AttentionBackend` in plain torch (CPU or GPU)."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,87 @@
+"""Rotary position embedding (RoPE) over packed token positions.
+
+The cos/sin table is computed once, in float32, for every position up to
+``max_position_embeddings`` and indexed by the packed ``positions`` tensor, so a step that mixes
+sequences at different offsets needs no per-sequence work. The model owns one table and
+shares it across layers. Rotation is the "half split" (GPT-NeoX) convention used by
+Llama / Qwen checkpoints in Hugging Face format.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def rope_config_from_hf(hf_config: Any) -> RopeConfig:
+    """Read RoPE settings from either spelling of a Hugging Face config.
+
+    transformers 5 keeps them in ``config.rope_parameters`` (with ``rope_theta`` inside);
+    earlier versions used ``config.rope_theta`` plus an optional ``config.rope_scaling``.
+    """
+    merged: dict[str, Any] = {}
+    for source in (getattr(hf_config, "rope_scaling", None),
+                   getattr(hf_config, "rope_parameters", None)):
+        if isinstance(source, dict):
+            merged.update(source)
+    theta = merged.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
+    if merged.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
+    return RopeConfig(theta=float(theta), rope_type=rope_type, params=merged)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency rescaling: long wavelengths slowed by ``factor``, short ones kept,
+    and a linear blend between the two bands."""
+    factor = p["factor"]
+    low, high = p["low_freq_factor"], p["high_freq_factor"]
+    old_context = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    slowed = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    blend = (old_context / wavelen - low) / (high - low)
+    blended = (1 - blend) * slowed / factor + blend * slowed
+    in_between = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(in_between, blended, slowed)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, rope: RopeConfig) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (rope.theta ** exponents)
+        if rope.rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope.params)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.max_position = max_position
+        self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sin`` of shape ``[T, head_dim / 2]`` (float32) for the packed positions."""
+        return self.cos_sin[positions].chunk(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by per-token angles; computed in ``x``'s dtype like HF."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

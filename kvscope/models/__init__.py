@@ -1,0 +1,71 @@
+"""Model construction: pick the architecture spec for a Hugging Face config and build it.
+
+Weights are loaded separately by :func:`kvscope.models.loader.load_weights`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from kvscope.models.decoder import ArchSpec, DecoderForCausalLM
+from kvscope.models.llama import LLAMA
+from kvscope.models.qwen2 import QWEN2
+from kvscope.models.qwen3 import QWEN3
+
+SPECS: tuple[ArchSpec, ...] = (QWEN3, QWEN2, LLAMA)
+SUPPORTED_ARCHITECTURES = tuple(s.architecture for s in SPECS)
+
+
+def spec_for(hf_config: Any) -> ArchSpec:
+    """The spec matching ``architectures[0]``, falling back to ``model_type``."""
+    archs = getattr(hf_config, "architectures", None) or []
+    model_type = getattr(hf_config, "model_type", None)
+    for spec in SPECS:
+        if archs and archs[0] == spec.architecture:
+            return spec
+    for spec in SPECS:
+        if model_type == spec.model_type:
+            return spec
+    raise ValueError(f"unsupported model (architectures={archs}, model_type={model_type!r}); "
+                     f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def resolve_dtype(dtype: torch.dtype | str, hf_config: Any) -> torch.dtype:
+    """A torch dtype from a dtype, a name (``"bfloat16"``) or ``"auto"`` (the checkpoint's;
+    transformers 5 calls the config field ``dtype``, earlier versions ``torch_dtype``)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) \
+            or torch.float32
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"not a floating-point dtype: {dtype!r}")
+    return resolved
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(hf_config: Any, *, dtype: torch.dtype | str,
+                device: torch.device | str) -> DecoderForCausalLM:
+    """Build the (uninitialised) model for this TP rank directly on ``device`` in ``dtype``.
+
+    Parameters are allocated once, where they will live; fill them with ``load_weights``.
+    The RoPE table stays float32.
+    """
+    spec = spec_for(hf_config)
+    with torch.device(device), _default_dtype(resolve_dtype(dtype, hf_config)):
+        model = DecoderForCausalLM(hf_config, spec)
+    return model.eval()

@@ -1,0 +1,86 @@
+"""Load Hugging Face safetensors checkpoints into a (possibly tensor-parallel) model.
+
+Tensors are opened lazily (``get_slice``) and handed to each parameter's ``weight_loader``,
+which reads only this rank's rows or columns: no rank materialises a weight it does not own,
+and peak host memory stays around one shard of one tensor. Checkpoint names map onto model
+parameters one to one, except the projections the model packs together (the model's
+``packed_modules_mapping``: ``q_proj`` -> ``qkv_proj`` shard ``"q"`` and so on).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from collections.abc import Hashable
+
+from safetensors import safe_open
+from torch import nn
+
+from kvscope.layers.sharding import default_weight_loader
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint and the model disagree: a tensor is missing, unexpected or misshapen."""
+
+
+def _to_param_name(ckpt_name: str, mapping: dict[str, tuple[str, Hashable]]
+                   ) -> tuple[str, Hashable]:
+    parts = ckpt_name.split(".")
+    for i, part in enumerate(parts):
+        if part in mapping:
+            packed, shard_id = mapping[part]
+            return ".".join(parts[:i] + [packed] + parts[i + 1:]), shard_id
+    return ckpt_name, None
+
+
+def _to_ckpt_name(param_name: str, shard_id: Hashable,
+                  mapping: dict[str, tuple[str, Hashable]]) -> str:
+    if shard_id is None:
+        return param_name
+    parts = param_name.split(".")
+    for original, (packed, sid) in mapping.items():
+        if sid == shard_id and packed in parts:
+            i = parts.index(packed)
+            return ".".join(parts[:i] + [original] + parts[i + 1:])
+    return f"{param_name}[{shard_id}]"
+
+
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``.
+
+    Raises :class:`CheckpointMismatchError` naming the tensor when the checkpoint lacks one the
+    model needs, holds one the model does not know, or has the wrong shape. With tied word
+    embeddings a checkpoint ``lm_head.weight`` (if any) is ignored.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    mapping = getattr(model, "packed_modules_mapping", {})
+    tied = getattr(model, "tie_word_embeddings", False)
+    params = dict(model.named_parameters())
+    expected = {(name, sid) for name, p in params.items()
+                for sid in getattr(p, "shard_ids", (None,))}
+    loaded: set[tuple[str, Hashable]] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as st:
+            for ckpt_name in st.keys():
+                if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                    continue
+                name, shard_id = _to_param_name(ckpt_name, mapping)
+                if name not in params:
+                    raise CheckpointMismatchError(
+                        f"unexpected checkpoint tensor {ckpt_name!r} in {file.name}: "
+                        f"the model has no parameter {name!r}")
+                if (name, shard_id) in loaded:
+                    raise CheckpointMismatchError(f"checkpoint tensor {ckpt_name!r} appears twice")
+                param = params[name]
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                try:
+                    loader(param, st.get_slice(ckpt_name), shard_id)
+                except ValueError as e:
+                    raise CheckpointMismatchError(f"{ckpt_name}: {e}") from e
+                loaded.add((name, shard_id))
+    missing = sorted(_to_ckpt_name(n, s, mapping) for n, s in expected - loaded)
+    if missing:
+        raise CheckpointMismatchError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s): "
+                                      f"{', '.join(missing)}")
