@@ -21,6 +21,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -77,7 +78,7 @@ class EngineConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not (

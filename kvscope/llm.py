@@ -12,6 +12,18 @@ from kvscope.sampling_params import SamplingParams
 from kvscope.trace.hooks import HookRegistry
 
 
+class _NoTokenizer:
+    """Stands in for a tokenizer under ``skip_tokenizer_init`` (vLLM's flag): token ids in, ids out."""
+
+    eos_token_id = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        raise ValueError("skip_tokenizer_init=True: pass prompts as token ids, not text")
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 def _eos_ids(model_dir: str, tokenizer: Any) -> set[int]:
     from transformers import GenerationConfig
 
@@ -51,7 +63,10 @@ class LLM:
         model_dir = resolve_model_dir(model)
         self.config = EngineConfig.from_kwargs(model=str(model) if model is not None else None, **kwargs)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+        tokenizer = (
+            _NoTokenizer() if self.config.skip_tokenizer_init
+            else AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+        )
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = min(self.config.max_model_len or max_pos, max_pos)
         if self.config.max_model_len is not None and self.config.max_model_len > max_pos:

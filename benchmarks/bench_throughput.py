@@ -1,0 +1,171 @@
+"""Offline throughput on nano-vLLM's benchmark workload, against transformers and the roofline.
+
+Workload: 256 requests, ``random.seed(0)``, prompts of random token ids below 10000, input and
+output lengths uniform in [100, 1024], ``temperature=0.6``, ``ignore_eos=True``. Model: a
+config from ``benchmarks/configs/`` with random bf16 weights (written once to a temp dir and
+loaded through kvscope's own loader).
+
+Prints, from one run: kvscope's output tok/s; transformers' continuous batching
+(``attn_implementation="paged|sdpa"``) on the first ``--hf-requests`` requests, with kvscope on
+the same subset; the roofline bound (weights + KV bytes each step must read, at the measured
+device-to-device copy bandwidth); and the ratios.
+
+    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed: int = 0):
+    random.seed(seed)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_in))] for _ in range(num_seqs)]
+    outs = [random.randint(100, max_out) for _ in range(num_seqs)]
+    return prompts, outs
+
+
+def write_random_checkpoint(config_dir: str, out_dir: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted once each)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * n / (time.perf_counter() - t)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
+
+
+def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float) -> float:
+    """Output tokens per second if each step only had to read the weights and the KV history."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    per_layer = h * (heads * head_dim) * 2 + 2 * h * (cfg["num_key_value_heads"] * head_dim) + 3 * h * i
+    weight_bytes = 2 * (L * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2))
+    kv_reads = sum(kv_per_tok * (len(p) * o + o * (o - 1) // 2) for p, o in zip(prompts, outs))
+    seconds = (steps * weight_bytes + kv_reads) / bw
+    return sum(outs) / seconds
+
+
+def run_kvscope(model_dir: str, prompts, outs, args) -> tuple[float, int]:
+    from kvscope import LLM, SamplingParams
+
+    llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.eager,
+              tensor_parallel_size=args.tp, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
+              gpu_memory_utilization=args.gpu_mem)
+    warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)]
+    llm.generate([[1] * 16], warm, use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
+    steps0 = llm.llm_engine.scheduler.step_count
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    assert sum(len(r.outputs[0].token_ids) for r in res) == sum(outs)
+    steps = llm.llm_engine.scheduler.step_count - steps0
+    llm.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return sum(outs) / dt, steps
+
+
+def run_transformers(model_dir: str, prompts, outs) -> float:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="paged|sdpa").cuda().eval()
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                           max_new_tokens=max(outs), eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        manager.add_request(input_ids=[1] * 16, request_id="warm", max_new_tokens=8)
+        while not (r := manager.get_result(timeout=60)) or not r.is_finished():
+            pass
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i, (p, o) in enumerate(zip(prompts, outs)):
+            manager.add_request(input_ids=p, request_id=f"r{i}", max_new_tokens=o)
+        done, produced = 0, 0
+        while done < len(prompts):
+            r = manager.get_result(timeout=120)
+            if r is None:
+                raise RuntimeError("transformers continuous batching stalled")
+            if r.is_finished():
+                done += 1
+                produced += len(r.generated_tokens)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    finally:
+        manager.stop(block=True)
+    return produced / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many (0: skip)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--batched-tokens", type=int, default=16384)
+    ap.add_argument("--gpu-mem", type=float, default=0.9)
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args()
+
+    prompts, outs = workload()
+    cfg = json.loads(Path(args.config, "config.json").read_text())
+    print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} output tokens")
+    bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(args.config, Path(tmp))
+        tok_s, steps = run_kvscope(tmp, prompts, outs, args)
+        roof = roofline_tok_s(cfg, prompts, outs, steps, bw)
+        print(f"kvscope: {tok_s:,.0f} output tok/s ({steps} steps)")
+        print(f"roofline: {roof:,.0f} tok/s -> kvscope at {tok_s / roof:.1%} of the roofline")
+        figures = dict(kvscope_tok_s=tok_s, steps=steps, roofline_tok_s=roof, copy_bw=bw)
+        n = args.hf_requests
+        if n:
+            sub_p, sub_o = prompts[:n], outs[:n]
+            ours, _ = run_kvscope(tmp, sub_p, sub_o, args)
+            theirs = run_transformers(tmp, sub_p, sub_o)
+            print(f"first {n} requests: kvscope {ours:,.0f} tok/s, transformers paged|sdpa {theirs:,.0f} tok/s "
+                  f"-> {ours / theirs:.1f}x")
+            figures.update(subset=n, kvscope_subset_tok_s=ours, transformers_subset_tok_s=theirs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()

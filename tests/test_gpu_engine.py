@@ -1,0 +1,119 @@
+"""The engine on a GPU (skipped without CUDA): against transformers, graphs vs eager, caching on/off.
+
+Token identity runs in fp32 (TF32 off) so that the comparisons test the engine, not bf16
+rounding; the bf16 check compares teacher-forced logits with a tolerance.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvscope import LLM, SamplingParams
+from kvscope.runner.forward_context import forward_context
+from tiny_models import make_tiny_checkpoint, pack_metadata
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=64, intermediate_size=512, vocab_size=512, max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", **SHAPE))
+
+
+def _prompts(n: int = 12) -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 512) for _ in range(48)]
+    return [shared[: rng.randrange(0, 48)] + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 200))]
+            for _ in range(n)]
+
+
+def _generate(path: str, prompts, max_tokens: int = 48, **config) -> list[list[int]]:
+    config.setdefault("dtype", "float32")
+    llm = LLM(path, device="cuda", attention_backend="triton", **config)
+    llm.llm_engine.validate_every_step = True
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.shutdown()
+    return out
+
+
+def test_greedy_tokens_match_transformers_on_gpu(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    prompts = _prompts(6)
+    ours = _generate(checkpoint, prompts, max_tokens=32, block_size=16)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    for prompt, toks in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=32, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+                              pad_token_id=2)
+        assert toks == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_teacher_forced_logits_close_to_transformers_bf16(checkpoint, block_size):
+    """Prefill a prompt in two chunks through the paged pool (bf16) and compare every logit row."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(checkpoint, device="cuda", dtype="bfloat16", attention_backend="triton",
+              block_size=block_size, num_kv_blocks=64, enforce_eager=True)
+    runner = llm.llm_engine.executor
+    prompt = _prompts(1)[0] + list(range(3, 120))
+    n = len(prompt)
+    table = list(range(63, 63 - (-(-n // block_size)), -1))  # fragmented: descending ids
+    rows = []
+    with torch.inference_mode():
+        for start, stop in ((0, n // 3), (n // 3, n)):
+            meta, pos = pack_metadata([(start, stop - start, table)], block_size, device="cuda")
+            ids = torch.tensor(prompt[start:stop], device="cuda")
+            with forward_context(meta):
+                rows.append(runner.model.compute_logits(runner.model(ids, pos)))
+    ours = torch.cat(rows).float()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt], device="cuda")).logits[0].float()
+    rel = (ours - ref).norm() / ref.norm()
+    assert rel < 2e-2, rel
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree > 0.95, agree
+
+
+def test_cuda_graphs_match_eager(checkpoint):
+    prompts = _prompts()
+    eager = _generate(checkpoint, prompts, enforce_eager=True)
+    graphs = _generate(checkpoint, prompts, enforce_eager=False)
+    assert graphs == eager
+
+
+def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
+    llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4)
+    used = []
+    llm.hooks.add("step.end", lambda info: used.append(info.cuda_graph))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(_prompts(3), params, use_tqdm=False)
+    assert any(used), "no decode step replayed a CUDA graph"
+    runner = llm.llm_engine.executor
+    runner.graphs.width = 1  # tables wider than the captured width must run eagerly, not crash
+    used.clear()
+    out = llm.generate(_prompts(3), params, use_tqdm=False)
+    assert not any(used) and all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(enable_prefix_caching=True),
+    dict(enable_prefix_caching=True, max_num_batched_tokens=64),
+    dict(enable_prefix_caching=False, block_size=32, num_kv_blocks=40),
+])
+def test_prefix_caching_and_scheduling_do_not_change_tokens_on_gpu(checkpoint, variant):
+    prompts = _prompts()
+    base = _generate(checkpoint, prompts, enable_prefix_caching=False)
+    assert _generate(checkpoint, prompts, **variant) == base
