@@ -1,0 +1,58 @@
+"""``python -m kvscope demo``: run the bundled model and show what the engine did."""
+from __future__ import annotations
+
+import argparse
+import time
+
+DEMO_PROMPTS = [
+    "The list type",
+    "The list type supports",
+    "A dictionary is",
+    "Return a new",
+    "The with statement",
+    "Raise an exception",
+    "The for statement is used to",
+    "Return the number of",
+]
+
+
+def demo(args: argparse.Namespace) -> None:
+    from kvscope import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, device=args.device, block_size=args.block_size)
+    print(f"loaded {llm.model_dir} on {llm.llm_engine.executor.device} in {time.perf_counter() - t0:.1f}s; "
+          f"{llm.llm_engine.block_manager.num_blocks} KV blocks of {args.block_size} tokens")
+    steps: list = []
+    llm.hooks.add("step.end", lambda info: steps.append(info))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    t0 = time.perf_counter()
+    outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    for o in outs:
+        c = o.outputs[0]
+        print(f"\n[{o.request_id}] {o.prompt!r} -> ({c.finish_reason}, {len(c.token_ids)} tokens, "
+              f"{o.num_cached_tokens} cached)\n    {c.text.strip()!r}")
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), {len(steps)} steps, "
+          f"{cached} prompt tokens served from the prefix cache")
+    print("open notebooks/01_quickstart.ipynb (or `%load_ext kvscope` then `%kvscope demo`) to watch it live")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="kvscope")
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="generate with the bundled model and summarise the engine's steps")
+    d.add_argument("--model", default=None, help="a local HF model directory (default: the bundled model)")
+    d.add_argument("--device", default="auto")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--temperature", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    if args.command == "demo":
+        demo(args)
+
+
+if __name__ == "__main__":
+    main()
