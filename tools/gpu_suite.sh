@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Everything kvscope needs a GPU for, in one device call: GPU tests, then the benchmarks.
+#   bash tools/gpu_suite.sh [tests|bench|all]     (results and logs go to $OUT, default /tmp/kvscope-gpu)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-/tmp/kvscope-gpu}"
+mkdir -p "$OUT"
+what="${1:-all}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+rc=0
+if [[ "$what" == tests || "$what" == all ]]; then
+    python -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+fi
+if [[ "$what" == bench || "$what" == all ]]; then
+    python benchmarks/bench_control_plane.py 2>&1 | tee "$OUT/control_plane.log"
+    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 64 \
+        --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || rc=1
+fi
+exit $rc
