@@ -11,8 +11,10 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kvscope.config import EngineConfig
+from kvscope.distributed.parallel_state import tp_all_reduce
 from kvscope.engine.executor import StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.kernels.select import select_backend
@@ -28,11 +30,16 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
+    """The device to run on, with an explicit index for CUDA (graphs and set_device need one)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={config.device!r} but CUDA is not available on this machine")
-    return torch.device(config.device)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(config: EngineConfig, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -87,14 +94,18 @@ class ModelRunner:
             layer.backend = self.backend
         self.sampler = Sampler(config.seed, self.device)
         self.num_kv_blocks = self._size_pool(tp_size)
+        if tp_size > 1:  # the ranks share one block-id space: all take the smallest pool
+            blocks = torch.tensor([self.num_kv_blocks], dtype=torch.int64, device=self.device)
+            self.num_kv_blocks = int(tp_all_reduce(blocks, op=dist.ReduceOp.MIN).item())
         self._allocate_pool(tp_size)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self._forward, hf_config.hidden_size, config.max_num_seqs,
-                -(-max_model_len // self.block_size), max_model_len, self.block_size,
-                self.dtype, self.device,
-            )
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(
+                    self._forward, hf_config.hidden_size, config.max_num_seqs,
+                    -(-max_model_len // self.block_size), max_model_len, self.block_size,
+                    self.dtype, self.device,
+                )
 
     # ------------------------------------------------------------- KV pool
     def _block_bytes(self, tp_size: int) -> int:
@@ -108,6 +119,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory_bytes // block_bytes)
         self._warm_up()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         current = torch.cuda.memory_allocated(self.device)
@@ -200,9 +212,10 @@ class ModelRunner:
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
         sampled = [r for r in out.requests if r.sample]
-        if rows is None:
+        # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
+        logits = None if rows is None else self.model.compute_logits(rows)
+        if logits is None:
             return StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s}, cuda_graph=use_graph)
-        logits = self.model.compute_logits(rows)
         s = self.sampler(logits, [r.params for r in sampled], [r.output_index for r in sampled])
         tokens = {r.seq_id: tok for r, tok in zip(sampled, s.tokens)}
         logprobs = {} if s.logprobs is None else {r.seq_id: lp for r, lp in zip(sampled, s.logprobs)}
