@@ -48,6 +48,34 @@ def _store_kvcache_kernel(
     tl.store(v_cache_ptr + cache_off, v, mask=mask)
 
 
+@triton.jit
+def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot,
+                      t_begin, t_end, kv_end, scale_log2, d, d_ok,
+                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Online-softmax update over key tiles [t_begin, t_end); CAUSAL masks keys after each row."""
+    for t in range(t_begin, t_end):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        # Page of every key position: tiles need not align with pages of any size.
+        page = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kt = tl.load(k_ptr + slot[None, :] * c_stride_slot + d[:, None],
+                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, kt) * scale_log2
+        if CAUSAL:
+            s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * c_stride_slot + d[None, :],
+                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -59,7 +87,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -114,25 +142,19 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_table_ptr + seq.to(tl.int64) * bt_stride
     kv_off = kv_head * c_stride_h
-    for t in range(t_begin, t_end):
-        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        pos_ok = pos < kv_end
-        # Page of every key position: tiles need not align with pages of any size.
-        page = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kt = tl.load(k_cache_ptr + kv_off + slot[None, :] * c_stride_slot + d[:, None],
-                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, kt) * scale_log2
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off + slot[:, None] * c_stride_slot + d[None, :],
-                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    k_ptr, v_ptr = k_cache_ptr + kv_off, v_cache_ptr + kv_off
+    t_masked = t_begin
+    if UNMASKED_FIRST:
+        # Key tiles every row of this tile sees whole need no causal mask: run them apart.
+        # (Decode skips this: it masks one tile at most, and a second loop costs registers.)
+        t_masked = tl.minimum(tl.maximum((first_pos + (tok0 - q_begin) + 1) // BLOCK_N, t_begin),
+                              t_end)
+        m_i, l_i, acc = _attend_key_tiles(
+            q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_begin, t_masked,
+            kv_end, scale_log2, d, d_ok, PAGE_SIZE, BLOCK_N, False)
+    m_i, l_i, acc = _attend_key_tiles(
+        q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_masked, t_end,
+        kv_end, scale_log2, d, d_ok, PAGE_SIZE, BLOCK_N, True)
 
     if SPLIT:
         row = (tok * num_q_heads + head) * num_splits + split
@@ -183,7 +205,7 @@ class KernelConfig:
 
 
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 MAX_SPLITS = 16
 
 
@@ -223,18 +245,19 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.device,
                       block_n: int = DECODE_CONFIG.block_n) -> int:
-    """Split decode histories when (sequences x KV heads) programs cannot fill the SMs.
+    """Split decode histories when (sequences x KV heads) programs leave SMs idle.
 
-    Aims at about two programs per SM, keeps at least two key tiles per split, and rounds to a
-    power of two so few kernel variants get compiled.
+    Below two programs per SM, aim at about four (what fits on an SM at once with the decode
+    config), keep at least two key tiles per split, and use powers of two so few kernel
+    variants get compiled.
     """
     programs = meta.num_seqs * num_kv_heads
     sms = _sm_count(device)
-    if not meta.decode_only or programs == 0 or programs >= sms:
+    if not meta.decode_only or programs == 0 or programs >= 2 * sms:
         return 1
-    want = min(MAX_SPLITS, triton.cdiv(2 * sms, programs),
-               max(1, meta.max_seqlen_k // (2 * block_n)))
-    return 1 << (want.bit_length() - 1)
+    most = max(1, meta.max_seqlen_k // (2 * block_n))
+    return min(MAX_SPLITS, triton.next_power_of_2(triton.cdiv(4 * sms, programs)),
+               1 << (most.bit_length() - 1))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -285,6 +308,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
+        UNMASKED_FIRST=not meta.decode_only,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
