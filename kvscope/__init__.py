@@ -6,6 +6,7 @@ from kvscope.config import EngineConfig
 from kvscope.llm import LLM
 from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.sampling_params import SamplingParams
+from kvscope.trace.trace import Trace
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Trace"]
 __version__ = "0.1.0"

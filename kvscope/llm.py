@@ -1,8 +1,9 @@
 """``LLM``: vLLM's offline API over the kvscope engine, plus the handles kvscope adds (hooks, record)."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine, PromptType
@@ -10,6 +11,8 @@ from kvscope.model_source import resolve_model_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
 from kvscope.trace.hooks import HookRegistry
+from kvscope.trace.recorder import Recorder
+from kvscope.trace.trace import Trace
 
 
 class _NoTokenizer:
@@ -165,6 +168,15 @@ class LLM:
     @property
     def hooks(self) -> HookRegistry:
         return self.llm_engine.hooks
+
+    @contextlib.contextmanager
+    def record(self, level: str = "blocks", max_steps: int = 10_000) -> Iterator[Trace]:
+        """``with llm.record() as trace: llm.generate(...)``: record each step (docs/TRACE_API.md).
+
+        Levels: ``"summary"`` < ``"blocks"`` < ``"full"``; the last ``max_steps`` steps are kept.
+        """
+        with Recorder(self.llm_engine, level, max_steps, model=self.model_dir) as trace:
+            yield trace
 
     def check_invariants(self) -> None:
         """Raise if any control-plane invariant of DESIGN.md is broken right now."""

@@ -29,6 +29,16 @@ HOOK_POINTS: tuple[str, ...] = (
 Hook = Callable[..., Any]
 
 
+def warn_detached(fn: Hook, where: str) -> None:
+    """Report, from inside ``except``, that ``fn`` raised at ``where`` and is being detached."""
+    warnings.warn(
+        f"kvscope hook {getattr(fn, '__qualname__', fn)!r} on {where!r} raised and was "
+        f"detached:\n{traceback.format_exc()}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class HookHandle:
     """Returned by :meth:`HookRegistry.add`; ``remove()`` detaches the hook (idempotent)."""
 
@@ -97,10 +107,5 @@ class HookRegistry:
             try:
                 fn(**payload)
             except Exception:
-                warnings.warn(
-                    f"kvscope hook {getattr(fn, '__qualname__', fn)!r} on {name!r} raised and was "
-                    f"detached:\n{traceback.format_exc()}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warn_detached(fn, name)
                 self._remove(name, key)

@@ -1,0 +1,163 @@
+"""The KV pool rebuilt from block events: what a trace knows at any step without a snapshot.
+
+A :class:`PoolState` starts from the control plane as it was when recording began (or, once the
+ring buffer has wrapped, right before its oldest step) and advances one :class:`StepRecord` at
+a time: the events before the forward pass, then the token writes of the scheduled rows, then
+the post-processing events. Reference counts are recounted from the events (not copied from
+their payloads), so the replay checks the event stream rather than echoing it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+
+import numpy as np
+
+from kvscope.trace.events import BlockEvent
+from kvscope.trace.record import ScheduledRow, StepRecord
+
+if TYPE_CHECKING:
+    from kvscope.engine.llm_engine import LLMEngine
+
+NO_HASH = -1
+FREE, USED, CACHED = 0, 1, 2  # pool_arrays()["state"]
+STATE_NAMES = ("free", "used", "cached")
+
+EventCallback = Callable[[int, BlockEvent, "PoolState"], None]  # (index in record, event, state before it)
+
+
+def block_states(ref_count: np.ndarray, block_hash: np.ndarray) -> np.ndarray:
+    """uint8 per block: used while referenced, cached when free but still hashed, else free."""
+    state = np.where(block_hash != NO_HASH, CACHED, FREE).astype(np.uint8)
+    state[ref_count > 0] = USED
+    return state
+
+
+def fill_counts(
+    ref_count: np.ndarray, block_hash: np.ndarray, block_size: int,
+    last_blocks: Iterable[tuple[Sequence[int], int]],
+) -> np.ndarray:
+    """Tokens with K/V per block: full if used or cached, except each live table's last block.
+
+    ``last_blocks`` yields ``(block_table, num_computed_tokens)`` of every sequence holding blocks.
+    """
+    counts = np.where((ref_count > 0) | (block_hash != NO_HASH), block_size, 0).astype(np.int32)
+    for table, computed in last_blocks:
+        if table:
+            counts[table[-1]] = computed - (len(table) - 1) * block_size
+    return counts
+
+
+def token_blocks(
+    rows: Sequence[ScheduledRow], tables: dict[str, list[int]], block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Positions and physical blocks of every token the rows compute (the runner's arithmetic)."""
+    bs = block_size
+    n = np.fromiter((len(r.token_ids) for r in rows), dtype=np.int64, count=len(rows))
+    starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
+    first = starts // bs
+    last = (starts + n - 1) // bs
+    spans = [tables[r.request_id][f:l + 1] for r, f, l in zip(rows, first.tolist(), last.tolist())]
+    flat = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=int((last - first + 1).sum()))
+    span_start = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(last[:-1] - first[:-1] + 1, out=span_start[1:])
+    row = np.repeat(np.arange(len(rows)), n)
+    cu = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(n[:-1], out=cu[1:])
+    positions = np.arange(int(n.sum()), dtype=np.int64) - cu[row] + starts[row]
+    blocks = flat[span_start[row] + positions // bs - first[row]]
+    return positions, blocks
+
+
+@dataclass
+class PoolState:
+    ref_count: np.ndarray  # int32 [num_blocks]
+    block_hash: np.ndarray  # int64 [num_blocks]
+    contents: np.ndarray   # int32 [num_blocks, block_size]; valid up to num_tokens()
+    tables: dict[str, list[int]]  # request id -> block table, for requests holding blocks
+    computed: dict[str, int]      # request id -> tokens with K/V
+
+    @classmethod
+    def capture(cls, engine: "LLMEngine") -> "PoolState":
+        """The control plane now: array copies, plus the tables of the running sequences."""
+        bm = engine.block_manager
+        state = cls(bm.ref_count.copy(), bm.block_hash.copy(), bm.block_tokens.copy(), {}, {})
+        bs = bm.block_size
+        for seq in engine.scheduler.running:
+            table = list(seq.block_table)
+            state.tables[seq.request_id] = table
+            state.computed[seq.request_id] = seq.num_computed_tokens
+            for i, b in enumerate(table):  # unhashed blocks keep no copy of their tokens
+                if bm.block_hash[b] == NO_HASH:
+                    toks = seq.token_ids[i * bs:min((i + 1) * bs, seq.num_computed_tokens)]
+                    state.contents[b, :len(toks)] = toks
+        return state
+
+    @property
+    def block_size(self) -> int:
+        return self.contents.shape[1]
+
+    def copy(self) -> "PoolState":
+        return PoolState(
+            self.ref_count.copy(), self.block_hash.copy(), self.contents.copy(),
+            {r: list(t) for r, t in self.tables.items()}, dict(self.computed),
+        )
+
+    def apply(
+        self, rec: StepRecord, on_event: EventCallback | None = None,
+        on_forward: Callable[["PoolState"], None] | None = None,
+    ) -> None:
+        """Advance over one step; ``on_forward`` sees the tables the forward pass used."""
+        events = rec.block_events
+        k = rec.num_pre_forward_events
+        for i in range(k):
+            self._event(i, events[i], on_event)
+        if on_forward is not None:
+            on_forward(self)
+        if rec.scheduled:
+            positions, blocks = token_blocks(rec.scheduled, self.tables, self.block_size)
+            tokens = np.fromiter(chain.from_iterable(r.token_ids for r in rec.scheduled),
+                                 dtype=np.int32, count=len(positions))
+            self.contents[blocks, positions % self.block_size] = tokens
+            for r in rec.scheduled:
+                self.computed[r.request_id] = r.start + len(r.token_ids)
+        for i in range(k, len(events)):
+            self._event(i, events[i], on_event)
+
+    def _event(self, i: int, ev: BlockEvent, on_event: EventCallback | None) -> None:
+        if on_event is not None:
+            on_event(i, ev, self)
+        b, rid, name = ev.block_id, ev.request_id, ev.event
+        if name == "block.hashed":
+            self.block_hash[b] = ev.block_hash
+        elif name == "block.evicted":
+            self.block_hash[b] = NO_HASH
+        elif name == "block.freed":
+            self.ref_count[b] -= 1
+            table = self.tables[rid]
+            if table[-1] == b:  # the engine frees a table tail first
+                table.pop()
+            else:
+                table.remove(b)
+            if not table:
+                del self.tables[rid]
+                self.computed.pop(rid, None)
+        else:  # allocated / shared / reused: the request's table grows by one block
+            self.ref_count[b] += 1
+            self.tables.setdefault(rid, []).append(b)
+
+    def num_tokens(self) -> np.ndarray:
+        return fill_counts(
+            self.ref_count, self.block_hash, self.block_size,
+            ((t, self.computed.get(r, 0)) for r, t in self.tables.items()),
+        )
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """``Trace.pool_arrays`` of this state."""
+        return {
+            "state": block_states(self.ref_count, self.block_hash),
+            "ref_count": self.ref_count.copy(),
+            "block_hash": self.block_hash.copy(),
+            "num_tokens": self.num_tokens(),
+        }

@@ -1,0 +1,94 @@
+"""``StepRecord``: everything one engine step decided, as recorded by a :class:`Recorder`.
+
+The summary fields (one ``trace.steps`` row) are always present. ``blocks`` level adds what was
+scheduled per request, the queues and the block events; ``full`` adds a copy of the whole pool.
+
+Block tables and slot mappings are not copied per step: a table only ever changes through
+block events (allocate / share / reuse append, free drops), so :class:`~kvscope.trace.Trace`
+rebuilds the tables of any step from the events, and the slot mapping from the tables and the
+scheduled rows. That keeps recording O(events) instead of O(blocks in all tables).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvscope.trace.events import BlockEvent, IDLE, POSTPROCESS, SCHEDULE
+
+
+class ScheduledRow(NamedTuple):
+    """One request's share of a step: tokens ``start .. start + len(token_ids) - 1``."""
+
+    request_id: str
+    start: int
+    token_ids: list[int]
+    num_cached_tokens: int  # prefix-cache hit when this row is an admission, else 0
+    is_prefill: bool
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_admission(self) -> bool:
+        """Admitted from ``waiting`` this step: it starts right after its cached prefix."""
+        return self.start == self.num_cached_tokens
+
+
+class PoolSnapshot(NamedTuple):
+    """The whole pool after a step (``full`` level): one entry per block, read-only arrays."""
+
+    ref_count: np.ndarray   # int32
+    block_hash: np.ndarray  # int64, -1 for none
+    num_tokens: np.ndarray  # int32, tokens with K/V in the block
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    time_s: float           # perf_counter at the start of the step
+    duration_s: float
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    token_budget: int
+    num_requests_running: int
+    num_requests_waiting: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int  # free blocks whose content is still in the prefix cache
+    kv_cache_usage_perc: float  # used / num_blocks, a fraction as in vLLM's gauge
+    prefix_cache_queries: int   # tokens looked up by this step's admissions
+    prefix_cache_hits: int      # of which found in the cache
+    cuda_graph: bool
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    postprocess_s: float
+    # ``blocks`` and ``full`` levels
+    scheduled: list[ScheduledRow] | None = None
+    block_events: list[BlockEvent] | None = None
+    num_pre_forward_events: int = 0  # block_events[:n] came before the forward pass
+    running: list[str] | None = None  # queues after the step, head first
+    waiting: list[str] | None = None
+    preempted: list[str] | None = None
+    finished: list[str] | None = None
+    # ``full`` level
+    pool: PoolSnapshot | None = field(default=None)
+
+    def event_phase(self, i: int) -> str:
+        """``idle``, ``schedule`` or ``postprocess`` for ``block_events[i]``."""
+        if i >= self.num_pre_forward_events:
+            return POSTPROCESS
+        return IDLE if self.block_events[i].engine_step < self.step else SCHEDULE
+
+
+_FIELDS = tuple(StepRecord.__dataclass_fields__)
+STEP_COLUMNS: tuple[str, ...] = _FIELDS[: _FIELDS.index("postprocess_s") + 1]  # one trace.steps row

@@ -1,0 +1,272 @@
+"""``Recorder``: turns the engine's hook calls into one :class:`StepRecord` per step.
+
+It attaches only the hooks its level needs, so ``summary`` pays for ``step.end`` and the
+request hooks alone, and a detached recorder costs the engine nothing. It reads control-plane
+state (numpy arrays, queues, sequences' ids and tables), never a tensor, so recording cannot
+force a device synchronisation. Records sit in a ring buffer of ``max_steps``; the oldest
+record is folded into the replay baseline when it is dropped, so every retained step stays
+fully reconstructible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from kvscope.trace.events import BLOCK_EVENTS, BlockEvent
+from kvscope.trace.hooks import HookHandle, warn_detached
+from kvscope.trace.pool import PoolState, fill_counts
+from kvscope.trace.record import PoolSnapshot, ScheduledRow, StepRecord
+from kvscope.trace.tables import frame
+from kvscope.trace.trace import Trace
+
+if TYPE_CHECKING:
+    from kvscope.engine.llm_engine import LLMEngine
+    from kvscope.engine.sequence import Sequence
+    from kvscope.engine.step_info import StepInfo
+    from kvscope.outputs import RequestMetrics
+
+LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
+Listener = Callable[[StepRecord], Any]
+_NAN = math.nan
+
+
+class ListenerHandle:
+    """Returned by :meth:`Recorder.add_listener`; ``remove()`` detaches it (idempotent)."""
+
+    def __init__(self, listeners: dict[int, Listener], key: int) -> None:
+        self._listeners, self._key = listeners, key
+
+    def remove(self) -> None:
+        self._listeners.pop(self._key, None)
+
+
+class _Request:
+    """One request's row of ``trace.requests``: live fields read from its sequence until it ends."""
+
+    __slots__ = ("request_id", "prompt_len", "seq", "metrics", "output_len", "finish_reason")
+
+    def __init__(self, seq: "Sequence") -> None:
+        self.request_id = seq.request_id
+        self.prompt_len = seq.num_prompt_tokens
+        self.seq: Sequence | None = seq
+        self.metrics: RequestMetrics = seq.metrics
+        self.output_len = 0
+        self.finish_reason: str | None = None
+
+    def row(self) -> tuple:
+        m = self.metrics
+        out = self.output_len if self.seq is None else len(self.seq.token_ids) - self.prompt_len
+        itl = None if out < 2 or m.last_token_time is None else (m.last_token_time - m.first_token_time) / (out - 1)
+        return (
+            self.request_id, self.prompt_len, out, m.num_cached_tokens, m.num_preemptions,
+            m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
+            self.finish_reason, m.ttft_s, itl, m.e2e_s,
+        )
+
+
+class Recorder:
+    """Records an engine's steps at ``level`` into a ring buffer of ``max_steps`` records.
+
+    ``with Recorder(engine, "blocks") as trace: ...`` attaches on entry and detaches on exit.
+    """
+
+    def __init__(
+        self, engine: "LLMEngine", level: str = "blocks", max_steps: int = 10_000,
+        model: str | None = None,
+    ) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+        self.engine = engine
+        self.level = level
+        self.max_steps = max_steps
+        self.records: deque[StepRecord] = deque()
+        self.baseline: PoolState | None = None
+        self.last_dropped_step: int | None = None
+        self.lock = threading.Lock()
+        self._blocks = level != "summary"
+        self._requests: dict[str, _Request] = {}
+        self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
+        self._pending: list[BlockEvent] = []
+        self._pre_forward = 0
+        self._listeners: dict[int, Listener] = {}
+        self._keys = itertools.count()
+        self._handles: list[HookHandle] = []
+        bm = engine.block_manager
+        shards = getattr(engine.executor, "kv_shards", None)
+        self.meta: dict[str, Any] = {
+            "model": model,
+            "engine_config": dataclasses.asdict(engine.config),
+            "kv_shards": shards() if shards is not None else None,
+            "num_blocks": bm.num_blocks,
+            "block_size": bm.block_size,
+            "level": level,
+            "max_steps": max_steps,
+        }
+        self.trace = Trace(self.meta, self, tokenizer=engine.tokenizer)
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self) -> "Trace":
+        """Attach to the engine (between steps); returns the live :class:`Trace`."""
+        if self._handles:
+            raise RuntimeError("this recorder is already recording")
+        hooks = self.engine.hooks
+        if self._blocks:
+            self.baseline = PoolState.capture(self.engine)
+            self._handles.append(hooks.add("step.scheduled", self._on_scheduled))
+            for name in BLOCK_EVENTS:
+                self._handles.append(hooks.add(name, functools.partial(self._on_block, name)))
+        self._handles += [
+            hooks.add("request.added", self._on_added),
+            hooks.add("request.finished", self._on_finished),
+            hooks.add("step.end", self._on_step_end),
+        ]
+        return self.trace
+
+    def stop(self) -> None:
+        """Detach; the trace keeps what was recorded (events after the last step are dropped)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending = []
+
+    def __enter__(self) -> "Trace":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add_listener(self, fn: Listener) -> ListenerHandle:
+        """Call ``fn(record)`` in the engine's thread after each recorded step.
+
+        A listener that raises is reported with a RuntimeWarning and detached, like a hook.
+        """
+        if not callable(fn):
+            raise TypeError(f"listener must be callable, got {type(fn).__name__}")
+        key = next(self._keys)
+        self._listeners[key] = fn
+        return ListenerHandle(self._listeners, key)
+
+    # ------------------------------------------------------ for the Trace
+    def view(self, with_baseline: bool = False) -> tuple[list[StepRecord], PoolState | None, int | None]:
+        """The retained records, a copy of their baseline if asked, and the last dropped step,
+        consistent with each other even while the engine runs in another thread."""
+        with self.lock:
+            base = self.baseline.copy() if with_baseline and self.baseline is not None else None
+            return list(self.records), base, self.last_dropped_step
+
+    def requests_frame(self) -> pd.DataFrame:
+        return frame("requests", [r.row() for r in list(self._requests.values())])
+
+    # ---------------------------------------------------------------- hooks
+    def _touch(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._requests[request_id] = _Request(self.engine.by_request_id[request_id])
+        return req
+
+    def _on_added(self, request_id: str, **_: Any) -> None:
+        self._touch(request_id)
+
+    def _on_finished(
+        self, step: int, request_id: str, finish_reason: str, output_token_ids: list[int], **_: Any
+    ) -> None:
+        req = self._touch(request_id)
+        req.seq, req.output_len, req.finish_reason = None, len(output_token_ids), finish_reason
+        self._finished.append((step, request_id))
+
+    def _on_scheduled(self, **_: Any) -> None:
+        self._pre_forward = len(self._pending)
+
+    def _on_block(
+        self, event: str, step: int, block_id: int, request_id: str | None, ref_count: int,
+        block_hash: int | None,
+    ) -> None:
+        self._pending.append(BlockEvent(event, block_id, request_id, ref_count, block_hash, step))
+
+    def _on_step_end(self, info: "StepInfo") -> None:
+        out = info.scheduler_output
+        ids = info.request_ids
+        bm = self.engine.block_manager
+        rows: list[ScheduledRow] | None = [] if self._blocks else None
+        prefill_tokens = decode_tokens = prefill_seqs = queries = hits = 0
+        for r in out.requests:
+            rid = ids[r.seq_id]
+            req = self._touch(rid)
+            n = len(r.token_ids)
+            if r.is_prefill:
+                prefill_tokens += n
+                prefill_seqs += 1
+            else:
+                decode_tokens += n
+            if r.start == r.num_cached_tokens:  # an admission: the prefix cache was queried
+                hits += r.num_cached_tokens
+                if bm.enable_prefix_caching:
+                    queries += req.prompt_len + r.output_index
+            if rows is not None:
+                rows.append(ScheduledRow(rid, r.start, r.token_ids, r.num_cached_tokens, r.is_prefill, r.sample))
+        ref, hashes = bm.ref_count, bm.block_hash
+        t = info.timings
+        rec = StepRecord(
+            step=info.step, time_s=info.time_s, duration_s=info.duration_s,
+            num_scheduled_tokens=prefill_tokens + decode_tokens, num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=decode_tokens, num_prefill_seqs=prefill_seqs,
+            num_decode_seqs=len(out.requests) - prefill_seqs, token_budget=out.token_budget,
+            num_requests_running=len(info.running), num_requests_waiting=len(info.waiting),
+            num_preemptions=len(out.preempted_seq_ids), num_free_blocks=len(bm.free),
+            num_used_blocks=len(bm.used),
+            num_cached_blocks=int(np.count_nonzero((ref == 0) & (hashes >= 0))),
+            kv_cache_usage_perc=len(bm.used) / bm.num_blocks,
+            prefix_cache_queries=queries, prefix_cache_hits=hits, cuda_graph=bool(info.cuda_graph),
+            schedule_s=t.get("schedule_s", _NAN), prepare_s=t.get("prepare_s", _NAN),
+            forward_s=t.get("forward_s", _NAN), sample_s=t.get("sample_s", _NAN),
+            postprocess_s=t.get("postprocess_s", _NAN),
+        )
+        if rows is not None:
+            rec.scheduled = rows
+            rec.block_events, self._pending = self._pending, []
+            rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
+            rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
+            rec.preempted = [ids[i] for i in out.preempted_seq_ids]
+        if self.level == "full":
+            rec.pool = _snapshot(self.engine)
+        self._append(rec)
+        for key, fn in list(self._listeners.items()):
+            try:
+                fn(rec)
+            except Exception:
+                warn_detached(fn, "trace listener")
+                self._listeners.pop(key, None)
+
+    def _append(self, rec: StepRecord) -> None:
+        with self.lock:
+            self.records.append(rec)
+            if len(self.records) > self.max_steps:
+                old = self.records.popleft()
+                if self.baseline is not None:
+                    self.baseline.apply(old)
+                self.last_dropped_step = old.step
+                oldest = self.records[0].step
+                while self._finished and self._finished[0][0] < oldest:
+                    self._requests.pop(self._finished.popleft()[1], None)
+
+
+def _snapshot(engine: "LLMEngine") -> PoolSnapshot:
+    bm = engine.block_manager
+    ref, hashes = bm.ref_count.copy(), bm.block_hash.copy()
+    counts = fill_counts(
+        ref, hashes, bm.block_size,
+        ((s.block_table, s.num_computed_tokens) for s in engine.scheduler.running),
+    )
+    for a in (ref, hashes, counts):
+        a.flags.writeable = False
+    return PoolSnapshot(ref, hashes, counts)

@@ -1,0 +1,206 @@
+"""Column schemas of every trace table, and the conversions records <-> tables <-> parquet.
+
+One schema per table fixes names and dtypes, so an empty table, a filtered one and one read
+back from parquet all compare equal. Strings are ``object`` columns (``None`` for missing),
+hashes nullable ``Int64``, token and owner lists Python lists.
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from kvscope.trace.events import IDLE, POSTPROCESS, BlockEvent
+from kvscope.trace.pool import PoolState
+from kvscope.trace.record import STEP_COLUMNS, PoolSnapshot, ScheduledRow, StepRecord
+
+_I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "steps": {
+        **{c: _I for c in STEP_COLUMNS}, "time_s": _F, "duration_s": _F,
+        "kv_cache_usage_perc": _F, "cuda_graph": _B,
+        **{c: _F for c in ("schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s")},
+    },
+    "requests": {
+        "request_id": _S, "prompt_len": _I, "output_len": _I, "num_cached_tokens": _I,
+        "num_preemptions": _I, "arrival_time": _F, "first_scheduled_time": _F,
+        "first_token_time": _F, "finished_time": _F, "finish_reason": _S, "ttft_s": _F,
+        "mean_itl_s": _F, "e2e_s": _F,
+    },
+    "scheduled": {
+        "step": _I, "request_id": _S, "start": _I, "num_new_tokens": _I, "num_cached_tokens": _I,
+        "is_prefill": _B, "sample": _B, "token_ids": _L,
+    },
+    "block_events": {
+        "step": _I, "event": _S, "block_id": _I, "request_id": _S, "ref_count": _I,
+        "block_hash": _H, "phase": _S,
+    },
+    "queues": {"step": _I, "queue": _S, "position": _I, "request_id": _S},
+    "block_tables": {"step": _I, "request_id": _S, "logical_block": _I, "physical_block": _I},
+    "slot_mapping": {
+        "step": _I, "request_id": _S, "position": _I, "token_id": _I, "slot": _I, "block_id": _I,
+        "offset": _I,
+    },
+    "blocks": {
+        "block_id": _I, "state": _S, "ref_count": _I, "block_hash": _H, "num_tokens": _I,
+        "owners": _L,
+    },
+    "kv_events": {
+        "step": _I, "type": _S, "block_hashes": _L, "parent_block_hash": _H, "token_ids": _L,
+        "block_size": _H, "lora_id": _H, "medium": _S, "block_id": _H, "ref_count": _H,
+    },
+    "tokens": {"token_id": _I, "text": _S},
+    "baseline_tables": {"request_id": _S, "num_computed_tokens": _I, "block_table": _L},
+}
+REQUEST_COLUMNS = tuple(SCHEMAS["requests"])
+QUEUES = ("running", "waiting", "preempted", "finished")
+_LIST_COLUMNS = {name: [c for c, t in s.items() if c in ("token_ids", "block_hashes", "owners", "block_table")]
+                 for name, s in SCHEMAS.items()}
+
+
+def frame(name: str, data: Iterable[tuple] | dict[str, Any]) -> pd.DataFrame:
+    """A table with exactly the schema of ``name`` (rows as tuples, or columns as a dict)."""
+    schema = SCHEMAS[name]
+    if isinstance(data, dict):
+        df = pd.DataFrame(data, columns=list(schema))
+    else:  # object first: pandas would turn an int column holding None into (lossy) floats
+        df = pd.DataFrame(list(data), columns=list(schema), dtype=object)
+    return df.astype(schema)
+
+
+# ------------------------------------------------------------- records -> tables
+def steps_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
+    get = attrgetter(*STEP_COLUMNS)
+    return frame("steps", (get(r) for r in records))
+
+
+def scheduled_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
+    return frame("scheduled", (
+        (rec.step, r.request_id, r.start, len(r.token_ids), r.num_cached_tokens, r.is_prefill,
+         r.sample, r.token_ids)
+        for rec in records for r in rec.scheduled
+    ))
+
+
+def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
+    return frame("block_events", (
+        (rec.step, e.event, e.block_id, e.request_id, e.ref_count, e.block_hash, rec.event_phase(i))
+        for rec in records for i, e in enumerate(rec.block_events)
+    ))
+
+
+def queues_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
+    return frame("queues", (
+        (rec.step, q, i, rid)
+        for rec in records for q in QUEUES for i, rid in enumerate(getattr(rec, q))
+    ))
+
+
+# ------------------------------------------------------------- tables -> records
+def records_from_frames(
+    level: str, steps: pd.DataFrame, scheduled: pd.DataFrame | None = None,
+    block_events: pd.DataFrame | None = None, queues: pd.DataFrame | None = None,
+    pool: tuple[np.ndarray, ...] | None = None,
+) -> list[StepRecord]:
+    """Rebuild the records a saved trace was made of (the inverse of the ``*_frame`` functions)."""
+    cols = [steps[c].tolist() for c in STEP_COLUMNS]
+    records = [StepRecord(*vals) for vals in zip(*cols)]
+    if level == "summary":
+        return records
+    step_ids = steps["step"].to_numpy()
+    for rec, rows in zip(records, _split(scheduled, step_ids)):
+        rec.scheduled = [ScheduledRow(*r) for r in zip(
+            rows["request_id"], rows["start"].tolist(), rows["token_ids"], rows["num_cached_tokens"].tolist(),
+            rows["is_prefill"].tolist(), rows["sample"].tolist(),
+        )]
+    for rec, ev in zip(records, _split(block_events, step_ids)):
+        phases = ev["phase"].tolist()
+        rec.block_events = [
+            BlockEvent(e, b, rid, ref, None if pd.isna(h) else int(h), rec.step - (p == IDLE))
+            for e, b, rid, ref, h, p in zip(ev["event"], ev["block_id"].tolist(), ev["request_id"],
+                                           ev["ref_count"].tolist(), ev["block_hash"], phases)
+        ]
+        rec.num_pre_forward_events = sum(p != POSTPROCESS for p in phases)
+    for rec, q in zip(records, _split(queues, step_ids)):
+        for name in QUEUES:
+            setattr(rec, name, q["request_id"][q["queue"] == name].tolist())
+    if pool is not None:
+        for i, rec in enumerate(records):
+            rec.pool = PoolSnapshot(*(_readonly(a[i]) for a in pool))
+    return records
+
+
+def _split(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[pd.DataFrame]:
+    """Per recorded step, its rows of ``df`` (which is sorted by step)."""
+    bounds = np.searchsorted(df["step"].to_numpy(), step_ids, side="left").tolist() + [len(df)]
+    return (df.iloc[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]))
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+# ------------------------------------------------------------------- parquet
+def write_frame(df: pd.DataFrame, path: Path) -> None:
+    df.to_parquet(path, index=False)
+
+
+def read_frame(name: str, path: Path) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    for c in _LIST_COLUMNS[name]:
+        df[c] = [None if x is None else x.tolist() for x in df[c]]
+    for c, t in SCHEMAS[name].items():
+        if t is _S:  # parquet strings come back as pandas' string dtype
+            df[c] = df[c].astype(object).where(df[c].notna(), None)
+    return df.astype(SCHEMAS[name])
+
+
+def write_arrays(path: Path, columns: dict[str, np.ndarray]) -> None:
+    """2-D arrays (rows x width) as fixed-size list columns; 1-D arrays as plain columns."""
+    import pyarrow as pa  # only saving and loading need it
+    import pyarrow.parquet as pq
+
+    table = {}
+    for name, a in columns.items():
+        a = np.ascontiguousarray(a)
+        table[name] = pa.FixedSizeListArray.from_arrays(pa.array(a.reshape(-1)), a.shape[1]) if a.ndim == 2 \
+            else pa.array(a)
+    pq.write_table(pa.table(table), path)
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    out = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        if pa.types.is_fixed_size_list(col.type):
+            out[name] = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), col.type.list_size)
+        else:
+            out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+def baseline_frames(state: PoolState) -> tuple[dict[str, np.ndarray], pd.DataFrame]:
+    arrays = {"ref_count": state.ref_count, "block_hash": state.block_hash, "contents": state.contents}
+    tables = frame("baseline_tables", (
+        (rid, state.computed.get(rid, 0), list(t)) for rid, t in state.tables.items()
+    ))
+    return arrays, tables
+
+
+def baseline_from_frames(arrays: dict[str, np.ndarray], tables: pd.DataFrame) -> PoolState:
+    return PoolState(
+        arrays["ref_count"].astype(np.int32), arrays["block_hash"].astype(np.int64),
+        arrays["contents"].astype(np.int32),
+        dict(zip(tables["request_id"], tables["block_table"])),
+        dict(zip(tables["request_id"], tables["num_computed_tokens"].tolist())),
+    )

@@ -1,0 +1,405 @@
+"""``Trace``: a recording as pandas DataFrames and pool arrays (docs/TRACE_API.md).
+
+A trace is live while its :class:`~kvscope.trace.recorder.Recorder` records (every read sees
+the steps so far) and frozen once loaded. Pool state, block tables, slot mappings and block
+contents at a step are rebuilt from the block events by a forward-only replay cursor, so moving
+a step slider forward costs only the steps in between.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import threading
+from operator import attrgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+
+import numpy as np
+import pandas as pd
+
+from kvscope.engine.block_manager import hash_block
+from kvscope.trace.events import IDLE, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
+from kvscope.trace.record import StepRecord
+from kvscope.trace.tables import (
+    SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, queues_frame,
+    read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame, write_arrays,
+    write_frame,
+)
+
+if TYPE_CHECKING:
+    from kvscope.trace.recorder import ListenerHandle, Listener
+
+_STEP = attrgetter("step")
+
+
+class TraceSource(Protocol):
+    """Where a trace's records come from: a live :class:`Recorder` or a loaded directory."""
+
+    def view(self, with_baseline: bool = False) -> tuple[list[StepRecord], PoolState | None, int | None]: ...
+
+    def requests_frame(self) -> pd.DataFrame: ...
+
+    def add_listener(self, fn: "Listener") -> "ListenerHandle": ...
+
+
+class _Loaded:
+    def __init__(self, records: list[StepRecord], baseline: PoolState | None, requests: pd.DataFrame) -> None:
+        self.records, self.baseline, self.requests = records, baseline, requests
+
+    def view(self, with_baseline: bool = False) -> tuple[list[StepRecord], PoolState | None, int | None]:
+        return self.records, self.baseline.copy() if with_baseline and self.baseline else None, None
+
+    def requests_frame(self) -> pd.DataFrame:
+        return self.requests
+
+    def add_listener(self, fn: "Listener") -> "ListenerHandle":
+        raise RuntimeError("a loaded trace does not record; listeners need a live trace from llm.record()")
+
+
+class Trace:
+    """Recorded engine steps. Get one from ``with llm.record(...) as trace`` or ``Trace.load``."""
+
+    def __init__(
+        self, meta: dict[str, Any], source: TraceSource, tokenizer: Any = None,
+        token_texts: dict[int, str] | None = None,
+    ) -> None:
+        self.meta = meta
+        self._source = source
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = dict(token_texts or {})
+        self._frames: dict[str, tuple[tuple, pd.DataFrame]] = {}
+        self._lock = threading.RLock()  # the replay cursor is shared by the notebook and the engine thread
+        self._cursor: PoolState | None = None
+        self._cursor_step: int | None = None
+        self._cursor_arrays: dict[str, np.ndarray] | None = None
+        self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
+
+    # ---------------------------------------------------------------- basics
+    @property
+    def level(self) -> str:
+        return self.meta["level"]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.meta["num_blocks"]
+
+    @property
+    def block_size(self) -> int:
+        return self.meta["block_size"]
+
+    @property
+    def step_ids(self) -> list[int]:
+        return [r.step for r in self._records()]
+
+    def add_listener(self, fn: "Listener") -> "ListenerHandle":
+        """``fn(record: StepRecord)`` runs in the engine's thread after each recorded step."""
+        return self._source.add_listener(fn)
+
+    def __repr__(self) -> str:
+        recs = self._records()
+        span = f"{recs[0].step}..{recs[-1].step}" if recs else "none"
+        return f"<kvscope.Trace level={self.level!r} steps={len(recs)} ({span}) blocks={self.num_blocks}>"
+
+    # ---------------------------------------------------------------- tables
+    @property
+    def steps(self) -> pd.DataFrame:
+        return self._cached("steps", steps_frame)
+
+    @property
+    def requests(self) -> pd.DataFrame:
+        return self._source.requests_frame().copy(deep=False)
+
+    @property
+    def block_events(self) -> pd.DataFrame:
+        """Block events; those fired between steps (abort, reset) belong to the next step, phase ``idle``."""
+        self._need_blocks("block_events")
+        return self._cached("block_events", block_events_frame)
+
+    def scheduled(self, step: int | None = None) -> pd.DataFrame:
+        """Per step and request: ``start``, ``num_new_tokens``, ``num_cached_tokens`` (admissions),
+        ``is_prefill`` (prefill chunk, else decode), ``sample`` and the ``token_ids`` computed."""
+        return self._per_step("scheduled", scheduled_frame, step)
+
+    def queues(self, step: int | None = None) -> pd.DataFrame:
+        """``running`` and ``waiting`` after the step (head first); ``preempted`` and ``finished`` in it."""
+        return self._per_step("queues", queues_frame, step)
+
+    def block_tables(self, step: int | None = None) -> pd.DataFrame:
+        """The block table of every request in the step's forward pass."""
+        return self._forward_frame("block_tables", _table_columns, step)
+
+    def slot_mapping(self, step: int | None = None) -> pd.DataFrame:
+        """Where each computed token's K/V went: ``slot = block_id * block_size + offset``."""
+        return self._forward_frame("slot_mapping", _slot_columns, step)
+
+    # ------------------------------------------------------------- the pool
+    def pool_arrays(self, step: int) -> dict[str, np.ndarray]:
+        """``state`` (0 free, 1 used, 2 cached), ``ref_count``, ``block_hash`` (-1 none),
+        ``num_tokens``: one entry per block after ``step``."""
+        self._need_blocks("pool_arrays")
+        pool = self._record(step).pool
+        if pool is not None:
+            return {"state": block_states(pool.ref_count, pool.block_hash), **pool._asdict()}
+        with self._lock:
+            self._move(step)
+            if self._cursor_arrays is None:
+                self._cursor_arrays = self._cursor.arrays()
+            return dict(self._cursor_arrays)
+
+    def blocks(self, step: int) -> pd.DataFrame:
+        """The whole pool after ``step``, one row per block, with the requests owning it."""
+        arrays = self.pool_arrays(step)
+        with self._lock:
+            self._move(step)
+            owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+            for rid, table in self._cursor.tables.items():
+                for b in table:
+                    owners[b].append(rid)
+        h = arrays["block_hash"]
+        hashes = pd.array(h, dtype="Int64")
+        hashes[h == NO_HASH] = pd.NA
+        return frame("blocks", {
+            "block_id": np.arange(self.num_blocks),
+            "state": np.asarray(STATE_NAMES, dtype=object)[arrays["state"]],
+            "ref_count": arrays["ref_count"],
+            "block_hash": hashes,
+            "num_tokens": arrays["num_tokens"],
+            "owners": owners,
+        })
+
+    def block_tokens(self, step: int, block_id: int) -> list[int]:
+        """The token ids whose K/V block ``block_id`` holds after ``step``."""
+        n = int(self.pool_arrays(step)["num_tokens"][block_id])
+        with self._lock:
+            self._move(step)
+            return self._cursor.contents[block_id, :n].tolist()
+
+    def decode(self, token_ids: Iterable[int]) -> str:
+        """Text of ``token_ids``, token by token, from the texts the trace keeps (no tokenizer needed)."""
+        return "".join(self._token_text(int(t)) for t in token_ids)
+
+    def kv_events(self) -> pd.DataFrame:
+        """vLLM's KV-cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) with
+        ``block_id`` and ``ref_count`` added; a reset that empties the cache is one ``AllBlocksCleared``."""
+        self._need_blocks("kv_events")
+        recs, state, _ = self._source.view(with_baseline=True)
+        return _kv_events(recs, state)
+
+    # ------------------------------------------------------------ save/load
+    def save(self, path: str | Path) -> Path:
+        """Write the trace as parquet files (plus ``meta.json``) into directory ``path``."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        recs, base, _ = self._source.view(with_baseline=True)
+        (path / "meta.json").write_text(json.dumps(self.meta, indent=1))
+        write_frame(steps_frame(recs), path / "steps.parquet")
+        write_frame(self._source.requests_frame(), path / "requests.parquet")
+        if self.level == "summary":
+            return path
+        scheduled = scheduled_frame(recs)
+        for name, df in (("scheduled", scheduled), ("block_events", block_events_frame(recs)),
+                         ("queues", queues_frame(recs))):
+            write_frame(df, path / f"{name}.parquet")
+        arrays, tables = baseline_frames(base)
+        write_arrays(path / "baseline.parquet", arrays)
+        write_frame(tables, path / "baseline_tables.parquet")
+        held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
+        ids = sorted(set(held.tolist()).union(*scheduled["token_ids"]))
+        write_frame(frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}),
+                    path / "tokens.parquet")
+        if self.level == "full":
+            write_arrays(path / "pool.parquet", {
+                "step": np.array([r.step for r in recs], dtype=np.int64),
+                **{k: np.asarray([getattr(r.pool, k) for r in recs]).reshape(len(recs), self.num_blocks)
+                   for k in ("ref_count", "block_hash", "num_tokens")},
+            })
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        """A trace saved by :meth:`save`; it decodes tokens without a tokenizer."""
+        path = Path(path)
+        meta = json.loads((path / "meta.json").read_text())
+        level = meta["level"]
+        steps = read_frame("steps", path / "steps.parquet")
+        requests = read_frame("requests", path / "requests.parquet")
+        if level == "summary":
+            return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
+        pool = None
+        if level == "full":
+            a = read_arrays(path / "pool.parquet")
+            pool = (a["ref_count"].astype(np.int32), a["block_hash"].astype(np.int64),
+                    a["num_tokens"].astype(np.int32))
+        records = records_from_frames(
+            level, steps, *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues")),
+            pool=pool,
+        )
+        baseline = baseline_from_frames(read_arrays(path / "baseline.parquet"),
+                                        read_frame("baseline_tables", path / "baseline_tables.parquet"))
+        tokens = read_frame("tokens", path / "tokens.parquet")
+        return cls(meta, _Loaded(records, baseline, requests),
+                   token_texts=dict(zip(tokens["token_id"].tolist(), tokens["text"])))
+
+    # -------------------------------------------------------------- helpers
+    def _records(self) -> list[StepRecord]:
+        return self._source.view()[0]
+
+    def _record(self, step: int) -> StepRecord:
+        recs = self._records()
+        return recs[_index(recs, step)]
+
+    def _need_blocks(self, what: str) -> None:
+        if self.level == "summary":
+            raise ValueError(f"{what} needs a trace recorded at level 'blocks' or 'full'; this one is 'summary'")
+
+    def _cached(self, name: str, build: Callable[[Sequence[StepRecord]], pd.DataFrame]) -> pd.DataFrame:
+        recs = self._records()
+        key = (len(recs), recs[0].step, recs[-1].step) if recs else (0,)
+        hit = self._frames.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._frames[name] = (key, build(recs))
+        return hit[1].copy(deep=False)
+
+    def _per_step(self, name: str, build: Callable[[Sequence[StepRecord]], pd.DataFrame],
+                  step: int | None) -> pd.DataFrame:
+        self._need_blocks(name)
+        return self._cached(name, build) if step is None else build([self._record(step)])
+
+    def _forward_frame(self, name: str, columns: Callable[..., dict[str, np.ndarray]],
+                       step: int | None) -> pd.DataFrame:
+        """A per-token or per-block table of forward passes, from the replayed tables."""
+        self._need_blocks(name)
+        bs = self.block_size
+        if step is not None:
+            rec = self._record(step)
+            with self._lock:
+                self._move(step)
+                return frame(name, columns(rec, self._forward, bs))
+        recs, state, _ = self._source.view(with_baseline=True)
+        parts: list[dict[str, np.ndarray]] = []
+        for rec in recs:
+            state.apply(rec, on_forward=lambda s, rec=rec: parts.append(columns(rec, s.tables, bs)))
+        return frame(name, {c: np.concatenate([p[c] for p in parts]) if parts else [] for c in SCHEMAS[name]})
+
+    def _move(self, step: int) -> None:
+        """Bring the replay cursor to the state after ``step`` (call with ``self._lock`` held).
+
+        It moves forward from where it is while no record after it has been dropped, and
+        restarts from the baseline otherwise.
+        """
+        if self._cursor is not None and self._cursor_step == step:
+            return
+        recs, _, dropped = self._source.view()
+        i = _index(recs, step)
+        c = self._cursor_step
+        if self._cursor is not None and c < step and (dropped is None or dropped <= c):
+            lo = bisect.bisect_right(recs, c, key=_STEP)
+        else:
+            recs, self._cursor, _ = self._source.view(with_baseline=True)
+            i, lo = _index(recs, step), 0
+        for rec in recs[lo:i]:
+            self._cursor.apply(rec)
+
+        def keep(s: PoolState) -> None:
+            self._forward = {r.request_id: list(s.tables[r.request_id]) for r in recs[i].scheduled}
+
+        self._cursor.apply(recs[i], on_forward=keep)
+        self._cursor_step, self._cursor_arrays = step, None
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            if self._tokenizer is None:
+                raise KeyError(f"token id {token_id} does not occur in this trace, and a loaded trace has no tokenizer")
+            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+        return text
+
+
+def _index(records: Sequence[StepRecord], step: int) -> int:
+    i = bisect.bisect_left(records, step, key=_STEP)
+    if i == len(records) or records[i].step != step:
+        span = f"{records[0].step}..{records[-1].step}" if records else "none"
+        raise KeyError(f"step {step} is not in this trace (recorded steps: {span}; see trace.step_ids)")
+    return i
+
+
+def _table_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
+    rows = [tables[r.request_id] for r in rec.scheduled]
+    lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    return {
+        "step": np.full(int(lens.sum()), rec.step, dtype=np.int64),
+        "request_id": np.repeat(np.asarray([r.request_id for r in rec.scheduled], dtype=object), lens),
+        "logical_block": np.arange(int(lens.sum()), dtype=np.int64) - starts,
+        "physical_block": np.fromiter((b for t in rows for b in t), dtype=np.int64, count=int(lens.sum())),
+    }
+
+
+def _slot_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
+    positions, blocks = token_blocks(rec.scheduled, tables, block_size)
+    lens = np.fromiter((len(r.token_ids) for r in rec.scheduled), dtype=np.int64, count=len(rec.scheduled))
+    offset = positions % block_size
+    return {
+        "step": np.full(len(positions), rec.step, dtype=np.int64),
+        "request_id": np.repeat(np.asarray([r.request_id for r in rec.scheduled], dtype=object), lens),
+        "position": positions,
+        "token_id": np.fromiter((t for r in rec.scheduled for t in r.token_ids), dtype=np.int64,
+                                count=len(positions)),
+        "slot": blocks * block_size + offset,
+        "block_id": blocks,
+        "offset": offset,
+    }
+
+
+def _kv_events(records: Sequence[StepRecord], state: PoolState) -> pd.DataFrame:
+    rows: list[tuple] = []
+    resets: list[tuple[int, BlockRemoved]] = []  # an idle run of evictions: reset_prefix_cache
+
+    def add(step: int, ev: Any) -> None:
+        d = vars(ev)
+        rows.append((step, type(ev).__name__, *(d.get(c) for c in list(SCHEMAS["kv_events"])[2:])))
+
+    def flush(s: PoolState) -> None:
+        if resets and not (s.block_hash != NO_HASH).any():
+            add(resets[0][0], AllBlocksCleared())
+        else:
+            for step, ev in resets:
+                add(step, ev)
+        resets.clear()
+
+    for rec in records:
+        def on_event(i: int, ev: BlockEvent, s: PoolState, rec: StepRecord = rec) -> None:
+            b = ev.block_id
+            if ev.event == "block.evicted":
+                removed = BlockRemoved([int(s.block_hash[b])], block_id=b, ref_count=ev.ref_count)
+                if rec.event_phase(i) == IDLE:
+                    resets.append((rec.step, removed))
+                    return
+                flush(s)
+                add(rec.step, removed)
+                return
+            flush(s)
+            if ev.event == "block.hashed":
+                table = s.tables[ev.request_id]
+                j = table.index(b)
+                add(rec.step, BlockStored(
+                    [ev.block_hash], _chain_hash(s, table, j - 1), s.contents[b].tolist(), s.block_size,
+                    block_id=b, ref_count=ev.ref_count,
+                ))
+
+        state.apply(rec, on_event=on_event)
+        flush(state)
+    return frame("kv_events", rows)
+
+
+def _chain_hash(s: PoolState, table: list[int], j: int) -> int | None:
+    """The prefix-cache hash of logical block ``j`` of ``table`` (a block computed twice in one
+    step keeps no hash in the pool, so rebuild it from the contents)."""
+    if j < 0:
+        return None
+    h = int(s.block_hash[table[j]])
+    if h != NO_HASH:
+        return h
+    parent = _chain_hash(s, table, j - 1)
+    return hash_block(s.contents[table[j]].tolist(), NO_HASH if parent is None else parent)

@@ -1,0 +1,316 @@
+"""The trace layer on real tiny engines.
+
+One recorded workload per scheduling policy shares a prefix, runs chunked prefill (a small
+token budget) and preempts (a 16-block pool). Two recorders watch it at once: ``full`` keeps a
+pool snapshot per step, ``blocks`` only the events, so the pool rebuilt from the events can be
+compared with the snapshot at every step. A ``step.scheduled`` hook copies the block tables the
+runner receives, as an independent witness for ``block_tables`` and ``slot_mapping``.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pytest
+from pandas.testing import assert_frame_equal
+
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import LLM, RequestOutput, Trace
+from kvscope.engine.block_manager import hash_block
+
+VOCAB = 320
+POOL = ("state", "ref_count", "block_hash", "num_tokens")
+
+
+def _workload(seed: int = 7, n: int = 8) -> tuple[list[list[int]], list]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(21)]
+    prompts = [(system if i % 2 == 0 else system[:9]) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
+               for i in range(n)]
+    return prompts, [greedy(rng.randrange(6, 20)) for _ in prompts]
+
+
+def _tight_llm(**config) -> LLM:
+    """Small pool (preemption), small budget (chunked prefill), prefix caching on."""
+    return make_llm(block_size=4, num_kv_blocks=16, max_num_batched_tokens=24, **config)
+
+
+@dataclass
+class Run:
+    llm: LLM
+    full: Trace
+    blocks: Trace
+    outputs: list[RequestOutput]
+    runner_tables: dict[int, dict[str, list[int]]]  # step -> request id -> table the runner got
+
+
+def _record(llm: LLM, max_steps: int = 10_000) -> Run:
+    engine, runner = llm.llm_engine, {}
+
+    def witness(step, scheduler_output):
+        runner[step] = {engine.seqs[r.seq_id].request_id: list(r.block_table) for r in scheduler_output.requests}
+
+    prompts, params = _workload()
+    with llm.hooks({"step.scheduled": witness}), llm.record("full", max_steps) as full, \
+            llm.record("blocks", max_steps) as blocks:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    return Run(llm, full, blocks, outputs, runner)
+
+
+@pytest.fixture(scope="module", params=["unified", "prefill_first"])
+def run(request) -> Run:
+    return _record(_tight_llm(scheduling_policy=request.param))
+
+
+def _assert_replay_equals_snapshot(run: Run) -> None:
+    assert run.full.step_ids == run.blocks.step_ids
+    for step in run.full.step_ids:
+        snap, replay = run.full.pool_arrays(step), run.blocks.pool_arrays(step)
+        for k in POOL:
+            np.testing.assert_array_equal(replay[k], snap[k], err_msg=f"{k} at step {step}")
+
+
+def test_workload_shares_prefixes_preempts_and_chunks(run):
+    events = run.blocks.block_events["event"].value_counts()
+    assert events["block.shared"] > 0 and events["block.reused"] > 0 and events["block.evicted"] > 0
+    assert run.full.steps["num_preemptions"].sum() > 0
+    prefill = run.blocks.scheduled().query("is_prefill")
+    assert (prefill.groupby("request_id").size() > 1).any(), "some prompt should span several steps"
+
+
+def test_replay_equals_snapshot(run):
+    _assert_replay_equals_snapshot(run)
+    bm = run.llm.llm_engine.block_manager
+    last = run.blocks.step_ids[-1]
+    for b in np.flatnonzero(bm.block_hash >= 0):  # token contents rebuilt from the scheduled rows
+        assert run.blocks.block_tokens(last, int(b)) == bm.block_tokens[b].tolist()
+
+
+def test_step_counts_add_up(run):
+    steps, trace = run.full.steps, run.full
+    assert (steps.num_prefill_tokens + steps.num_decode_tokens == steps.num_scheduled_tokens).all()
+    assert (steps.num_free_blocks + steps.num_used_blocks == trace.num_blocks).all()
+    assert np.allclose(steps.kv_cache_usage_perc, steps.num_used_blocks / trace.num_blocks)
+    sched = trace.scheduled()
+    per_step = sched.assign(p=sched.num_new_tokens.where(sched.is_prefill, 0)).groupby("step").agg(
+        tokens=("num_new_tokens", "sum"), prefill=("p", "sum"), prefill_seqs=("is_prefill", "sum"),
+        seqs=("request_id", "size"))
+    s = steps.set_index("step").loc[per_step.index]
+    assert (per_step.tokens == s.num_scheduled_tokens).all() and (per_step.prefill == s.num_prefill_tokens).all()
+    assert (per_step.prefill_seqs == s.num_prefill_seqs).all()
+    assert (per_step.seqs == s.num_prefill_seqs + s.num_decode_seqs).all()
+    assert (steps.num_scheduled_tokens <= steps.token_budget).all()
+    queues = trace.queues().groupby(["step", "queue"]).size().unstack(fill_value=0).reindex(steps.step, fill_value=0)
+    assert (queues["running"].to_numpy() == steps.num_requests_running).all()
+    assert (queues.get("preempted", 0) == steps.set_index("step").num_preemptions).all()
+    for step, cached in zip(steps.step, steps.num_cached_blocks):
+        assert (trace.pool_arrays(step)["state"] == 2).sum() == cached
+    timings = steps[["schedule_s", "prepare_s", "forward_s", "postprocess_s"]]
+    assert (timings >= 0).all().all() and (steps.duration_s >= timings.sum(axis=1) - 1e-9).all()
+
+
+def test_requests_agree_with_request_outputs(run):
+    rows = run.full.requests.set_index("request_id")
+    assert len(rows) == len(run.outputs)
+    for o in run.outputs:
+        r, m = rows.loc[o.request_id], o.metrics
+        assert (r.prompt_len, r.output_len) == (len(o.prompt_token_ids), len(o.outputs[0].token_ids))
+        assert (r.num_cached_tokens, r.num_preemptions) == (o.num_cached_tokens, m.num_preemptions)
+        assert r.finish_reason == o.outputs[0].finish_reason
+        assert (r.arrival_time, r.first_scheduled_time, r.first_token_time, r.finished_time) == \
+            (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time)
+        assert (r.ttft_s, r.e2e_s) == (m.ttft_s, m.e2e_s)
+        assert r.mean_itl_s == pytest.approx((m.last_token_time - m.first_token_time) / (r.output_len - 1))
+    assert rows.num_preemptions.sum() == run.full.steps.num_preemptions.sum()
+
+
+def test_prefix_cache_hits_are_the_admissions_cached_tokens(run):
+    steps, sched = run.full.steps, run.full.scheduled()
+    admissions = sched[sched.start == sched.num_cached_tokens]
+    assert steps.prefix_cache_hits.sum() == admissions.num_cached_tokens.sum() > 0
+    # a query covers the whole sequence at admission: its prompt plus what it generated before
+    sampled_before = sched.groupby("request_id")["sample"].cumsum() - sched["sample"]
+    prompt = run.full.requests.set_index("request_id").prompt_len
+    queried = prompt.loc[admissions.request_id].to_numpy() + sampled_before.loc[admissions.index].to_numpy()
+    assert steps.prefix_cache_queries.sum() == queried.sum()
+    assert (steps.prefix_cache_hits <= steps.prefix_cache_queries).all()
+
+
+def test_block_tables_and_slot_mapping_are_the_runners(run):
+    trace, bs = run.blocks, run.blocks.block_size
+    for step in trace.step_ids:
+        tables = trace.block_tables(step)
+        got = {rid: g.sort_values("logical_block").physical_block.tolist() for rid, g in tables.groupby("request_id")}
+        assert got == run.runner_tables[step]
+        slots = trace.slot_mapping(step)
+        table = tables.set_index(["request_id", "logical_block"]).physical_block
+        expect = table.loc[list(zip(slots.request_id, slots.position // bs))].to_numpy() * bs + slots.position % bs
+        assert (slots.slot.to_numpy() == expect).all()
+        assert (slots.block_id * bs + slots.offset == slots.slot).all() and slots.slot.is_unique
+        sched = trace.scheduled(step)
+        assert slots.token_id.tolist() == [t for ts in sched.token_ids for t in ts]
+        assert slots.position.tolist() == [p for s, n in zip(sched.start, sched.num_new_tokens) for p in range(s, s + n)]
+    per_step = pd.concat([trace.slot_mapping(s) for s in trace.step_ids], ignore_index=True)
+    assert_frame_equal(trace.slot_mapping(), per_step)
+    assert_frame_equal(trace.block_tables(), pd.concat([trace.block_tables(s) for s in trace.step_ids],
+                                                       ignore_index=True))
+
+
+def test_blocks_view(run):
+    trace = run.full
+    step = trace.step_ids[len(trace.step_ids) // 2]
+    blocks, arrays = trace.blocks(step), trace.pool_arrays(step)
+    assert (blocks.block_id == np.arange(trace.num_blocks)).all()
+    assert (blocks.owners.map(len) == blocks.ref_count).all()
+    assert (blocks.state.map({"free": 0, "used": 1, "cached": 2}) == arrays["state"]).all()
+    for b in blocks.itertuples():
+        assert len(trace.block_tokens(step, b.block_id)) == b.num_tokens
+    assert set(trace.queues(step).queue) <= {"running", "waiting", "preempted", "finished"}
+
+
+def test_kv_events_follow_vllm_schema(run):
+    kv, events = run.blocks.kv_events(), run.blocks.block_events
+    stored, removed = kv[kv.type == "BlockStored"], kv[kv.type == "BlockRemoved"]
+    assert len(stored) == (events.event == "block.hashed").sum()
+    assert len(removed) == (events.event == "block.evicted").sum()
+    assert (stored.block_size == run.blocks.block_size).all()
+    for ev in stored.itertuples():  # the hash chain checks out from the exported tokens alone
+        parent = -1 if pd.isna(ev.parent_block_hash) else int(ev.parent_block_hash)
+        assert ev.block_hashes == [hash_block(ev.token_ids, parent)]
+
+
+def test_recording_mid_run_and_reset_prefix_cache():
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(seed=3, n=3)
+    llm.generate(prompts, params, use_tqdm=False)  # leaves cached blocks behind, unrecorded
+    contents = llm.llm_engine.block_manager.block_tokens.copy()
+    with llm.record("full") as full, llm.record("blocks") as blocks:
+        again = llm.generate(prompts, params, use_tqdm=False)
+        llm.reset_prefix_cache()
+        cold = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(again) == token_ids(cold)
+    assert sum(o.num_cached_tokens for o in again) > 0 and sum(o.num_cached_tokens for o in cold) == 0
+    _assert_replay_equals_snapshot(Run(llm, full, blocks, [], {}))
+    first = blocks.step_ids[0]
+    reused = blocks.block_events.query("step == @first and event == 'block.reused'")
+    assert len(reused)
+    for b in reused.block_id:  # contents that predate the recording come from its baseline
+        assert blocks.block_tokens(first, b) == contents[b].tolist()
+    kv = blocks.kv_events()
+    cleared = kv[kv.type == "AllBlocksCleared"]
+    assert len(cleared) == 1
+    idle = blocks.block_events.query("phase == 'idle'")
+    assert set(idle.event) == {"block.evicted"} and (idle.step == cleared.step.iloc[0]).all()
+
+
+def test_ring_buffer_keeps_the_last_steps():
+    llm = _tight_llm()
+    with llm.record("summary") as everything:
+        ring = _record(llm, max_steps=7)
+    assert ring.full.step_ids == everything.step_ids[-7:] == ring.blocks.step_ids
+    assert_frame_equal(ring.full.steps, everything.steps.iloc[-7:].reset_index(drop=True))
+    _assert_replay_equals_snapshot(ring)  # the baseline moved over every dropped step
+    live = set(ring.full.scheduled().request_id)
+    assert live <= set(ring.full.requests.request_id) <= set(everything.requests.request_id)
+    with pytest.raises(KeyError, match="not in this trace"):
+        ring.full.pool_arrays(everything.step_ids[0])
+
+
+def _assert_same_trace(a: Trace, b: Trace) -> None:
+    assert a.meta == b.meta and a.step_ids == b.step_ids
+    assert (a.level, a.num_blocks, a.block_size) == (b.level, b.num_blocks, b.block_size)
+    assert_frame_equal(a.steps, b.steps)
+    assert_frame_equal(a.requests, b.requests)
+    if a.level == "summary":
+        return
+    assert_frame_equal(a.block_events, b.block_events)
+    for name in ("scheduled", "queues", "block_tables", "slot_mapping"):
+        assert_frame_equal(getattr(a, name)(), getattr(b, name)())
+    assert_frame_equal(a.kv_events(), b.kv_events())
+    for step in a.step_ids[::3]:
+        assert_frame_equal(a.blocks(step), b.blocks(step))
+        pa, pb = a.pool_arrays(step), b.pool_arrays(step)
+        for k in POOL:
+            np.testing.assert_array_equal(pa[k], pb[k])
+            assert pa[k].dtype == pb[k].dtype
+        for blk in range(a.num_blocks):
+            tokens = a.block_tokens(step, blk)
+            assert tokens == b.block_tokens(step, blk)
+            assert a.decode(tokens) == b.decode(tokens)
+
+
+def test_save_load_round_trip(run, tmp_path):
+    for trace in (run.full, run.blocks):
+        _assert_same_trace(trace, Trace.load(trace.save(tmp_path / trace.level)))
+    assert run.full.meta["kv_shards"][0]["num_blocks"] == run.full.num_blocks == 16
+
+
+def test_round_trip_of_summary_and_wrapped_traces(tmp_path):
+    llm = _tight_llm()
+    with llm.record("summary") as summary:
+        ring = _record(llm, max_steps=5)
+    for trace in (summary, ring.full, ring.blocks):
+        _assert_same_trace(trace, Trace.load(trace.save(tmp_path / f"{trace.level}-{len(trace.step_ids)}")))
+
+
+def test_levels_attach_only_their_hooks():
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(n=2)
+    with llm.record("summary") as summary:
+        assert not llm.hooks.any_active("block.") and not llm.hooks.active("step.scheduled")
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.hooks.any_active("")  # nothing listens once recording stops
+    assert len(summary.steps) and len(summary.requests) == 2
+    for read in (lambda: summary.block_events, lambda: summary.pool_arrays(1), summary.kv_events):
+        with pytest.raises(ValueError, match="level 'blocks' or 'full'"):
+            read()
+    with llm.record("blocks"):
+        assert all(llm.hooks.active(f"block.{e}") for e in ("allocated", "shared", "freed", "hashed"))
+
+
+def test_raising_hook_is_detached_and_generation_completes():
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(n=3)
+    expected = token_ids(llm.generate(prompts, params, use_tqdm=False))
+    calls = []
+
+    def bad(**payload):
+        calls.append(payload)
+        raise RuntimeError("boom")
+
+    llm.hooks.add("block.allocated", bad)
+    with pytest.warns(RuntimeWarning, match="raised and was detached"):
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert len(calls) == 1 and not llm.hooks.active("block.allocated")
+
+    seen = []
+    llm.hooks.add("step.end", lambda info: seen.append(info.step)).remove()
+    with llm.hooks({"request.finished": lambda request_id, **_: seen.append(request_id)}):
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert len(seen) == 1 and isinstance(seen[0], str)  # one finish, and no step.end at all
+
+
+def test_listeners_see_each_record_and_a_raising_one_is_detached(tmp_path):
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(n=3)
+    got, bad_calls = [], []
+
+    def bad(record):
+        bad_calls.append(record.step)
+        raise ValueError("listener bug")
+
+    with llm.record("blocks") as trace:
+        handle = trace.add_listener(got.append)
+        trace.add_listener(bad)
+        with pytest.warns(RuntimeWarning, match="trace listener"):
+            llm.generate(prompts, params, use_tqdm=False)
+        handle.remove()
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)
+    assert [r.step for r in got] == trace.step_ids[:len(got)] and len(got) < len(trace.step_ids)
+    assert len(bad_calls) == 1
+    assert got[0].num_scheduled_tokens == trace.steps.num_scheduled_tokens.iloc[0]
+    with pytest.raises(RuntimeError, match="does not record"):
+        Trace.load(trace.save(tmp_path)).add_listener(print)
