@@ -10,3 +10,24 @@ from kvscope.trace.trace import Trace
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Trace"]
 __version__ = "0.1.0"
+
+
+def dashboard(source: "LLM | Trace", **kwargs: object) -> "kvscope.widgets.Dashboard":
+    """``kvscope.dashboard(llm)`` (live) or ``kvscope.dashboard(trace)`` (replay).
+
+    Imported on first use, so ``import kvscope`` does not pay for the widget stack.
+    See :class:`kvscope.widgets.Dashboard` for the options.
+    """
+    from kvscope.widgets import dashboard as make
+
+    return make(source, **kwargs)
+
+
+def load_ipython_extension(ipython: "IPython.InteractiveShell") -> None:
+    """``%load_ext kvscope`` registers the ``%kvscope`` / ``%%kvscope`` magics."""
+    from kvscope.magic import load_ipython_extension as load
+
+    load(ipython)
+
+
+__all__.append("dashboard")

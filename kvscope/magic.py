@@ -1,0 +1,81 @@
+"""``%kvscope`` / ``%%kvscope``: the dashboard from one line of a notebook (``%load_ext kvscope``)."""
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from kvscope.widgets.views import VIEW_CLASSES
+
+
+@magics_class
+class KvscopeMagics(Magics):
+    @magic_arguments()
+    @argument("target", nargs="?", default=None,
+              help="an LLM or a Trace variable, or 'demo'. In cell mode: the LLM to watch "
+                   "(default: the only LLM in the namespace).")
+    @argument("-o", "--out", default=None, help="store the recorded Trace in this variable")
+    @argument("--views", default=",".join(VIEW_CLASSES),
+              help=f"comma-separated views to show, from: {', '.join(VIEW_CLASSES)}")
+    @argument("--level", default="full", choices=("summary", "blocks", "full"),
+              help="recording level (the block views need 'blocks' or 'full')")
+    @argument("--max-steps", type=int, default=2000, help="steps the recording keeps (a ring buffer)")
+    @argument("--interval", type=float, default=0.25, help="seconds between two browser updates")
+    @argument("--html", default=None, help="also write a static HTML export of the trace to this file")
+    @line_cell_magic
+    def kvscope(self, line: str, cell: str | None = None) -> Any:
+        """Show kvscope's dashboard: the KV block pool, queues, block tables, slot mapping, timeline.
+
+        %kvscope llm            live dashboard of LLM `llm`: later llm.generate(...) calls update it
+        %kvscope trace          replay a recorded or loaded Trace with a step slider
+        %kvscope demo           LLM() on the bundled model, running a demo workload in the background
+        %%kvscope [llm] -o t    run the cell with a live dashboard; the recorded Trace is stored in `t`
+        """
+        args = parse_argstring(self.kvscope, line)
+        options = dict(views=[v.strip() for v in args.views.split(",") if v.strip()], level=args.level,
+                       max_steps=args.max_steps, interval=args.interval)
+        from kvscope.widgets import Dashboard, demo
+
+        if cell is not None:
+            dash = Dashboard(self._llm(args.target), **options)
+            display(dash)
+            try:
+                self.shell.run_cell(cell)
+            finally:
+                dash.detach()
+        elif args.target == "demo":
+            dash = demo(**options)
+        elif args.target is None:
+            raise ValueError("usage: %kvscope llm | %kvscope trace | %kvscope demo (see %kvscope?)")
+        else:
+            dash = Dashboard(self._resolve(args.target), **options)
+        if args.out:
+            self.shell.user_ns[args.out] = dash.trace
+        if args.html:
+            dash.to_html(args.html)
+        return None if cell is not None else dash
+
+    def _resolve(self, name: str) -> Any:
+        try:
+            return eval(name, self.shell.user_ns)  # noqa: S307 - the user's own expression
+        except NameError:
+            raise NameError(f"%kvscope: {name!r} is not defined in the notebook") from None
+
+    def _llm(self, name: str | None) -> Any:
+        if name is not None:
+            return self._resolve(name)
+        from kvscope.llm import LLM
+
+        found = [k for k, v in self.shell.user_ns.items() if isinstance(v, LLM) and not k.startswith("_")]
+        if len(found) != 1:
+            raise ValueError(
+                f"%%kvscope: name the LLM to watch (found {len(found)} LLM variables: {', '.join(found) or 'none'})"
+            )
+        return self.shell.user_ns[found[0]]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the ``%kvscope`` line and cell magic."""
+    ipython.register_magics(KvscopeMagics)

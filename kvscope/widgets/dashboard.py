@@ -1,0 +1,310 @@
+"""The dashboard: the views composed over one trace, live on an ``LLM`` or replaying a ``Trace``.
+
+Live, the dashboard records the engine (``llm.record``) and adds a trace listener. The listener
+runs in the engine's thread and only notes the newest step and wakes an updater thread; that
+thread pushes at most one batch of changes per ``interval`` seconds, so the engine never waits
+for the browser. ``generate_async`` runs the engine in a background thread so the kernel stays
+free, and Pause / Step / Resume hold that thread between two engine steps.
+"""
+from __future__ import annotations
+
+import bisect
+import html
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Iterable
+
+import ipywidgets as W
+
+from kvscope.widgets.views import VIEW_CLASSES
+
+DEFAULT_VIEWS = ("pool", "queues", "tables", "slots", "timeline")
+
+
+class StepGate:
+    """Where a background run waits between steps while paused; ``step_once`` lets one through."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.paused = False
+        self._credits = 0
+        self.waiting = False
+
+    def wait(self) -> None:
+        if not self.paused:  # the common case costs one attribute read
+            return
+        with self._cond:
+            self.waiting = True
+            while self.paused and self._credits == 0:
+                self._cond.wait()
+            if self._credits:
+                self._credits -= 1
+            self.waiting = False
+
+    def pause(self) -> None:
+        with self._cond:
+            self.paused = True
+
+    def step_once(self) -> None:
+        with self._cond:
+            self._credits += 1
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self.paused, self._credits = False, 0
+            self._cond.notify_all()
+
+
+class Dashboard:
+    """Block pool, queues, block tables, slot mapping and timeline over one trace.
+
+    ``Dashboard(llm)`` is live: every later ``llm.generate`` (in any cell) updates it, until
+    :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
+    Display it like any widget (it is the last expression of a cell, or ``display(dash)``).
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        views: Iterable[str] = DEFAULT_VIEWS,
+        level: str = "full",
+        max_steps: int = 2000,
+        interval: float = 0.25,
+    ) -> None:
+        unknown = set(views) - set(VIEW_CLASSES)
+        if unknown:
+            raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
+        self.interval = interval
+        self.llm = source if hasattr(source, "record") else None
+        self._recording = None
+        self._closed = self.llm is None
+        if self.llm is not None:
+            self._recording = self.llm.record(level=level, max_steps=max_steps)
+            self.trace = self._recording.__enter__()
+        else:
+            self.trace = source
+        self.views = {name: VIEW_CLASSES[name]() for name in views}
+        self._lock = threading.RLock()  # one thread at a time touches the widgets
+        self._shown: int | None = None
+        self._bg_thread: threading.Thread | None = None
+        self._run: Future | None = None
+        self.gate = StepGate()
+        self.last_error: str | None = None
+        self._build_layout()
+        self._link_selection()
+        if len(self.trace.step_ids):
+            self._refresh(follow=True)
+        self._listener = self._updater = None
+        self._wake = threading.Event()
+        if self.llm is not None:
+            self._updater = threading.Thread(target=self._update_loop, name="kvscope-dashboard", daemon=True)
+            self._updater.start()
+            self._listener = self.trace.add_listener(self._on_step)
+
+    # ------------------------------------------------------------------ layout
+    def _build_layout(self) -> None:
+        live = self.llm is not None
+        self.slider = W.IntSlider(value=0, min=0, max=0, description="step", continuous_update=True,
+                                  layout=W.Layout(width="60%"))
+        self.slider.observe(self._on_slider, "value")
+        self.play = W.Play(interval=150, min=0, max=0, description="play")
+        W.jslink((self.play, "value"), (self.slider, "value"))
+        self.status = W.HTML()
+        self.status.add_class("kvscope-status")
+        header = [self.play, self.slider, self.status]
+        if live:
+            self.follow = W.Checkbox(value=True, description="follow live", indent=False,
+                                     layout=W.Layout(width="110px"))
+            self.pause_button = W.Button(description="Pause", icon="pause", tooltip="hold the background run after this step")
+            self.step_button = W.Button(description="Step", icon="step-forward", tooltip="run one engine step")
+            self.resume_button = W.Button(description="Resume", icon="play", tooltip="continue the background run")
+            for b, fn in ((self.pause_button, self.pause), (self.step_button, self.step_once),
+                          (self.resume_button, self.resume)):
+                b.add_class(f"kvscope-{b.description.lower()}")
+                b.layout.width = "90px"
+                b.on_click(lambda _b, fn=fn: fn())
+            header = [self.pause_button, self.step_button, self.resume_button, self.follow] + header
+        v = self.views
+        body: list[W.Widget] = [W.HBox(header, layout=W.Layout(align_items="center", flex_flow="row wrap"))]
+        body += [v[n] for n in ("pool",) if n in v]
+        side = [W.Box([v[n]], layout=W.Layout(flex="1 1 0", min_width="320px")) for n in ("queues", "tables") if n in v]
+        if side:
+            body.append(W.HBox(side, layout=W.Layout(width="100%", grid_gap="12px")))
+        body += [v[n] for n in ("slots", "timeline") if n in v]
+        self.widget = W.VBox(body, layout=W.Layout(width="100%"))
+        self._set_status()
+
+    def _link_selection(self) -> None:
+        # Linked in the browser, so clicks propagate even while a cell keeps the kernel busy.
+        linked = [v for v in self.views.values() if hasattr(v, "selected_request")]
+        for a, b in zip(linked, linked[1:]):
+            W.jslink((a, "selected_request"), (b, "selected_request"))
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    # ------------------------------------------------------------ showing steps
+    def show_step(self, step: int) -> None:
+        """Show recorded step ``step`` (the nearest recorded one at or before it) in every view."""
+        ids = self.trace.step_ids
+        if not len(ids):
+            return
+        i = max(0, bisect.bisect_right(ids, step) - 1)
+        step = int(ids[i])
+        with self._lock:
+            for view in self.views.values():
+                view.update_from(self.trace, step)
+            self._shown = step
+            self._set_status()
+
+    @property
+    def step(self) -> int | None:
+        """The step the views show now."""
+        return self._shown
+
+    def _on_slider(self, change: dict) -> None:
+        if self.llm is not None and threading.current_thread() is not self._updater and change["new"] != self.slider.max:
+            self.follow.value = False  # the user moved the slider: stop jumping to the newest step
+        self.show_step(change["new"])
+
+    def _refresh(self, follow: bool) -> None:
+        """Extend the slider to the newest recorded step; show it when following."""
+        ids = self.trace.step_ids
+        if not len(ids):
+            return
+        with self._lock:
+            for w in (self.slider, self.play):
+                with w.hold_sync():  # steps only grow, so widen the top before raising the bottom
+                    w.max, w.min = int(ids[-1]), int(ids[0])
+            if follow:
+                if self.slider.value != int(ids[-1]):
+                    self.slider.value = int(ids[-1])  # the observer shows it
+                else:
+                    self.show_step(int(ids[-1]))
+            elif "timeline" in self.views and self._shown is not None:
+                self.views["timeline"].update_from(self.trace, self._shown)
+
+    # --------------------------------------------------------------------- live
+    def _on_step(self, _record: Any) -> None:
+        """Trace listener, in the engine's thread: wake the updater, and wait here while paused."""
+        self._wake.set()
+        if threading.current_thread() is self._bg_thread:
+            self.gate.wait()
+
+    def _update_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._wake.clear()
+            try:
+                self._refresh(follow=self.follow.value)
+            except Exception:  # a broken update must never stop the engine or this thread
+                self.last_error = traceback.format_exc()
+                self._set_status()
+            time.sleep(self.interval)
+
+    def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:
+        """Run ``llm.generate(prompts, sampling_params)`` in a background thread.
+
+        The kernel stays free, so Pause / Step / Resume and hovering work during the run.
+        Returns a ``concurrent.futures.Future`` of the outputs. Do not use the same ``LLM``
+        from another thread until it is done.
+        """
+        if self.llm is None or self._closed:
+            raise RuntimeError("generate_async needs a live dashboard (kvscope.dashboard(llm))")
+        if self._run is not None and not self._run.done():
+            raise RuntimeError("a background run is still going; wait for dashboard.run_future")
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+
+        def target() -> None:
+            try:
+                fut.set_result(self.llm.generate(prompts, sampling_params, use_tqdm=False))
+            except BaseException as exc:
+                fut.set_exception(exc)
+            finally:
+                self.gate.resume()
+                self._set_status()
+
+        self._run = fut
+        self._bg_thread = threading.Thread(target=target, name="kvscope-generate", daemon=True)
+        self._bg_thread.start()
+        self._set_status()
+        return fut
+
+    @property
+    def run_future(self) -> Future | None:
+        """The Future of the latest :meth:`generate_async` run."""
+        return self._run
+
+    def pause(self) -> None:
+        """Hold the background run after the step it is computing."""
+        self.gate.pause()
+        self._set_status()
+
+    def step_once(self) -> None:
+        """While paused, let the background run do exactly one more step."""
+        if not self.gate.paused:
+            self.gate.pause()
+        self.gate.step_once()
+        self._set_status()
+
+    def resume(self) -> None:
+        self.gate.resume()
+        self._set_status()
+
+    def _set_status(self) -> None:
+        running = self._run is not None and not self._run.done()
+        if self.llm is None:
+            text = f"replay · {len(self.trace.step_ids)} steps recorded"
+        elif running:
+            text = "background run · paused" if self.gate.paused else "background run · running"
+        else:
+            text = "detached · replay" if self._closed else "live · idle"
+        if self._shown is not None:
+            text += f" · showing step {self._shown}"
+        if self.last_error:
+            text += f' · <span title="{html.escape(self.last_error)}" style="color:#e63946">update error (hover)</span>'
+        self.status.value = text
+        if self.llm is not None:
+            for b in (self.pause_button, self.step_button, self.resume_button):
+                b.disabled = not running
+
+    def detach(self) -> None:
+        """Stop recording and updating; the dashboard stays as a replay of what it recorded."""
+        if self.llm is None or self._closed:
+            return
+        if self._run is not None and not self._run.done():
+            self.gate.resume()
+            self._run.result()
+        self._listener.remove()
+        self._recording.__exit__(None, None, None)
+        self._closed = True
+        self._wake.set()
+        self._updater.join()
+        self._refresh(follow=self.follow.value)
+        self._set_status()
+
+    def __enter__(self) -> "Dashboard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def to_html(self, path: str | Path, **kwargs: Any) -> Path:
+        """Write a static, self-contained HTML page of this dashboard's trace (no kernel needed)."""
+        from kvscope.widgets.export import export_html
+
+        return export_html(self.trace, path, step=self._shown,
+                           selected_request=self.views["pool"].selected_request if "pool" in self.views else "",
+                           **kwargs)
+
+
+def dashboard(source: Any, **kwargs: Any) -> Dashboard:
+    """``kvscope.dashboard(llm)`` (live) or ``kvscope.dashboard(trace)`` (replay); see :class:`Dashboard`."""
+    return Dashboard(source, **kwargs)

@@ -1,0 +1,129 @@
+"""A static, self-contained HTML page of a trace: the dashboard's views with a step slider.
+
+The page runs the same ES modules as the Jupyter views, each driven by an in-page model, so
+it opens in any browser without a kernel or a network connection (plotly.js is inlined unless
+``include_plotlyjs="cdn"``). All exported steps travel as one deflated JSON payload.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import plotly.io as pio
+from plotly.offline import get_plotlyjs, get_plotlyjs_version
+
+from kvscope.widgets import snapshot
+from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
+
+# view name -> (snapshot function, traits sent as binary)
+EXPORTED_VIEWS = {
+    "pool": (snapshot.pool_state, ("state", "ref_count")),
+    "queues": (snapshot.queues_state, ()),
+    "tables": (snapshot.tables_state, ()),
+    "slots": (snapshot.slots_state, ()),
+}
+
+
+def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
+    """At most ``max_steps`` recorded steps, evenly spread, always with the first and last."""
+    ids = [int(s) for s in step_ids]
+    if len(ids) <= max_steps:
+        return ids
+    picks = np.unique(np.linspace(0, len(ids) - 1, max_steps).round().astype(int))
+    return [ids[i] for i in picks]
+
+
+def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
+    """Every view's state at each of ``steps``, plus hover facts for the blocks holding tokens."""
+    views: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPORTED_VIEWS}
+    details = []
+    for step in steps:
+        for name, (fn, binary) in EXPORTED_VIEWS.items():
+            state = fn(trace, step)
+            for key in binary:
+                state[key] = base64.b64encode(state[key]).decode("ascii")
+            views[name].append(state)
+        filled = np.flatnonzero(trace.pool_arrays(step)["num_tokens"] > 0).tolist()
+        details.append(snapshot.block_details(trace, step, filled))
+    return {"steps": steps, "views": views, "details": details,
+            "binary": {name: list(binary) for name, (_fn, binary) in EXPORTED_VIEWS.items()}}
+
+
+def export_html(
+    trace: Any,
+    path: str | Path,
+    *,
+    max_steps: int = 300,
+    step: int | None = None,
+    selected_request: str = "",
+    include_plotlyjs: bool | str = True,
+    title: str = "kvscope trace",
+) -> Path:
+    """Write ``trace`` as one HTML file that opens without a kernel; returns the path.
+
+    ``max_steps`` bounds the file size: that many recorded steps, evenly spread, get a slider
+    position (the timeline always covers every step). ``step`` is the step shown first.
+    """
+    ids = trace.step_ids
+    if not len(ids):
+        raise ValueError("the trace has no recorded steps to export")
+    steps = exported_steps(ids, max_steps)
+    start = steps[-1] if step is None else min(steps, key=lambda s: abs(s - step))
+    payload = zlib.compress(json.dumps(export_payload(trace, steps), separators=(",", ":")).encode(), 9)
+    meta = {"num_blocks": int(trace.num_blocks), "block_size": int(trace.block_size), "step": start,
+            "selected_request": selected_request, "num_steps_recorded": len(ids),
+            "model": str(trace.meta.get("model", ""))}
+    modules = {name: esm_source(name) for name in EXPORTED_VIEWS}
+    if include_plotlyjs is True:
+        plotly_tag = f"<script>{get_plotlyjs()}</script>"
+    elif include_plotlyjs == "cdn":
+        plotly_tag = f'<script src="https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"></script>'
+    else:
+        plotly_tag = ""
+    sections = "\n".join(f'<section id="kvscope-{name}"></section>' for name in EXPORTED_VIEWS)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>{CSS}
+body {{ margin: 16px; font: 13px system-ui, sans-serif; }}
+section {{ margin: 10px 0; }}
+#kvscope-queues, #kvscope-tables {{ display: inline-block; vertical-align: top; width: calc(50% - 12px); margin-right: 8px; }}
+</style>
+{plotly_tag}
+</head><body data-kvscope-export="1" data-num-blocks="{int(trace.num_blocks)}">
+<h2>{html.escape(title)}</h2>
+<div class="kvs-dim">{html.escape(meta["model"])} · {int(trace.num_blocks)} KV blocks × {int(trace.block_size)} tokens ·
+{len(ids)} steps recorded, {len(steps)} exported · made by kvscope.widgets.export_html</div>
+<p><input id="kvscope-slider" type="range" min="0" value="0" style="width:60%"> <span id="kvscope-step"></span></p>
+{sections}
+<div id="kvscope-timeline"></div>
+<script type="application/json" id="kvscope-meta">{_json_script(meta)}</script>
+<script type="application/json" id="kvscope-modules">{_json_script(modules)}</script>
+<script type="application/json" id="kvscope-figure">{_json_script_raw(pio.to_json(timeline_figure(trace)))}</script>
+<script type="application/octet-stream" id="kvscope-data">{base64.b64encode(payload).decode("ascii")}</script>
+<script type="module">{(STATIC / "export.js").read_text()}</script>
+</body></html>
+"""
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _json_script_raw(text: str) -> str:
+    # Inside <script>, only "</" can end the element early; JSON allows "<\/" for it.
+    return text.replace("</", "<\\/")
+
+
+def _json_script(obj: Any) -> str:
+    return _json_script_raw(json.dumps(obj))
+
+
+def load_payload(page: str) -> dict[str, Any]:
+    """The exported steps' states back out of a page written by :func:`export_html`."""
+    start = page.index('id="kvscope-data">') + len('id="kvscope-data">')
+    blob = page[start: page.index("</script>", start)]
+    return json.loads(zlib.decompress(base64.b64decode(blob)))

@@ -1,0 +1,57 @@
+// Helpers shared by every kvscope view. Each view's module is this file followed by the
+// view's own code, so a view stays one self-contained ES module (anywidget's `_esm`).
+
+const KVS_COLORS = {
+  free: "#e9ecef",
+  cached: "#8ecae6",
+  used: ["#f6bd60", "#c77dff", "#9d4edd", "#7b2cbf", "#5a189a"], // ref 1, 2, 3, 4, 5+
+  selected: "#e63946",
+  picked: "#111111",
+};
+
+/** A copy of a synced binary trait (DataView, ArrayBuffer or typed array) as an ArrayBuffer. */
+function kvsBuffer(v) {
+  if (!v) return new ArrayBuffer(0);
+  if (v instanceof ArrayBuffer) return v;
+  return v.buffer.slice(v.byteOffset, v.byteOffset + v.byteLength);
+}
+
+/** `h("div", {class: "x", onclick: fn}, child, "text")` -> an element. */
+function h(tag, attrs, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k.startsWith("on")) el.addEventListener(k.slice(2), v);
+    else if (k === "style" && typeof v === "object") Object.assign(el.style, v);
+    else el.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === undefined || c === null || c === false) continue;
+    el.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return el;
+}
+
+/** Token text with whitespace made visible, as the tables show it. */
+function kvsShowText(s) {
+  return String(s).replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5").replace(/ /g, "\u00b7");
+}
+
+/** Call `fn` now and whenever any of `names` changes; returns an unsubscribe function. */
+function kvsWatch(model, names, fn) {
+  const events = names.map((n) => `change:${n}`).join(" ");
+  model.on(events, fn);
+  fn();
+  return () => model.off(events, fn);
+}
+
+/** Toggle the shared `selected_request` trait (empty string: nothing selected). */
+function kvsSelect(model, requestId) {
+  const next = model.get("selected_request") === requestId ? "" : requestId;
+  model.set("selected_request", next);
+  model.save_changes();
+}
+
+function kvsChip(text, cls, title, onclick) {
+  return h("span", { class: `kvs-chip ${cls || ""}`, title, onclick }, text);
+}

@@ -1,0 +1,52 @@
+// Scheduler queues after one step: running and waiting (head first), requests preempted and
+// finished in the step, the token budget spent (prefill / decode) and a KV usage gauge.
+// Synced state: `queues` (see kvscope/widgets/snapshot.py: queues_state), `selected_request`, `step`.
+
+function kvsGauge(frac, label) {
+  const a = Math.PI * (1 - Math.min(Math.max(frac, 0), 1));
+  const x = 50 + 40 * Math.cos(a), y = 50 - 40 * Math.sin(a);
+  const svg = `<svg viewBox="0 0 100 60" width="120" height="72">
+    <path d="M10 50 A40 40 0 0 1 90 50" fill="none" stroke="${KVS_COLORS.free}" stroke-width="10"/>
+    <path d="M10 50 A40 40 0 0 1 ${x.toFixed(2)} ${y.toFixed(2)}" fill="none" stroke="${frac > 0.9 ? KVS_COLORS.selected : KVS_COLORS.used[2]}" stroke-width="10"/>
+    <text x="50" y="48" text-anchor="middle" font-size="16">${(100 * frac).toFixed(0)}%</text></svg>`;
+  const box = h("div", { class: "kvs-gauge" }, h("div", { class: "kvs-dim" }, label));
+  box.insertAdjacentHTML("beforeend", svg);
+  return box;
+}
+
+function render({ model, el }) {
+  el.classList.add("kvs-view", "kvs-queues");
+  el.dataset.kvscopeView = "queues";
+
+  function draw() {
+    const q = model.get("queues") || {};
+    const selected = model.get("selected_request");
+    const lane = (name, ids, cls) => h("div", { class: "kvs-lane" },
+      h("span", { class: "kvs-lane-name" }, `${name} (${(ids || []).length})`),
+      (ids || []).map((id) => kvsChip(id, `${cls} ${id === selected ? "kvs-selected" : ""}`, `request ${id}`, () => kvsSelect(model, id))));
+    const budget = Math.max(q.token_budget || 0, 1);
+    const pct = (n) => `${(100 * (n || 0) / budget).toFixed(1)}%`;
+    el.replaceChildren(
+      h("div", { class: "kvs-title" }, `Scheduler \u00b7 step ${model.get("step")}`),
+      h("div", { class: "kvs-row" },
+        kvsGauge(q.kv_usage || 0, `KV ${q.used || 0}/${q.num_blocks || 0} blocks`),
+        h("div", { class: "kvs-grow" },
+          h("div", { class: "kvs-dim" }, `token budget: ${q.scheduled_tokens || 0} / ${q.token_budget || 0} ` +
+            `(prefill ${q.prefill_tokens || 0}, decode ${q.decode_tokens || 0})`),
+          h("div", { class: "kvs-bar" },
+            h("span", { class: "kvs-prefill", style: { width: pct(q.prefill_tokens) } }),
+            h("span", { class: "kvs-decode", style: { width: pct(q.decode_tokens) } })),
+          lane("running", q.running, "kvs-running"),
+          lane("waiting", q.waiting, "kvs-waiting"),
+          lane("preempted this step", q.preempted, "kvs-preempted"),
+          lane("finished this step", q.finished, "kvs-finished"))),
+    );
+    Object.assign(el.dataset, {
+      step: model.get("step"), running: (q.running || []).length, waiting: (q.waiting || []).length,
+      preempted: (q.preempted || []).length,
+    });
+  }
+  return kvsWatch(model, ["queues", "selected_request", "step"], draw);
+}
+
+export default { render };

@@ -1,0 +1,195 @@
+"""The dashboard's views. Each one is usable alone: ``BlockPoolView(trace, step)`` shows one
+step of a trace, and ``view.update_from(trace, step)`` moves it to another.
+
+The four custom views are anywidgets (an ES module per view, traitlets synced, the block
+pool as binary buffers); the timeline is a plotly ``FigureWidget``. All of them read only
+the trace, through :mod:`kvscope.widgets.snapshot`.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any, Callable
+
+import anywidget
+import numpy as np
+import plotly.graph_objects as go
+import traitlets
+from plotly.subplots import make_subplots
+
+from kvscope.widgets import snapshot
+
+STATIC = resources.files("kvscope.widgets") / "static"
+CSS = (STATIC / "style.css").read_text()
+
+
+def esm_source(view: str) -> str:
+    """The ES module of one view: the shared helpers followed by the view's own code."""
+    return (STATIC / "common.js").read_text() + "\n" + (STATIC / f"{view}.js").read_text()
+
+
+class _StepView(anywidget.AnyWidget):
+    """An anywidget showing one step of a trace; subclasses name their snapshot function."""
+
+    _css = traitlets.Unicode(CSS).tag(sync=True)
+    step = traitlets.Int(-1).tag(sync=True)
+    selected_request = traitlets.Unicode("").tag(sync=True)
+    snapshot_fn: Callable[[Any, int], dict[str, Any]]
+
+    def __init__(self, trace: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.trace = None
+        if trace is not None:
+            self.update_from(trace, trace.step_ids[-1] if step is None else step)
+
+    def update_from(self, trace: Any, step: int) -> None:
+        """Show ``step`` of ``trace``; all changed traits go to the browser in one message."""
+        state = type(self).snapshot_fn(trace, step)
+        self.trace = trace
+        with self.hold_sync():
+            for name, value in state.items():
+                setattr(self, name, value)
+
+
+class BlockPoolView(_StepView):
+    """Every physical KV block as one canvas cell: free, used (shaded by refcount), cached.
+
+    Hover a block for its id, refcount, hash, tokens and owners; click it to select its
+    request (clicking a shared block again cycles through its owners).
+    """
+
+    _esm = traitlets.Unicode(esm_source("pool")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.pool_state)
+    block_size = traitlets.Int(0).tag(sync=True)
+    state = traitlets.Bytes(b"").tag(sync=True)
+    ref_count = traitlets.Bytes(b"").tag(sync=True)
+    tables = traitlets.Dict().tag(sync=True)
+    selected_block = traitlets.Int(-1).tag(sync=True)
+    max_height = traitlets.Int(360).tag(sync=True)
+
+    def __init__(self, trace: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        super().__init__(trace, step, **kwargs)
+        self.on_msg(self._on_msg)
+
+    def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: list[bytes]) -> None:
+        # The browser asks for the tokens of a hovered block; they are not sent up front
+        # because a large pool would make every update heavy.
+        if content.get("type") == "inspect" and self.trace is not None:
+            step = int(content["step"])
+            self.send({"type": "details", "step": step,
+                       "blocks": snapshot.block_details(self.trace, step, content["blocks"])})
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.state)
+
+
+class BlockTablesView(_StepView):
+    """Per request, logical block -> physical block, with shared blocks (ref > 1) marked."""
+
+    _esm = traitlets.Unicode(esm_source("tables")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.tables_state)
+    rows = traitlets.List().tag(sync=True)
+
+
+class SlotMappingView(_StepView):
+    """The step's tokens -> slots (block, offset), for prefill chunks and decode rows alike."""
+
+    _esm = traitlets.Unicode(esm_source("slots")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.slots_state)
+    block_size = traitlets.Int(0).tag(sync=True)
+    groups = traitlets.List().tag(sync=True)
+
+
+class QueuesView(_StepView):
+    """Running and waiting queues, preemptions, token-budget use and a KV usage gauge."""
+
+    _esm = traitlets.Unicode(esm_source("queues")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.queues_state)
+    queues = traitlets.Dict().tag(sync=True)
+
+
+# --------------------------------------------------------------------------- timeline
+TIMELINE_SERIES = (  # (column of timeline_frame, label, subplot row, secondary y, kind)
+    ("prefill_tokens", "prefill tokens", 1, False, "bar"),
+    ("decode_tokens", "decode tokens", 1, False, "bar"),
+    ("kv_usage_pct", "KV usage %", 2, False, "line"),
+    ("prefix_hit_pct", "prefix hit rate % (cumulative)", 2, False, "line"),
+    ("preemptions", "preemptions", 3, False, "bar"),
+    ("latency_ms", "step latency ms", 3, True, "line"),
+)
+
+
+def timeline_frame(trace: Any, max_points: int = 1500) -> dict[str, np.ndarray]:
+    """Per-step series of the timeline, averaged into at most ``max_points`` bins."""
+    s = trace.steps
+    if len(s) == 0:
+        return {"step": np.zeros(0)} | {col: np.zeros(0) for col, *_ in TIMELINE_SERIES}
+    queries = s["prefix_cache_queries"].to_numpy(float).cumsum()
+    hits = s["prefix_cache_hits"].to_numpy(float).cumsum()
+    cols = {
+        "step": s["step"].to_numpy(float),
+        "prefill_tokens": s["num_prefill_tokens"].to_numpy(float),
+        "decode_tokens": s["num_decode_tokens"].to_numpy(float),
+        "kv_usage_pct": 100 * s["kv_cache_usage_perc"].to_numpy(float),
+        "prefix_hit_pct": np.divide(100 * hits, queries, out=np.full_like(hits, np.nan), where=queries > 0),
+        "preemptions": s["num_preemptions"].to_numpy(float),
+        "latency_ms": 1000 * s["duration_s"].to_numpy(float),
+    }
+    n = len(s)
+    if n > max_points:
+        starts = np.arange(0, n, -(-n // max_points))
+        counts = np.diff(np.append(starts, n))
+        cols = {k: np.add.reduceat(v, starts) / counts for k, v in cols.items()}
+    return cols
+
+
+def timeline_figure(trace: Any | None = None, height: int = 420) -> go.Figure:
+    """The timeline as a plain plotly figure (the static export draws this one)."""
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        specs=[[{}], [{}], [{"secondary_y": True}]],
+                        subplot_titles=("tokens per step", "KV usage and prefix hits", "preemptions and latency"))
+    data = timeline_frame(trace) if trace is not None else None
+    for col, label, row, secondary, kind in TIMELINE_SERIES:
+        x = data["step"] if data else []
+        y = data[col] if data else []
+        trace_obj = go.Bar(x=x, y=y, name=label) if kind == "bar" else go.Scatter(x=x, y=y, name=label, mode="lines")
+        fig.add_trace(trace_obj, row=row, col=1, secondary_y=secondary if row == 3 else None)
+    fig.update_layout(barmode="stack", height=height, margin=dict(l=50, r=50, t=40, b=30),
+                      legend=dict(orientation="h", y=-0.08), hovermode="x unified",
+                      shapes=[dict(type="line", xref="x", yref="paper", x0=0, x1=0, y0=0, y1=1,
+                                   line=dict(color="#e63946", width=1, dash="dot"), visible=False)])
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    return fig
+
+
+class TimelineView(go.FigureWidget):
+    """One chart over steps: prefill/decode tokens, KV usage, prefix hit rate, preemptions, latency.
+
+    A dotted line marks the step the other views show.
+    """
+
+    def __init__(self, trace: Any = None, step: int | None = None, height: int = 420) -> None:
+        super().__init__(timeline_figure(height=height))
+        self._last_step_seen: int | None = None
+        if trace is not None:
+            self.update_from(trace, trace.step_ids[-1] if step is None else step)
+
+    def update_from(self, trace: Any, step: int) -> None:
+        """Refresh the series when the trace has new steps; always move the step marker."""
+        last = trace.step_ids[-1] if len(trace.step_ids) else None
+        with self.batch_update():
+            if last != self._last_step_seen:
+                data = timeline_frame(trace)
+                for trace_obj, (col, *_rest) in zip(self.data, TIMELINE_SERIES):
+                    trace_obj.x, trace_obj.y = data["step"], data[col]
+                self._last_step_seen = last
+            self.layout.shapes[0].update(x0=step, x1=step, visible=True)
+
+
+VIEW_CLASSES: dict[str, type] = {
+    "pool": BlockPoolView,
+    "tables": BlockTablesView,
+    "slots": SlotMappingView,
+    "queues": QueuesView,
+    "timeline": TimelineView,
+}
