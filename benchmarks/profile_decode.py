@@ -1,0 +1,60 @@
+"""Where a decode step's time goes on a GPU: host phases (from step.end timings) and top kernels.
+
+    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_throughput import write_random_checkpoint
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=900)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    from kvscope import LLM, SamplingParams
+
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(args.config, Path(tmp))
+        llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=16384,
+                  enforce_eager=args.eager)
+        prompts = [[rng.randrange(10000) for _ in range(args.prompt)] for _ in range(args.seqs)]
+        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000 // 10)
+        for p in prompts:
+            llm.add_request(p, params)
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.llm_engine.seqs.values()):
+            llm.llm_engine._step()
+        timings = []
+        hook = llm.hooks.add("step.end", lambda info: timings.append(
+            info.timings | {"dur": info.duration_s, "graph": info.cuda_graph}))
+        for _ in range(10):
+            llm.llm_engine._step()
+        hook.remove()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                llm.llm_engine._step()
+            torch.cuda.synchronize()
+        keys = ["schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "dur"]
+        print(f"{args.seqs} seqs at context ~{args.prompt + 10}: per decode step (median of {len(timings)}), "
+              f"cuda graph used: {timings[-1]['graph']}")
+        for k in keys:
+            print(f"  {k:14s} {statistics.median(t.get(k, 0.0) for t in timings) * 1e3:8.3f} ms")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
