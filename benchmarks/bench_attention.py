@@ -38,7 +38,8 @@ class Shape:
     decode: bool
 
 
-def paged_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+def paged_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                        AttentionMetadata]:
     """Random q and a full pool whose pages are a random permutation (a fragmented cache)."""
     b, n, bs = shape.batch, shape.length, shape.block_size
     pages = -(-n // bs)
@@ -109,7 +110,8 @@ def bench_shape(shape: Shape, configs: list[ta.KernelConfig | None],
             label = "default" if config is None else (
                 f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}")
             if len(splits) > 1:
-                label += f" splits={num_splits if num_splits else ta.choose_num_splits(meta, HKV, q.device)}"
+                chosen = num_splits or ta.choose_num_splits(meta, HKV, q.device)
+                label += f" splits={chosen}"
             rows.append((label, ms, rate(shape, ms)))
     return rows
 
@@ -123,8 +125,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  commit {commit}  "
           f"Hq={HQ} Hkv={HKV} D={D} {DTYPE}")
     summary = []
-    cases = [(Shape(256, n, bs, True), DECODE_SWEEP, [None]) for n in (1024, 4096) for bs in (16, 256)]
-    cases += [(Shape(4, 32768, 16, True), [], [1, None, 8, 32]),  # split-KV territory
+    cases = [(Shape(256, n, bs, True), DECODE_SWEEP, [None])
+             for n in (1024, 4096) for bs in (16, 256)]
+    cases += [(Shape(4, 32768, 16, True), [], [1, None, 8, 16]),  # split-KV territory
               (Shape(16, 8192, 16, True), [], [1, None, 4, 16])]
     cases += [(Shape(b, n, bs, False), PREFILL_SWEEP, [None])
               for b, n in ((4, 4096), (16, 1024)) for bs in (16, 256)]

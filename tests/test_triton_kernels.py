@@ -32,7 +32,7 @@ from kvscope.runner.forward_context import AttentionMetadata
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
 compiled_only = pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
-SCALE_OF_HEAD_DIM = 0.5  # scale = SCALE_OF_HEAD_DIM / sqrt(D): not 1/sqrt(D), so a missing scale shows
+SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
 
 
 @dataclass
@@ -76,9 +76,11 @@ def make_case(specs: list[tuple[int, int]], block_size: int, num_q_heads: int, n
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     hist_k, hist_v, new_k, new_v, slots = [], [], [], [], []
     for (cached, new), blocks in zip(specs, owned):
-        hk, hv = rand(cached + new, num_kv_heads, head_dim), rand(cached + new, num_kv_heads, head_dim)
+        hk = rand(cached + new, num_kv_heads, head_dim)
+        hv = rand(cached + new, num_kv_heads, head_dim)
         pos = torch.arange(cached + new)
-        slot = torch.tensor(blocks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+        page = torch.tensor(blocks, dtype=torch.int64)[pos // block_size]
+        slot = page * block_size + pos % block_size
         k_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = hk[:cached]
         v_cache.view(-1, num_kv_heads, head_dim)[slot[:cached]] = hv[:cached]
         hist_k.append(hk)
@@ -106,7 +108,8 @@ def make_case(specs: list[tuple[int, int]], block_size: int, num_q_heads: int, n
         setattr(meta, name, getattr(meta, name).to(device))
     to = lambda t: t.to(device)  # noqa: E731
     return PagedCase(
-        q=to(rand(num_tokens, num_q_heads, head_dim)), k=to(torch.cat(new_k)), v=to(torch.cat(new_v)),
+        q=to(rand(num_tokens, num_q_heads, head_dim)),
+        k=to(torch.cat(new_k)), v=to(torch.cat(new_v)),
         k_cache=to(k_cache), v_cache=to(v_cache), meta=meta,
         hist_k=[to(h) for h in hist_k], hist_v=[to(h) for h in hist_v],
         scale=SCALE_OF_HEAD_DIM / head_dim ** 0.5,
@@ -125,7 +128,8 @@ def reference(case: PagedCase, acc_dtype: torch.dtype = torch.float64) -> torch.
         ctx, q_len = k.shape[0], q.shape[0]
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, :] > q_pos, float("-inf"))
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)
 
@@ -166,6 +170,7 @@ INTERP_CASES = [
     (MIXED, 16, 1, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),
     (MIXED, 16, 2, torch.float16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
     ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, torch.float32, None, 4),   # decode, split-KV
+    ([(70, 1), (9, 1)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), 32),  # empty splits
     ([(0, 12), (0, 5)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),  # fresh prefill
 ]
 
@@ -243,7 +248,8 @@ def compile_sm90(fn, call: dict):
     aligned = [["tt.divisibility", 16]]
     for i, param in enumerate(fn.params):
         value = call[param.name]
-        if param.is_constexpr or (type(value) is int and value == 1 and not param.do_not_specialize):
+        is_one = type(value) is int and value == 1 and not param.do_not_specialize
+        if param.is_constexpr or is_one:
             signature[param.name], constexprs[param.name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = _PTR[value.dtype]
