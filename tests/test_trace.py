@@ -18,6 +18,7 @@ from pandas.testing import assert_frame_equal
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, RequestOutput, Trace
+from kvscope.trace import Recorder
 from kvscope.engine.block_manager import hash_block
 
 VOCAB = 320
@@ -314,3 +315,21 @@ def test_listeners_see_each_record_and_a_raising_one_is_detached(tmp_path):
     assert got[0].num_scheduled_tokens == trace.steps.num_scheduled_tokens.iloc[0]
     with pytest.raises(RuntimeError, match="does not record"):
         Trace.load(trace.save(tmp_path)).add_listener(print)
+
+
+def test_stopping_freezes_the_trace_and_releases_the_engine():
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(n=1)
+    recorder = Recorder(llm.llm_engine, "blocks")
+    with recorder as trace:
+        llm.add_request(prompts[0], params[0])
+        for _ in range(3):
+            llm.step()
+    frozen = trace.requests
+    assert frozen.output_len.tolist() == [3] and frozen.finish_reason.isna().all()
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert_frame_equal(trace.requests, frozen)
+    assert recorder.engine is None and trace.step_ids == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="records once"):
+        recorder.start()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 import numpy as np
 
 from kvscope.trace.events import BlockEvent
-from kvscope.trace.record import ScheduledRow, StepRecord
+from kvscope.trace.record import Scheduled, StepRecord
 
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
@@ -50,23 +50,19 @@ def fill_counts(
 
 
 def token_blocks(
-    rows: Sequence[ScheduledRow], tables: dict[str, list[int]], block_size: int
+    sched: Scheduled, tables: dict[str, list[int]], block_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Positions and physical blocks of every token the rows compute (the runner's arithmetic)."""
+    """Positions and physical blocks of every token a step computes (the runner's arithmetic)."""
     bs = block_size
-    n = np.fromiter((len(r.token_ids) for r in rows), dtype=np.int64, count=len(rows))
-    starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
+    n = sched.num_new_tokens.astype(np.int64)
+    starts = sched.start.astype(np.int64)
     first = starts // bs
-    last = (starts + n - 1) // bs
-    spans = [tables[r.request_id][f:l + 1] for r, f, l in zip(rows, first.tolist(), last.tolist())]
-    flat = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=int((last - first + 1).sum()))
-    span_start = np.zeros(len(rows), dtype=np.int64)
-    np.cumsum(last[:-1] - first[:-1] + 1, out=span_start[1:])
-    row = np.repeat(np.arange(len(rows)), n)
-    cu = np.zeros(len(rows), dtype=np.int64)
-    np.cumsum(n[:-1], out=cu[1:])
-    positions = np.arange(int(n.sum()), dtype=np.int64) - cu[row] + starts[row]
-    blocks = flat[span_start[row] + positions // bs - first[row]]
+    width = (starts + n - 1) // bs - first + 1  # blocks each row writes into
+    spans = [tables[rid][f:f + w] for rid, f, w in zip(sched.request_ids, first.tolist(), width.tolist())]
+    flat = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=int(width.sum()))
+    row = np.repeat(np.arange(len(n)), n)
+    positions = np.arange(int(n.sum()), dtype=np.int64) - (np.cumsum(n) - n)[row] + starts[row]
+    blocks = flat[(np.cumsum(width) - width)[row] + positions // bs - first[row]]
     return positions, blocks
 
 
@@ -115,13 +111,11 @@ class PoolState:
             self._event(i, events[i], on_event)
         if on_forward is not None:
             on_forward(self)
-        if rec.scheduled:
-            positions, blocks = token_blocks(rec.scheduled, self.tables, self.block_size)
-            tokens = np.fromiter(chain.from_iterable(r.token_ids for r in rec.scheduled),
-                                 dtype=np.int32, count=len(positions))
-            self.contents[blocks, positions % self.block_size] = tokens
-            for r in rec.scheduled:
-                self.computed[r.request_id] = r.start + len(r.token_ids)
+        sched = rec.scheduled
+        if sched:
+            positions, blocks = token_blocks(sched, self.tables, self.block_size)
+            self.contents[blocks, positions % self.block_size] = sched.token_ids
+            self.computed.update(zip(sched.request_ids, sched.end.tolist()))
         for i in range(k, len(events)):
             self._event(i, events[i], on_event)
 

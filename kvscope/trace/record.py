@@ -11,31 +11,61 @@ scheduled rows. That keeps recording O(events) instead of O(blocks in all tables
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from itertools import chain
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvscope.trace.events import BlockEvent, IDLE, POSTPROCESS, SCHEDULE
+from kvscope.trace.events import IDLE, POSTPROCESS, SCHEDULE, BlockEvent
+
+if TYPE_CHECKING:
+    from kvscope.engine.scheduler_output import SchedulerOutput
 
 
-class ScheduledRow(NamedTuple):
-    """One request's share of a step: tokens ``start .. start + len(token_ids) - 1``."""
+@dataclass(slots=True)
+class Scheduled:
+    """What one step computed, as columns (one entry per scheduled request).
 
-    request_id: str
-    start: int
-    token_ids: list[int]
-    num_cached_tokens: int  # prefix-cache hit when this row is an admission, else 0
-    is_prefill: bool
-    sample: bool
+    A handful of arrays per step rather than a tuple per request: recording stays cheap for
+    large batches, and a long recording adds few objects for Python's garbage collector.
+    Request ``i`` computes positions ``start[i] .. start[i] + num_new_tokens[i] - 1``; their
+    token ids are the ``i``-th run of ``token_ids``.
+    """
+
+    request_ids: list[str]
+    start: np.ndarray              # int32
+    num_new_tokens: np.ndarray     # int32
+    num_cached_tokens: np.ndarray  # int32: the prefix-cache hit when the row is an admission
+    is_prefill: np.ndarray         # bool: a prefill chunk, else a decode row
+    sample: np.ndarray             # bool: the row ends the sequence, so a token is sampled
+    token_ids: np.ndarray          # int32, all rows' tokens concatenated
+
+    @classmethod
+    def from_output(cls, out: "SchedulerOutput", request_ids: dict[int, str]) -> "Scheduled":
+        reqs = out.requests
+        n = len(reqs)
+        lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=n)
+        return cls(
+            [request_ids[r.seq_id] for r in reqs],
+            np.fromiter((r.start for r in reqs), dtype=np.int32, count=n),
+            lens,
+            np.fromiter((r.num_cached_tokens for r in reqs), dtype=np.int32, count=n),
+            np.fromiter((r.is_prefill for r in reqs), dtype=bool, count=n),
+            np.fromiter((r.sample for r in reqs), dtype=bool, count=n),
+            np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int32, count=int(lens.sum())),
+        )
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
     @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_admission(self) -> bool:
-        """Admitted from ``waiting`` this step: it starts right after its cached prefix."""
+    def is_admission(self) -> np.ndarray:
+        """Admitted from ``waiting`` this step: the row starts right after its cached prefix."""
         return self.start == self.num_cached_tokens
+
+    @property
+    def end(self) -> np.ndarray:
+        return self.start + self.num_new_tokens
 
 
 class PoolSnapshot(NamedTuple):
@@ -73,7 +103,7 @@ class StepRecord:
     sample_s: float
     postprocess_s: float
     # ``blocks`` and ``full`` levels
-    scheduled: list[ScheduledRow] | None = None
+    scheduled: Scheduled | None = None
     block_events: list[BlockEvent] | None = None
     num_pre_forward_events: int = 0  # block_events[:n] came before the forward pass
     running: list[str] | None = None  # queues after the step, head first

@@ -23,7 +23,7 @@ import pandas as pd
 from kvscope.trace.events import BLOCK_EVENTS, BlockEvent
 from kvscope.trace.hooks import HookHandle, warn_detached
 from kvscope.trace.pool import PoolState, fill_counts
-from kvscope.trace.record import PoolSnapshot, ScheduledRow, StepRecord
+from kvscope.trace.record import PoolSnapshot, Scheduled, StepRecord
 from kvscope.trace.tables import frame
 from kvscope.trace.trace import Trace
 
@@ -60,6 +60,12 @@ class _Request:
         self.metrics: RequestMetrics = seq.metrics
         self.output_len = 0
         self.finish_reason: str | None = None
+
+    def freeze(self) -> None:
+        """Stop following a sequence that is still running (the recording ended)."""
+        if self.seq is not None:
+            self.output_len = len(self.seq.token_ids) - self.prompt_len
+            self.seq, self.metrics = None, dataclasses.replace(self.metrics)
 
     def row(self) -> tuple:
         m = self.metrics
@@ -101,6 +107,7 @@ class Recorder:
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
+        self._started = False
         bm = engine.block_manager
         shards = getattr(engine.executor, "kv_shards", None)
         self.meta: dict[str, Any] = {
@@ -117,8 +124,9 @@ class Recorder:
     # ----------------------------------------------------------- lifecycle
     def start(self) -> "Trace":
         """Attach to the engine (between steps); returns the live :class:`Trace`."""
-        if self._handles:
-            raise RuntimeError("this recorder is already recording")
+        if self._started:
+            raise RuntimeError("a Recorder records once; make a new one to record again")
+        self._started = True
         hooks = self.engine.hooks
         if self._blocks:
             self.baseline = PoolState.capture(self.engine)
@@ -133,11 +141,17 @@ class Recorder:
         return self.trace
 
     def stop(self) -> None:
-        """Detach; the trace keeps what was recorded (events after the last step are dropped)."""
+        """Detach and let go of the engine; the trace keeps what was recorded, frozen.
+
+        Block events fired after the last recorded step (they would open the next one) are dropped.
+        """
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._pending = []
+        for req in list(self._requests.values()):
+            req.freeze()
+        self.engine = None
 
     def __enter__(self) -> "Trace":
         return self.start()
@@ -195,31 +209,25 @@ class Recorder:
 
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
-        ids = info.request_ids
         bm = self.engine.block_manager
-        rows: list[ScheduledRow] | None = [] if self._blocks else None
-        prefill_tokens = decode_tokens = prefill_seqs = queries = hits = 0
-        for r in out.requests:
-            rid = ids[r.seq_id]
-            req = self._touch(rid)
-            n = len(r.token_ids)
-            if r.is_prefill:
-                prefill_tokens += n
-                prefill_seqs += 1
-            else:
-                decode_tokens += n
-            if r.start == r.num_cached_tokens:  # an admission: the prefix cache was queried
-                hits += r.num_cached_tokens
-                if bm.enable_prefix_caching:
-                    queries += req.prompt_len + r.output_index
-            if rows is not None:
-                rows.append(ScheduledRow(rid, r.start, r.token_ids, r.num_cached_tokens, r.is_prefill, r.sample))
+        sched = Scheduled.from_output(out, info.request_ids)
+        reqs = self._requests
+        for rid in set(sched.request_ids).difference(reqs):  # running since before the recording
+            self._touch(rid)
+        lens, prefill = sched.num_new_tokens, sched.is_prefill
+        prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
+        admitted = np.flatnonzero(sched.is_admission).tolist()
+        hits = int(sched.num_cached_tokens[admitted].sum())
+        queries = sum(  # the whole sequence is looked up: its prompt and what it generated so far
+            reqs[sched.request_ids[i]].prompt_len + out.requests[i].output_index for i in admitted
+        ) if bm.enable_prefix_caching else 0
         ref, hashes = bm.ref_count, bm.block_hash
         t = info.timings
+        total = int(lens.sum())
         rec = StepRecord(
             step=info.step, time_s=info.time_s, duration_s=info.duration_s,
-            num_scheduled_tokens=prefill_tokens + decode_tokens, num_prefill_tokens=prefill_tokens,
-            num_decode_tokens=decode_tokens, num_prefill_seqs=prefill_seqs,
+            num_scheduled_tokens=total, num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=total - prefill_tokens, num_prefill_seqs=prefill_seqs,
             num_decode_seqs=len(out.requests) - prefill_seqs, token_budget=out.token_budget,
             num_requests_running=len(info.running), num_requests_waiting=len(info.waiting),
             num_preemptions=len(out.preempted_seq_ids), num_free_blocks=len(bm.free),
@@ -231,12 +239,12 @@ class Recorder:
             forward_s=t.get("forward_s", _NAN), sample_s=t.get("sample_s", _NAN),
             postprocess_s=t.get("postprocess_s", _NAN),
         )
-        if rows is not None:
-            rec.scheduled = rows
+        if self._blocks:
+            rec.scheduled = sched
             rec.block_events, self._pending = self._pending, []
             rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
             rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
-            rec.preempted = [ids[i] for i in out.preempted_seq_ids]
+            rec.preempted = [info.request_ids[i] for i in out.preempted_seq_ids]
         if self.level == "full":
             rec.pool = _snapshot(self.engine)
         self._append(rec)

@@ -6,6 +6,7 @@ hashes nullable ``Int64``, token and owner lists Python lists.
 """
 from __future__ import annotations
 
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -15,7 +16,7 @@ import pandas as pd
 
 from kvscope.trace.events import IDLE, POSTPROCESS, BlockEvent
 from kvscope.trace.pool import PoolState
-from kvscope.trace.record import STEP_COLUMNS, PoolSnapshot, ScheduledRow, StepRecord
+from kvscope.trace.record import STEP_COLUMNS, PoolSnapshot, Scheduled, StepRecord
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object
 
@@ -79,11 +80,16 @@ def steps_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
 
 
 def scheduled_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
-    return frame("scheduled", (
-        (rec.step, r.request_id, r.start, len(r.token_ids), r.num_cached_tokens, r.is_prefill,
-         r.sample, r.token_ids)
-        for rec in records for r in rec.scheduled
-    ))
+    parts = [r.scheduled for r in records]
+    lens = np.concatenate([p.num_new_tokens for p in parts]) if parts else np.zeros(0, np.int32)
+    tokens = np.concatenate([p.token_ids for p in parts]) if parts else np.zeros(0, np.int32)
+    return frame("scheduled", {
+        "step": np.repeat([r.step for r in records], [len(p) for p in parts]).astype(np.int64),
+        "request_id": [rid for p in parts for rid in p.request_ids],
+        **{c: np.concatenate([getattr(p, c) for p in parts]) if parts else []
+           for c in ("start", "num_new_tokens", "num_cached_tokens", "is_prefill", "sample")},
+        "token_ids": [a.tolist() for a in np.split(tokens, np.cumsum(lens)[:-1])] if len(lens) else [],
+    })
 
 
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
@@ -113,10 +119,12 @@ def records_from_frames(
         return records
     step_ids = steps["step"].to_numpy()
     for rec, rows in zip(records, _split(scheduled, step_ids)):
-        rec.scheduled = [ScheduledRow(*r) for r in zip(
-            rows["request_id"], rows["start"].tolist(), rows["token_ids"], rows["num_cached_tokens"].tolist(),
-            rows["is_prefill"].tolist(), rows["sample"].tolist(),
-        )]
+        rec.scheduled = Scheduled(
+            rows["request_id"].tolist(),
+            *(rows[c].to_numpy(np.int32) for c in ("start", "num_new_tokens", "num_cached_tokens")),
+            *(rows[c].to_numpy(bool) for c in ("is_prefill", "sample")),
+            np.fromiter(chain.from_iterable(rows["token_ids"]), dtype=np.int32, count=int(rows["num_new_tokens"].sum())),
+        )
     for rec, ev in zip(records, _split(block_events, step_ids)):
         phases = ev["phase"].tolist()
         rec.block_events = [

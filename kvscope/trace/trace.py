@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import json
 import threading
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
@@ -145,6 +146,8 @@ class Trace:
             self._move(step)
             if self._cursor_arrays is None:
                 self._cursor_arrays = self._cursor.arrays()
+                for a in self._cursor_arrays.values():
+                    a.flags.writeable = False  # shared by every caller until the cursor moves
             return dict(self._cursor_arrays)
 
     def blocks(self, step: int) -> pd.DataFrame:
@@ -197,15 +200,14 @@ class Trace:
         write_frame(self._source.requests_frame(), path / "requests.parquet")
         if self.level == "summary":
             return path
-        scheduled = scheduled_frame(recs)
-        for name, df in (("scheduled", scheduled), ("block_events", block_events_frame(recs)),
+        for name, df in (("scheduled", scheduled_frame(recs)), ("block_events", block_events_frame(recs)),
                          ("queues", queues_frame(recs))):
             write_frame(df, path / f"{name}.parquet")
         arrays, tables = baseline_frames(base)
         write_arrays(path / "baseline.parquet", arrays)
         write_frame(tables, path / "baseline_tables.parquet")
         held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
-        ids = sorted(set(held.tolist()).union(*scheduled["token_ids"]))
+        ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs)])).tolist()
         write_frame(frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}),
                     path / "tokens.parquet")
         if self.level == "full":
@@ -302,7 +304,7 @@ class Trace:
             self._cursor.apply(rec)
 
         def keep(s: PoolState) -> None:
-            self._forward = {r.request_id: list(s.tables[r.request_id]) for r in recs[i].scheduled}
+            self._forward = {rid: list(s.tables[rid]) for rid in recs[i].scheduled.request_ids}
 
         self._cursor.apply(recs[i], on_forward=keep)
         self._cursor_step, self._cursor_arrays = step, None
@@ -325,27 +327,27 @@ def _index(records: Sequence[StepRecord], step: int) -> int:
 
 
 def _table_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
-    rows = [tables[r.request_id] for r in rec.scheduled]
+    rids = rec.scheduled.request_ids
+    rows = [tables[rid] for rid in rids]
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    total = int(lens.sum())
     return {
-        "step": np.full(int(lens.sum()), rec.step, dtype=np.int64),
-        "request_id": np.repeat(np.asarray([r.request_id for r in rec.scheduled], dtype=object), lens),
-        "logical_block": np.arange(int(lens.sum()), dtype=np.int64) - starts,
-        "physical_block": np.fromiter((b for t in rows for b in t), dtype=np.int64, count=int(lens.sum())),
+        "step": np.full(total, rec.step, dtype=np.int64),
+        "request_id": np.repeat(np.asarray(rids, dtype=object), lens),
+        "logical_block": np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens),
+        "physical_block": np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total),
     }
 
 
 def _slot_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
-    positions, blocks = token_blocks(rec.scheduled, tables, block_size)
-    lens = np.fromiter((len(r.token_ids) for r in rec.scheduled), dtype=np.int64, count=len(rec.scheduled))
+    sched = rec.scheduled
+    positions, blocks = token_blocks(sched, tables, block_size)
     offset = positions % block_size
     return {
         "step": np.full(len(positions), rec.step, dtype=np.int64),
-        "request_id": np.repeat(np.asarray([r.request_id for r in rec.scheduled], dtype=object), lens),
+        "request_id": np.repeat(np.asarray(sched.request_ids, dtype=object), sched.num_new_tokens),
         "position": positions,
-        "token_id": np.fromiter((t for r in rec.scheduled for t in r.token_ids), dtype=np.int64,
-                                count=len(positions)),
+        "token_id": sched.token_ids.astype(np.int64),
         "slot": blocks * block_size + offset,
         "block_id": blocks,
         "offset": offset,
