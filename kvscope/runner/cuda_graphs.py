@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from kvscope.runner.forward_context import AttentionMetadata, forward_context
-from kvscope.runner.inputs import StepInputs
+from kvscope.runner.inputs import DeviceInputs, StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -75,20 +75,20 @@ class DecodeGraphs:
             and inputs.block_tables.shape[1] <= self.width
         )
 
-    def run(self, inputs: StepInputs, to_device: Callable) -> torch.Tensor:
-        """Copy this step's inputs into the static buffers, replay, return hidden [B, H]."""
+    def run(self, inputs: StepInputs, d: DeviceInputs) -> torch.Tensor:
+        """Copy this step's device inputs into the static buffers, replay, return hidden [B, H]."""
         b = inputs.num_seqs
         g = self.buckets[bisect.bisect_left(self.buckets, b)]
         w = inputs.block_tables.shape[1]
-        self.input_ids[:b].copy_(to_device(inputs.input_ids), non_blocking=True)
-        self.positions[:b].copy_(to_device(inputs.positions), non_blocking=True)
-        self.slot_mapping[:b].copy_(to_device(inputs.slot_mapping), non_blocking=True)
+        self.input_ids[:b].copy_(d.input_ids)
+        self.positions[:b].copy_(d.positions)
+        self.slot_mapping[:b].copy_(d.slot_mapping)
         self.slot_mapping[b:g].fill_(-1)
-        self.context_lens[:b].copy_(to_device(inputs.context_lens), non_blocking=True)
+        self.context_lens[:b].copy_(d.context_lens)
         self.context_lens[b:g].zero_()
-        self.cu_seqlens_k[: b + 1].copy_(to_device(inputs.cu_seqlens_k), non_blocking=True)
+        self.cu_seqlens_k[: b + 1].copy_(d.cu_seqlens_k)
         self.cu_seqlens_k[b + 1: g + 1] = self.cu_seqlens_k[b]
-        self.block_tables[:b, :w].copy_(to_device(inputs.block_tables), non_blocking=True)
+        self.block_tables[:b, :w].copy_(d.block_tables)
         self.block_tables[:b, w:].fill_(-1)
         self.graphs[g].replay()
         return self.hidden[:b]

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
+import torch
 
 from kvscope.engine.scheduler_output import SchedulerOutput
 
@@ -33,6 +34,20 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
+
+
+@dataclass
+class DeviceInputs:
+    """The same arrays on the runner's device (int64 ids/positions/slots, int32 metadata)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:

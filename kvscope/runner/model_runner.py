@@ -23,7 +23,7 @@ from kvscope.models import build_model
 from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.forward_context import AttentionMetadata, forward_context
-from kvscope.runner.inputs import StepInputs, build_step_inputs
+from kvscope.runner.inputs import DeviceInputs, StepInputs, build_step_inputs
 from kvscope.runner.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -99,6 +99,8 @@ class ModelRunner:
             self.num_kv_blocks = int(tp_all_reduce(blocks, op=dist.ReduceOp.MIN).item())
         self._allocate_pool(tp_size)
         self.graphs: DecodeGraphs | None = None
+        self._staging: torch.Tensor | None = None
+        self._upload_done = torch.cuda.Event() if self.device.type == "cuda" else None
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -169,18 +171,37 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
 
     # ---------------------------------------------------------------- step
-    def _to_device(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+    def _upload(self, x: StepInputs) -> DeviceInputs:
+        """All of a step's integer inputs in one host buffer and one copy to the device.
 
-    def _metadata(self, x: StepInputs) -> AttentionMetadata:
-        dev = self._to_device
+        On CUDA the buffer is pinned and reused, so the copy is non-blocking; an event makes the
+        next step wait for it before overwriting the buffer (ranks that never sample never sync).
+        """
+        parts = [x.input_ids, x.positions, x.slot_mapping, x.logits_indices, x.cu_seqlens_q,
+                 x.cu_seqlens_k, x.context_lens, x.block_tables.ravel()]
+        sizes = [p.size for p in parts]
+        total = sum(sizes)
+        if self.device.type == "cuda":
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
+            self._upload_done.synchronize()
+            np.concatenate(parts, out=self._staging.numpy()[:total], casting="unsafe")
+            flat = self._staging[:total].to(self.device, non_blocking=True)
+            self._upload_done.record()
+        else:
+            flat = torch.from_numpy(np.concatenate(parts, casting="unsafe", dtype=np.int64))
+        ids, pos, slots, logits_idx, cu_q, cu_k, ctx, tables = flat.split(sizes)
+        i32 = torch.int32
+        return DeviceInputs(
+            input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=logits_idx,
+            cu_seqlens_q=cu_q.to(i32), cu_seqlens_k=cu_k.to(i32), context_lens=ctx.to(i32),
+            block_tables=tables.view(x.block_tables.shape).to(i32),
+        )
+
+    def _metadata(self, x: StepInputs, d: DeviceInputs) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=dev(x.slot_mapping), cu_seqlens_q=dev(x.cu_seqlens_q),
-            cu_seqlens_k=dev(x.cu_seqlens_k), context_lens=dev(x.context_lens),
-            block_tables=dev(x.block_tables), max_seqlen_q=x.max_seqlen_q,
+            slot_mapping=d.slot_mapping, cu_seqlens_q=d.cu_seqlens_q, cu_seqlens_k=d.cu_seqlens_k,
+            context_lens=d.context_lens, block_tables=d.block_tables, max_seqlen_q=x.max_seqlen_q,
             max_seqlen_k=x.max_seqlen_k, num_seqs=x.num_seqs, num_tokens=x.num_tokens,
             block_size=self.block_size, decode_only=x.decode_only, no_prefix=x.no_prefix,
         )
@@ -193,18 +214,19 @@ class ModelRunner:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size)
+        d = self._upload(x)
         t1 = time.perf_counter()
         use_graph = self.graphs is not None and self.graphs.can_run(x)
         if use_graph:
-            hidden = self.graphs.run(x, self._to_device)
+            hidden = self.graphs.run(x, d)
         else:
-            with forward_context(self._metadata(x)):
-                hidden = self._forward(self._to_device(x.input_ids), self._to_device(x.positions))
+            with forward_context(self._metadata(x, d)):
+                hidden = self._forward(d.input_ids, d.positions)
         rows = None
         if len(x.logits_indices) == x.num_tokens:
             rows = hidden
         elif len(x.logits_indices):
-            rows = hidden[self._to_device(x.logits_indices)]
+            rows = hidden[d.logits_indices]
         return rows, x, use_graph, t1 - t0, time.perf_counter() - t1
 
     @torch.inference_mode()
