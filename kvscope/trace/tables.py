@@ -18,7 +18,8 @@ from kvscope.trace.events import IDLE, POSTPROCESS, BlockEvent
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import STEP_COLUMNS, PoolSnapshot, Scheduled, StepRecord
 
-_I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object
+_I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
+_LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "steps": {
@@ -57,10 +58,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "tokens": {"token_id": _I, "text": _S},
     "baseline_tables": {"request_id": _S, "num_computed_tokens": _I, "block_table": _L},
 }
-REQUEST_COLUMNS = tuple(SCHEMAS["requests"])
 QUEUES = ("running", "waiting", "preempted", "finished")
-_LIST_COLUMNS = {name: [c for c, t in s.items() if c in ("token_ids", "block_hashes", "owners", "block_table")]
-                 for name, s in SCHEMAS.items()}
 
 
 def frame(name: str, data: Iterable[tuple] | dict[str, Any]) -> pd.DataFrame:
@@ -161,10 +159,10 @@ def write_frame(df: pd.DataFrame, path: Path) -> None:
 
 def read_frame(name: str, path: Path) -> pd.DataFrame:
     df = pd.read_parquet(path)
-    for c in _LIST_COLUMNS[name]:
-        df[c] = [None if x is None else x.tolist() for x in df[c]]
     for c, t in SCHEMAS[name].items():
-        if t is _S:  # parquet strings come back as pandas' string dtype
+        if c in _LISTS:  # parquet lists come back as numpy arrays
+            df[c] = [None if x is None else x.tolist() for x in df[c]]
+        elif t is _S:  # and strings as pandas' string dtype
             df[c] = df[c].astype(object).where(df[c].notna(), None)
     return df.astype(SCHEMAS[name])
 
