@@ -81,6 +81,8 @@ def test_prefix_cache_hit_computes_only_the_suffix():
     second = llm.generate([second_prompt], greedy(4), use_tqdm=False)[0]
     assert second.num_cached_tokens == 40  # all ten full blocks of the shared prefix
     assert second.metrics.num_cached_tokens == 40
+    bm = llm.llm_engine.block_manager  # vLLM's counters: tokens queried / found at admissions
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (43 + len(second_prompt), 40)
     prefill = [r for r in scheduled if r.is_prefill]
     assert sum(r.num_new_tokens for r in prefill) == len(second_prompt) - 40
     assert prefill[0].start == 40

@@ -94,9 +94,13 @@ class BlockManager:
             ):
                 break
             hits.append(b)
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits
+
+    def count_admission(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Count one successful admission in vLLM's prefix-cache counters (failed tries don't count)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_cached_tokens
 
     # --------------------------------------------------------------- mutation
     def _emit(self, event: str, block_id: int, seq: Sequence | None) -> None:
@@ -115,10 +119,10 @@ class BlockManager:
     def _uncache(self, block_id: int) -> None:
         h = int(self.block_hash[block_id])
         if h != NO_HASH:
+            self._emit("block.evicted", block_id, None)  # before clearing, so the event carries the hash
             if self.hash_to_block.get(h) == block_id:
                 del self.hash_to_block[h]
             self.block_hash[block_id] = NO_HASH
-            self._emit("block.evicted", block_id, None)
 
     def _take_free(self, seq: Sequence) -> int:
         block_id, _ = self.free.popitem(last=False)

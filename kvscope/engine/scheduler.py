@@ -113,6 +113,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq, num_cached + n, cached):
                 break
             self.waiting.popleft()
+            self.block_manager.count_admission(seq.num_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = num_cached
