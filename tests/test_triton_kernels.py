@@ -6,20 +6,11 @@ Three tiers:
   which catches what the interpreter accepts but the compiler rejects (e.g. tl.dot with K<16).
 - GPU (``-m gpu``): bf16 at real head dims and page sizes, split-KV, CUDA-graph capture.
 
-Why a subprocess for the interpreter: ``TRITON_INTERPRET`` must be set before ``import triton``
-(Triton's own ``tl.cdiv``/``tl.max``/``tl.sum`` are ``@jit`` functions decorated at that import,
-and an interpreted kernel cannot call compiled ones), and setting it for the whole session would
-turn every other test's kernels into interpreted ones. So ``test_interpreter_suite`` reruns this
-file's ``interpreted`` tests in a child pytest with the variable set; in that child (or in any
-run started with ``TRITON_INTERPRET=1``) they run directly and the compiled tiers skip.
+Why the interpreter runs in a subprocess: see ``triton_testing``.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,10 +19,9 @@ triton = pytest.importorskip("triton")
 
 from kvscope.kernels import triton_attention as ta
 from kvscope.runner.forward_context import AttentionMetadata
+from triton_testing import (RecordLaunches, compile_sm90, compiled_only, interpreted_only,
+                            needs_cuda, rel_err, run_interpreted_tests)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
-compiled_only = pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
 
 
@@ -142,23 +132,11 @@ def gathered_history(case: PagedCase, i: int) -> tuple[torch.Tensor, torch.Tenso
     return (case.k_cache.flatten(0, 1)[slot], case.v_cache.flatten(0, 1)[slot])
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.to(ref.dtype)
-    assert torch.isfinite(out).all(), "non-finite output"
-    return float((out - ref).norm() / ref.norm())
-
-
 # --- CPU: Triton interpreter ---------------------------------------------------------------
 
 @compiled_only
 def test_interpreter_suite() -> None:
-    repo = Path(ta.__file__).parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-         __file__], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    run_interpreted_tests(__file__)
 
 
 # (specs, block_size, group, dtype, config, num_splits): every page size against tiles that
@@ -219,58 +197,10 @@ def test_interpreted_backend_empty_history_row() -> None:
 
 # --- CPU: compile the real launches for sm_90 -----------------------------------------------
 
-class _RecordLaunches:
-    """Stands in for a kernel: ``kernel[grid](...)`` records the call instead of launching."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.calls: list[dict] = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs) -> None:
-            self.calls.append(dict(zip(self.fn.arg_names, args), **kwargs))
-        return launch
-
-
-_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-        torch.int32: "*i32", torch.int64: "*i64"}
-
-
-def compile_sm90(fn, call: dict):
-    """Compile one recorded launch for sm_90, specialised as the JIT would on a GPU: ints equal
-    to 1 become constants, pointers and ints divisible by 16 are marked so (this is what lets
-    the compiler vectorise loads, so resource use matches a real launch)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    call = dict(call)
-    options = {k: call.pop(k) for k in ("num_warps", "num_stages") if k in call}
-    signature, constexprs, attrs = {}, {}, {}
-    aligned = [["tt.divisibility", 16]]
-    for i, param in enumerate(fn.params):
-        value = call[param.name]
-        is_one = type(value) is int and value == 1 and not param.do_not_specialize
-        if param.is_constexpr or is_one:
-            signature[param.name], constexprs[param.name] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = _PTR[value.dtype]
-            if value.data_ptr() % 16 == 0:
-                attrs[(i,)] = aligned
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            signature[param.name] = "i32" if abs(value) < 2 ** 31 else "i64"
-            if value % 16 == 0 and not param.do_not_specialize:
-                attrs[(i,)] = aligned
-        else:
-            signature[param.name] = "fp32"
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
-
-
 @pytest.mark.slow
 @compiled_only
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = {name: _RecordLaunches(getattr(ta, name)) for name in
+    kernels = {name: RecordLaunches(getattr(ta, name)) for name in
                ("_store_kvcache_kernel", "_paged_attention_kernel", "_merge_splits_kernel")}
     for name, rec in kernels.items():
         monkeypatch.setattr(ta, name, rec)
@@ -288,7 +218,6 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --- GPU -----------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
 GPU_MIXED = [(0, 300), (48, 77), (517, 130), (1000, 1), (33, 1), (0, 1), (255, 2), (96, 160)]
 GPU_CASES = [(bs, g, d) for bs in (16, 32, 256) for g, d in ((1, 128), (2, 64), (4, 128), (8, 64))]
 

@@ -4,7 +4,8 @@ The cos/sin table is computed once, in float32, for every position up to
 ``max_position_embeddings`` and indexed by the packed ``positions`` tensor, so a step that mixes
 sequences at different offsets needs no per-sequence work. The model owns one table and
 shares it across layers. Rotation is the "half split" (GPT-NeoX) convention used by
-Llama / Qwen checkpoints in Hugging Face format.
+Llama / Qwen checkpoints in Hugging Face format. On CUDA, :func:`rotate_qk` rotates q and k
+(after Qwen3's per-head norms) in one fused kernel.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kvscope.layers.norm import RMSNorm, fused_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -85,3 +88,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     sin = sin.unsqueeze(1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``, each first normalised per head
+    when the norms are given (Qwen3: both, with one ``eps``).
+
+    On CUDA this is one kernel that works in place on ``q`` and ``k`` (views of the step's
+    fresh qkv projection); the torch path returns new tensors.
+    """
+    fused = fused_kernels(q)
+    if fused is not None:
+        if q_norm is None:
+            return fused.qk_norm_rope(q, k, cos, sin)
+        return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -22,7 +22,7 @@ from kvscope.layers.attention import Attention
 from kvscope.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvscope.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvscope.layers.norm import RMSNorm
-from kvscope.layers.rotary import RotaryEmbedding, apply_rotary, rope_config_from_hf
+from kvscope.layers.rotary import RotaryEmbedding, rope_config_from_hf, rotate_qk
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,8 @@ class DecoderAttention(nn.Module):
                                           config.num_key_value_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
                                         bias=o_bias)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.qk_norm = spec.qk_norm
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if spec.qk_norm else None
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
@@ -81,9 +79,7 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(out)
 

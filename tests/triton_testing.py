@@ -1,0 +1,95 @@
+"""Shared machinery for testing Triton kernels on a CPU-only machine.
+
+- The interpreter: ``TRITON_INTERPRET`` must be set before ``import triton`` (Triton's own
+  ``tl.cdiv``/``tl.max``/``tl.sum`` are ``@jit`` functions decorated at that import, and an
+  interpreted kernel cannot call compiled ones), and setting it for the whole session would turn
+  every other test's kernels into interpreted ones. So a test file's ``interpreted`` tests are
+  rerun in a child pytest with the variable set (:func:`run_interpreted_tests`); in that child
+  (or in any run started with ``TRITON_INTERPRET=1``) they run directly and the compiled tiers
+  skip.
+- The sm_90 compile check: a kernel's real launch arguments are recorded
+  (:class:`RecordLaunches`) and compiled to a Hopper cubin (:func:`compile_sm90`), which catches
+  what the interpreter accepts but the compiler rejects (e.g. ``tl.dot`` with K<16).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted_only = pytest.mark.skipif(not INTERPRETED, reason="runs in test_interpreter_suite")
+compiled_only = pytest.mark.skipif(INTERPRETED, reason="kernels are interpreted in this process")
+needs_cuda = pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA")
+REPO = Path(__file__).parents[1]
+
+
+def run_interpreted_tests(test_file: str) -> None:
+    """Run ``test_file``'s tests whose names contain ``interpreted`` in a child pytest with
+    ``TRITON_INTERPRET=1``; fail with the child's output if any fails."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
+         test_file], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|out - ref| / |ref|`` in ``ref``'s dtype; a non-finite ``out`` fails outright."""
+    out = out.to(ref.dtype)
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm())
+
+
+class RecordLaunches:
+    """Stands in for a kernel: ``kernel[grid](...)`` records the call instead of launching."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.calls.append(dict(zip(self.fn.arg_names, args), **kwargs))
+        return launch
+
+
+_PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+        torch.int32: "*i32", torch.int64: "*i64"}
+
+
+def compile_sm90(fn, call: dict):
+    """Compile one recorded launch for sm_90, specialised as the JIT would on a GPU: ints equal
+    to 1 become constants, pointers and ints divisible by 16 are marked so (this is what lets
+    the compiler vectorise loads, so resource use matches a real launch)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    call = dict(call)
+    options = {k: call.pop(k) for k in ("num_warps", "num_stages") if k in call}
+    signature, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
+    for i, param in enumerate(fn.params):
+        value = call[param.name]
+        is_one = type(value) is int and value == 1 and not param.do_not_specialize
+        if param.is_constexpr or is_one:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = _PTR[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[(i,)] = aligned
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if abs(value) < 2 ** 31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[(i,)] = aligned
+        else:
+            signature[param.name] = "fp32"
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
