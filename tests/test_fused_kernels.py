@@ -292,6 +292,7 @@ def test_gpu_cuda_graph_replay() -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_gpu_model_fused_matches_torch(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole model, bf16, one packed prefill: fused kernels on vs off."""
+    monkeypatch.setattr(norm_module, "USE_FUSED_KERNELS", True)
     model = tiny_model(arch, torch.bfloat16, "cuda")
     seqs = [(0, 37, None), (0, 21, None)]
     assert norm_module.fused_kernels(next(model.parameters())) is not None
