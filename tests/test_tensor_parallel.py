@@ -1,0 +1,296 @@
+"""Tensor parallelism on CPU (gloo): TP=2 gives TP=1's greedy tokens, under every scheduler
+feature; failures surface as exceptions, not hangs; nothing outlives the engine.
+
+Each TP=2 engine spawns one worker process (about two seconds of imports), so the tests share
+workloads and check several things per engine.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import LLM
+from kvscope.distributed.channel import ChannelWriter
+from kvscope.distributed.executor import TensorParallelError
+from kvscope.distributed.step_message import RESET, StepDecoder, StepEncoder
+from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvscope.model_source import BUNDLED_MODEL
+from tiny_models import ARCHS, tiny_checkpoint, tiny_config
+
+SHM = Path("/dev/shm")
+HANG_S = 60  # a failure must surface well within this; past it the test fails instead of hanging
+
+
+def _workload() -> tuple[list[list[int]], list]:
+    """Six prompts over the tiny models' 320-token vocabulary, sharing prefixes of varied length."""
+    rng = random.Random(11)
+    shared = [rng.randrange(3, 320) for _ in range(19)]
+    prompts = [shared[: rng.randrange(0, 19)] + [rng.randrange(3, 320) for _ in range(rng.randrange(1, 25))]
+               for _ in range(6)]
+    return prompts, [greedy(rng.randrange(4, 14)) for _ in prompts]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir(SHM))
+
+
+def _within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a thread; fail the test (rather than hang CI) if it takes longer."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # re-raised in the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds} s: a tensor-parallel failure hung")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _assert_released(llm: LLM, created: set[str]) -> None:
+    """Every worker has exited and every shared-memory name this engine created is gone."""
+    procs = llm.llm_engine.executor._ranks.procs
+    assert procs and not any(p.is_alive() for p in procs)
+    assert not [p for p in mp.active_children() if p in procs]
+    assert not created & _shm(), f"left behind in /dev/shm: {sorted(created & _shm())}"
+
+
+def _created_by(llm: LLM, before: set[str]) -> set[str]:
+    """The /dev/shm names this live engine made: its channel segment and its doorbell semaphores."""
+    created = _shm() - before
+    assert any(n.startswith(llm.llm_engine.executor._ranks.channel.base) for n in created)
+    return created
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_outputs_match_single_rank(arch: str) -> None:
+    prompts, params = _workload()
+    single = make_llm(arch, num_kv_blocks=64)
+    expected = token_ids(single.generate(prompts, params, use_tqdm=False))
+    before = _shm()
+    with make_llm(arch, tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        created = _created_by(llm, before)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        shards = llm.llm_engine.executor.kv_shards()
+    _assert_released(llm, created)
+    # 2 KV heads: one per rank, each holding half of what the single rank's pool holds
+    (whole,) = single.llm_engine.executor.kv_shards()
+    assert [(s["rank"], s["kv_head_start"], s["kv_head_end"], s["num_kv_heads"]) for s in shards] == \
+        [(0, 0, 1, 1), (1, 1, 2, 1)]
+    assert all(s["num_blocks"] == 64 and 2 * s["bytes"] == whole["bytes"] for s in shards)
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(),
+                    reason=f"the bundled demo model is not built yet ({BUNDLED_MODEL})")
+def test_bundled_model_matches_single_rank() -> None:
+    prompts = ["def fibonacci(n):", "The list type supports", "import os\nimport sys\n\n"]
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=128)
+    params = greedy(24)
+    expected = token_ids(LLM(**kw).generate(prompts, params, use_tqdm=False))
+    with LLM(tensor_parallel_size=2, **kw) as llm:
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_match_single_rank() -> None:
+    """A pool of 16 four-token blocks, a 16-token budget and two rounds of the same prompts:
+    chunked prefills, preemptions and prefix-cache hits all happen under TP=2."""
+    config = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts, params = _workload()
+    plain = token_ids(make_llm(block_size=16).generate(prompts, params, use_tqdm=False))
+    single = make_llm(**config)
+    expected = [token_ids(single.generate(prompts, params, use_tqdm=False)) for _ in range(2)]
+    assert expected == [plain, plain]
+    with make_llm(tensor_parallel_size=2, **config) as llm:
+        preempted: list[str] = []
+        scheduled: list = []
+        llm.hooks.add("request.preempted", lambda request_id, **_: preempted.append(request_id))
+        llm.hooks.add("step.scheduled", lambda scheduler_output, **_: scheduled.extend(scheduler_output.requests))
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate(prompts, params, use_tqdm=False)
+        assert [token_ids(first), token_ids(second)] == expected
+    assert preempted, "the pool was meant to be small enough to force preemption"
+    assert any(r.is_prefill and not r.sample for r in scheduled), "no prefill was chunked"
+    assert any(o.num_cached_tokens for o in second), "the second round hit no cached prefix"
+
+
+def test_kv_heads_or_vocabulary_not_divisible_by_tp_is_refused_before_spawning(tmp_path: Path) -> None:
+    tiny_config("qwen3", vocab_size=321).save_pretrained(tmp_path)  # a config is all it takes
+    children = mp.active_children()
+    with pytest.raises(ValueError, match=r"num_key_value_heads=2 not divisible by 4"):
+        make_llm("qwen3", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"vocab_size=321 not divisible by 2"):
+        LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2)
+    assert mp.active_children() == children
+
+
+@pytest.mark.parametrize("max_tracked", [8, 1000])
+def test_block_table_deltas_rebuild_every_table_through_preemption_and_eviction(max_tracked: int) -> None:
+    """Tables grow, sequences finish, get preempted and re-admitted with new blocks, or sit out
+    steps; the worker's rebuilt tables always equal rank 0's, its memory stays bounded, and
+    while nothing is evicted only the growth travels."""
+    rng = random.Random(5)
+    encoder, decoder = StepEncoder(max_tracked), StepDecoder()
+    tables: dict[int, list[int]] = {}
+    new_ids = itertools.count()
+    sent = whole = 0
+    for step in range(400):
+        preempted = []
+        for seq_id in list(tables):
+            roll = rng.random()
+            if roll < 0.05:
+                del tables[seq_id]  # finished: never scheduled again
+            elif roll < 0.1:
+                tables[seq_id] = [rng.randrange(1000) for _ in range(rng.randrange(1, 4))]
+                preempted.append(seq_id)  # freed, and re-admitted with other blocks
+        for _ in range(rng.randrange(0, 3)):
+            tables[next(new_ids)] = [rng.randrange(1000)]
+        scheduled = [s for s in tables if rng.random() < 0.7]
+        for seq_id in scheduled:
+            tables[seq_id] += [rng.randrange(1000) for _ in range(rng.randrange(0, 3))]
+        out = SchedulerOutput(step, [ScheduledRequest(s, [s % 7], 0, tables[s], False, True) for s in scheduled],
+                              preempted_seq_ids=preempted)
+        msg = encoder.encode(out)
+        sent += len(msg.table_entries)
+        whole += sum(len(tables[s]) for s in scheduled)
+        got = decoder.decode(msg)
+        assert [(r.seq_id, r.block_table) for r in got.requests] == [(s, tables[s]) for s in scheduled]
+        assert len(decoder.tables) <= max(max_tracked, len(tables))
+    if max_tracked == 1000:  # never evicts here
+        assert sent < whole / 5
+
+
+_ECHO_READER = """
+import hashlib
+from kvscope.distributed.channel import ChannelReader
+reader = ChannelReader(name, doorbell)
+while True:
+    got, payload = reader.receive(30.0)
+    if got:
+        reply.send((len(payload), hashlib.sha256(payload).hexdigest(), reader.generation))
+"""
+
+
+def test_channel_grows_for_commands_far_above_1_mib() -> None:
+    ctx = mp.get_context("spawn")
+    doorbell = ctx.Semaphore(0)
+    receive, send = ctx.Pipe(duplex=False)
+    writer = ChannelWriter([doorbell])
+    # the reader runs as a code string, so the child imports the channel and nothing heavy
+    reader = ctx.Process(target=exec, args=(_ECHO_READER, dict(name=writer.name, doorbell=doorbell, reply=send)))
+    reader.start()
+    try:
+        for size, generation in ((10, 0), (3 << 20, 1), (40 << 20, 2), (1000, 2)):
+            payload = os.urandom(size)
+            writer.send(payload)
+            assert receive.poll(HANG_S), "the reader did not answer"
+            assert receive.recv() == (size, hashlib.sha256(payload).hexdigest(), generation)
+        assert writer.shm.size >= 40 << 20
+        assert sorted(n for n in _shm() if n.startswith(writer.base)) == [f"{writer.base}_2"]
+        # a reader killed while it waits must not wedge the writer (a multiprocessing.Event would)
+        reader.kill()
+        reader.join()
+        _within(HANG_S, lambda: writer.send(b"nobody listens"))
+    finally:
+        writer.close()
+        if reader.is_alive():
+            reader.kill()
+    assert not [n for n in _shm() if n.startswith(writer.base)]
+
+
+def test_killed_worker_makes_generate_raise_not_hang_and_spares_other_engines() -> None:
+    """Two TP engines share this process and host (own groups, ports and channels); killing one's
+    worker fails that engine's next step within seconds and leaves the other one working."""
+    prompts, params = _workload()
+    before = _shm()
+    with make_llm(tensor_parallel_size=2, num_kv_blocks=64) as llm, \
+            make_llm(tensor_parallel_size=2, num_kv_blocks=64) as other:
+        created = _created_by(llm, before)
+        expected = token_ids(other.generate(prompts, params, use_tqdm=False))
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        (worker,) = llm.llm_engine.executor._ranks.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(TensorParallelError, match=r"rank 1 .* killed by SIGKILL"):
+            _within(HANG_S, lambda: llm.generate(prompts, params, use_tqdm=False))
+        with pytest.raises(TensorParallelError, match="is down"):
+            llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(other.generate(prompts, params, use_tqdm=False)) == expected
+    _assert_released(llm, created)
+    _assert_released(other, created)
+
+
+def test_worker_exception_is_raised_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make rank 0 send block-table deltas for sequences the worker never saw: the worker's
+    KeyError must come back as the caller's exception, traceback included."""
+    prompts, params = _workload()
+    before = _shm()
+    with make_llm(tensor_parallel_size=2, num_kv_blocks=64) as llm:
+        created = _created_by(llm, before)
+        encoder = llm.llm_engine.executor._encoder
+        encode = encoder.encode
+
+        def without_resets(out):
+            msg = encode(out)
+            msg.flags &= 0xFF ^ RESET
+            return msg
+
+        monkeypatch.setattr(encoder, "encode", without_resets)
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 .* raised:.*KeyError"):
+            _within(HANG_S, lambda: llm.generate(prompts, params, use_tqdm=False))
+    _assert_released(llm, created)
+
+
+_EXIT_WITHOUT_SHUTDOWN = """
+import json, os, sys, weakref
+import torch
+torch.set_num_threads(1)
+from kvscope import LLM, SamplingParams
+
+class Box:
+    procs = []
+
+def report():
+    prefix = f"kvscope_tp_{os.getpid()}_"
+    print("REPORT " + json.dumps(dict(
+        exitcodes=[p.exitcode for p in Box.procs],
+        shm=[n for n in os.listdir("/dev/shm") if n.startswith(prefix)])), flush=True)
+
+box = Box()
+weakref.finalize(box, report)  # created before the engine's finalizer, so it runs after it
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+assert len(llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+Box.procs = list(llm.llm_engine.executor._ranks.procs)
+# no shutdown: interpreter exit must end the worker and unlink the channel
+"""
+
+
+def test_interpreter_exit_ends_workers_and_unlinks_shared_memory() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_EXIT_WITHOUT_SHUTDOWN), str(tiny_checkpoint("qwen3"))],
+        capture_output=True, text=True, timeout=HANG_S * 2,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    (report,) = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert report == 'REPORT {"exitcodes": [0], "shm": []}', report
+    assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker found nothing to clean
