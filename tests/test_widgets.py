@@ -64,7 +64,7 @@ def check_views(dash: Dashboard, step: int) -> None:
 
 def test_live_views_equal_trace_and_engine_after_each_step():
     llm = make_llm(**ENGINE)
-    dash = Dashboard(llm, interval=0.001)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
     engine = llm.llm_engine
     for p in PROMPTS:
         llm.add_request(p, greedy(10))
@@ -117,7 +117,7 @@ def test_a_view_is_usable_alone():
 def test_pause_step_resume_hold_the_background_run_between_steps():
     llm = make_llm(**ENGINE)
     want = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
-    dash = Dashboard(llm, interval=0.001)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
     dash.pause()  # paused before it starts: it stops right after its first step
     run = dash.generate_async(PROMPTS, greedy(12))
     wait_for(lambda: dash.gate.waiting)
@@ -140,7 +140,7 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
 
 def test_html_export_contains_the_pool(tmp_path):
     llm = make_llm(**ENGINE)
-    dash = Dashboard(llm, interval=0.001)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
     llm.generate(PROMPTS, greedy(8), use_tqdm=False)
     dash.detach()
     trace = dash.trace

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 
 import ipywidgets as W
 
+from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES
 
 DEFAULT_VIEWS = ("pool", "queues", "tables", "slots", "timeline")
@@ -64,7 +65,13 @@ class Dashboard:
 
     ``Dashboard(llm)`` is live: every later ``llm.generate`` (in any cell) updates it, until
     :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
-    Display it like any widget (it is the last expression of a cell, or ``display(dash)``).
+    Display it like any widget (the last expression of a cell, or ``display(dash)``).
+
+    ``views`` picks and orders the views; ``level`` and ``max_steps`` go to ``llm.record``
+    (the block views need ``"blocks"`` or ``"full"``; ``"full"`` keeps a pool snapshot per step,
+    which makes moving between steps cheap). Live updates come at most every ``interval``
+    seconds, and rarer if updating would take more than ``max_load`` of the time, because
+    the updater shares the interpreter (the GIL) with the engine.
     """
 
     def __init__(
@@ -74,36 +81,39 @@ class Dashboard:
         level: str = "full",
         max_steps: int = 2000,
         interval: float = 0.25,
+        max_load: float = 0.03,
     ) -> None:
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
-        self.interval = interval
+        self.interval, self.max_load = interval, max_load
         self.llm = source if hasattr(source, "record") else None
-        self._recording = None
         self._closed = self.llm is None
+        self._listener = self._recording = None
         if self.llm is not None:
             self._recording = self.llm.record(level=level, max_steps=max_steps)
             self.trace = self._recording.__enter__()
         else:
             self.trace = source
+        self.series = StepSeries(self.trace)
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self.gate = StepGate()
+        self._bg_thread: threading.Thread | None = None
+        if self.llm is not None:
+            self._listener = self.trace.add_listener(self._on_step)
         self.views = {name: VIEW_CLASSES[name]() for name in views}
         self._lock = threading.RLock()  # one thread at a time touches the widgets
         self._shown: int | None = None
-        self._bg_thread: threading.Thread | None = None
         self._run: Future | None = None
-        self.gate = StepGate()
         self.last_error: str | None = None
+        self.num_updates, self.update_time_s = 0, 0.0  # live updates pushed, and their cost
         self._build_layout()
         self._link_selection()
-        if len(self.trace.step_ids):
-            self._refresh(follow=True)
-        self._listener = self._updater = None
-        self._wake = threading.Event()
+        self._refresh(follow=True)
+        self._updater = None
         if self.llm is not None:
             self._updater = threading.Thread(target=self._update_loop, name="kvscope-dashboard", daemon=True)
             self._updater.start()
-            self._listener = self.trace.add_listener(self._on_step)
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self) -> None:
@@ -136,6 +146,7 @@ class Dashboard:
             body.append(W.HBox(side, layout=W.Layout(width="100%", grid_gap="12px")))
         body += [v[n] for n in ("slots", "timeline") if n in v]
         self.widget = W.VBox(body, layout=W.Layout(width="100%"))
+        self.widget.add_class("kvscope-dashboard")
         self._set_status()
 
     def _link_selection(self) -> None:
@@ -151,13 +162,13 @@ class Dashboard:
     def show_step(self, step: int) -> None:
         """Show recorded step ``step`` (the nearest recorded one at or before it) in every view."""
         ids = self.trace.step_ids
-        if not len(ids):
+        if not ids:
             return
-        i = max(0, bisect.bisect_right(ids, step) - 1)
-        step = int(ids[i])
+        step = ids[max(0, bisect.bisect_right(ids, step) - 1)]
+        data = StepData(self.trace, step, self.series)
         with self._lock:
             for view in self.views.values():
-                view.update_from(self.trace, step)
+                view.show(data)
             self._shown = step
             self._set_status()
 
@@ -167,46 +178,57 @@ class Dashboard:
         return self._shown
 
     def _on_slider(self, change: dict) -> None:
-        if self.llm is not None and threading.current_thread() is not self._updater and change["new"] != self.slider.max:
-            self.follow.value = False  # the user moved the slider: stop jumping to the newest step
+        if self.llm is not None and change["new"] != self.slider.max:
+            self.follow.value = False  # moved away from the newest step: stop jumping there
         self.show_step(change["new"])
 
     def _refresh(self, follow: bool) -> None:
-        """Extend the slider to the newest recorded step; show it when following."""
+        """Take in new steps and extend the slider; show the newest step when following."""
         ids = self.trace.step_ids
-        if not len(ids):
+        if not ids:
             return
         with self._lock:
+            self.series.sync()
             for w in (self.slider, self.play):
                 with w.hold_sync():  # steps only grow, so widen the top before raising the bottom
-                    w.max, w.min = int(ids[-1]), int(ids[0])
-            if follow:
-                if self.slider.value != int(ids[-1]):
-                    self.slider.value = int(ids[-1])  # the observer shows it
-                else:
-                    self.show_step(int(ids[-1]))
+                    w.max, w.min = ids[-1], ids[0]
+            if follow and self.slider.value != ids[-1]:
+                self.slider.value = ids[-1]  # the observer shows it
+            elif follow:
+                self.show_step(ids[-1])
             elif "timeline" in self.views and self._shown is not None:
-                self.views["timeline"].update_from(self.trace, self._shown)
+                self.views["timeline"].show(StepData(self.trace, self._shown, self.series))
 
     # --------------------------------------------------------------------- live
-    def _on_step(self, _record: Any) -> None:
-        """Trace listener, in the engine's thread: wake the updater, and wait here while paused."""
+    def _on_step(self, record: Any) -> None:
+        """Trace listener, in the engine's thread: queue the record, wake the updater, and
+        wait here while paused (background runs only)."""
+        self.series.add(record)
         self._wake.set()
         if threading.current_thread() is self._bg_thread:
             self.gate.wait()
 
     def _update_loop(self) -> None:
+        cost = 0.0
         while True:
             self._wake.wait()
             if self._closed:
                 return
             self._wake.clear()
+            start = time.thread_time()
             try:
                 self._refresh(follow=self.follow.value)
+                self.num_updates += 1
             except Exception:  # a broken update must never stop the engine or this thread
                 self.last_error = traceback.format_exc()
                 self._set_status()
-            time.sleep(self.interval)
+            # Wait at least `interval`, and long enough that updating uses at most `max_load`
+            # of the time: the updater shares the interpreter lock with the engine. CPU time,
+            # not wall time, so waiting for that lock does not count as load.
+            spent = time.thread_time() - start
+            self.update_time_s += spent
+            cost = 0.5 * (cost + spent)  # smoothed: the first update is the dearest
+            self._stop.wait(max(self.interval, cost / self.max_load - cost))
 
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:
         """Run ``llm.generate(prompts, sampling_params)`` in a background thread.
@@ -285,6 +307,7 @@ class Dashboard:
         self._listener.remove()
         self._recording.__exit__(None, None, None)
         self._closed = True
+        self._stop.set()
         self._wake.set()
         self._updater.join()
         self._refresh(follow=self.follow.value)

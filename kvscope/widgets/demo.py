@@ -6,7 +6,7 @@ from typing import Any
 
 # Few blocks and a small token budget, so a handful of requests already fills the pool and
 # long prompts are prefilled in chunks.
-DEMO_ENGINE_ARGS: dict[str, Any] = dict(block_size=16, num_kv_blocks=48, max_num_batched_tokens=96, max_num_seqs=8)
+DEMO_ENGINE_ARGS: dict[str, Any] = dict(block_size=16, num_kv_blocks=40, max_num_batched_tokens=96, max_num_seqs=8)
 
 SYSTEM_PROMPT = (
     "You are a helpful assistant that answers questions about the Python standard library. "
@@ -29,7 +29,7 @@ def demo_prompts(n: int = 8) -> list[str]:
     return [SYSTEM_PROMPT + "Question: " + QUESTIONS[i % len(QUESTIONS)] + "\nAnswer:" for i in range(n)]
 
 
-def demo(llm: Any = None, num_prompts: int = 8, max_tokens: int = 48, **dashboard_options: Any) -> Any:
+def demo(llm: Any = None, num_prompts: int = 8, max_tokens: int = 64, **dashboard_options: Any) -> Any:
     """A live dashboard on ``llm`` (default: ``LLM()`` on the bundled model with
     :data:`DEMO_ENGINE_ARGS`) running :func:`demo_prompts` in the background."""
     from kvscope import LLM, SamplingParams

@@ -18,6 +18,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 from kvscope.widgets import snapshot
+from kvscope.widgets.snapshot import StepData
 from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
 
 # view name -> (snapshot function, traits sent as binary)
@@ -43,13 +44,13 @@ def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
     views: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPORTED_VIEWS}
     details = []
     for step in steps:
+        data = StepData(trace, step)
         for name, (fn, binary) in EXPORTED_VIEWS.items():
-            state = fn(trace, step)
+            state = fn(data)
             for key in binary:
                 state[key] = base64.b64encode(state[key]).decode("ascii")
             views[name].append(state)
-        filled = np.flatnonzero(trace.pool_arrays(step)["num_tokens"] > 0).tolist()
-        details.append(snapshot.block_details(trace, step, filled))
+        details.append(snapshot.block_details(data, np.flatnonzero(data.arrays["num_tokens"]).tolist()))
     return {"steps": steps, "views": views, "details": details,
             "binary": {name: list(binary) for name, (_fn, binary) in EXPORTED_VIEWS.items()}}
 

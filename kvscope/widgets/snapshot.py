@@ -2,10 +2,13 @@
 
 The live widgets, the replay slider and the static HTML export all call these functions, so
 the three always show the same facts, and a test can compare a view with the trace directly.
-Every function reads only the public :class:`~kvscope.trace.Trace` API.
+Everything here reads only the public :class:`~kvscope.trace.Trace` API.
 """
 from __future__ import annotations
 
+import bisect
+from collections import deque
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -14,102 +17,167 @@ import pandas as pd
 MAX_SLOT_TOKENS = 128  # tokens per request sent to the slot-mapping view (the rest are counted)
 
 
-def block_tables(trace: Any, step: int) -> dict[str, list[int]]:
-    """``{request_id: [physical block of logical block 0, 1, ...]}`` in the trace's row order."""
-    df = trace.block_tables(step)
-    codes, request_ids = pd.factorize(df["request_id"], sort=False)
-    order = np.lexsort((df["logical_block"].to_numpy(), codes))
-    blocks = df["physical_block"].to_numpy(np.int64)[order]
-    splits = np.flatnonzero(np.diff(codes[order])) + 1
-    return {str(r): chunk.tolist() for r, chunk in zip(request_ids, np.split(blocks, splits))}
+# The ``trace.steps`` columns the views use.
+STEP_FIELDS = (
+    "step", "duration_s", "num_scheduled_tokens", "num_prefill_tokens", "num_decode_tokens", "token_budget",
+    "num_preemptions", "num_used_blocks", "num_cached_blocks", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits",
+)
 
 
-def pool_state(trace: Any, step: int) -> dict[str, Any]:
-    """Traits of :class:`BlockPoolView`: the whole pool as binary arrays plus the block tables."""
-    arrays = trace.pool_arrays(step)
+class StepSeries:
+    """Per-step summary columns (``STEP_FIELDS`` of ``trace.steps``) as growing lists.
+
+    Read from ``trace.steps`` once; a live dashboard then feeds it each record its trace
+    listener receives (:meth:`add`: one append in the engine's thread), so an update costs
+    the new steps only instead of a rebuild of ``trace.steps``.
+    """
+
+    def __init__(self, trace: Any) -> None:
+        self.trace = trace
+        self._columns: dict[str, list] | None = None
+        self._pending: deque = deque()
+
+    @property
+    def columns(self) -> dict[str, list]:
+        if self._columns is None:  # read late, so records added before are not missed
+            steps = self.trace.steps
+            self._columns = {c: steps[c].tolist() for c in STEP_FIELDS}
+        return self._columns
+
+    def add(self, record: Any) -> None:
+        """Queue a ``StepRecord`` (any thread); :meth:`sync` takes it in."""
+        self._pending.append(record)
+
+    def sync(self) -> None:
+        steps = self.columns["step"]
+        while self._pending:
+            rec = self._pending.popleft()
+            if not steps or rec.step > steps[-1]:  # skip steps read from trace.steps already
+                for c in STEP_FIELDS:
+                    self.columns[c].append(getattr(rec, c))
+
+    @property
+    def last_step(self) -> int | None:
+        return self.columns["step"][-1] if self.columns["step"] else None
+
+    def row(self, step: int) -> dict[str, Any]:
+        i = bisect.bisect_left(self.columns["step"], step)
+        return {c: v[i] for c, v in self.columns.items()}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {c: np.asarray(v, dtype=float) for c, v in self.columns.items()}
+
+
+class StepData:
+    """One step of a trace, each trace table read at most once.
+
+    A dashboard update feeds one of these to every view, so views that need the same table
+    (the pool arrays, the block tables) do not each pay for it.
+    """
+
+    def __init__(self, trace: Any, step: int, series: StepSeries | None = None) -> None:
+        self.trace, self.step = trace, int(step)
+        if series is not None:
+            self.series = series
+
+    @cached_property
+    def series(self) -> StepSeries:
+        return StepSeries(self.trace)
+
+    @cached_property
+    def arrays(self) -> dict[str, np.ndarray]:
+        return self.trace.pool_arrays(self.step)
+
+    @cached_property
+    def tables(self) -> dict[str, list[int]]:
+        """``{request_id: [physical block of logical block 0, 1, ...]}`` of the step's forward pass."""
+        df = self.trace.block_tables(self.step)
+        codes, request_ids = pd.factorize(df["request_id"], sort=False)
+        order = np.lexsort((df["logical_block"].to_numpy(), codes))
+        blocks = df["physical_block"].to_numpy(np.int64)[order]
+        splits = np.flatnonzero(np.diff(codes[order])) + 1
+        return {str(r): chunk.tolist() for r, chunk in zip(request_ids, np.split(blocks, splits))}
+
+    @property
+    def row(self) -> dict[str, Any]:
+        """The step's summary (``trace.steps`` row, ``STEP_FIELDS`` only)."""
+        return self.series.row(self.step)
+
+
+def pool_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``BlockPoolView``: the whole pool as binary arrays plus the block tables."""
     return {
-        "step": int(step),
-        "block_size": int(trace.block_size),
-        "state": np.ascontiguousarray(arrays["state"], dtype=np.uint8).tobytes(),
-        "ref_count": np.ascontiguousarray(arrays["ref_count"], dtype=np.int32).tobytes(),
-        "tables": block_tables(trace, step),
+        "step": d.step,
+        "block_size": int(d.trace.block_size),
+        "state": np.ascontiguousarray(d.arrays["state"], dtype=np.uint8).tobytes(),
+        "ref_count": np.ascontiguousarray(d.arrays["ref_count"], dtype=np.int32).tobytes(),
+        "tables": d.tables,
     }
 
 
-def tables_state(trace: Any, step: int) -> dict[str, Any]:
-    """Traits of :class:`BlockTablesView`: per request its blocks, their refcounts, its tokens."""
-    arrays = trace.pool_arrays(step)
-    refs, fill = arrays["ref_count"], arrays["num_tokens"]
+def tables_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``BlockTablesView``: per request its blocks, their refcounts, its tokens."""
+    refs, fill = d.arrays["ref_count"], d.arrays["num_tokens"]
     rows = [
         {"id": rid, "blocks": blocks, "refs": refs[blocks].tolist(), "num_tokens": int(fill[blocks].sum())}
-        for rid, blocks in block_tables(trace, step).items()
+        for rid, blocks in d.tables.items()
     ]
-    return {"step": int(step), "rows": rows}
+    return {"step": d.step, "rows": rows}
 
 
-def slots_state(trace: Any, step: int) -> dict[str, Any]:
-    """Traits of :class:`SlotMappingView`: the step's tokens grouped by request, prefill or decode."""
-    df = trace.slot_mapping(step)
-    kinds = scheduled_kinds(trace, step)
+def slots_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``SlotMappingView``: the step's tokens grouped by request, prefill or decode."""
+    trace = d.trace
+    df = trace.slot_mapping(d.step)
+    sched = trace.scheduled(d.step)
+    kinds = dict(zip(sched["request_id"], np.where(sched["is_prefill"], "prefill", "decode")))
+    # Rows come grouped by request, positions ascending (the runner's packing order).
+    rids = df["request_id"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, rids[1:] != rids[:-1]]) if len(rids) else np.zeros(0, int)
+    ends = np.r_[starts[1:], len(rids)]
+    cols = [df[c].to_numpy().tolist() for c in ("position", "token_id", "slot", "block_id", "offset")]
     groups = []
-    for rid, g in df.groupby("request_id", sort=False):
-        g = g.sort_values("position")
-        head = g.head(MAX_SLOT_TOKENS)
-        tokens = [
-            [int(p), int(t), trace.decode([int(t)]), int(s), int(b), int(o)]
-            for p, t, s, b, o in zip(head["position"], head["token_id"], head["slot"], head["block_id"], head["offset"])
-        ]
-        groups.append({"id": str(rid), "kind": kinds.get(str(rid), "prefill"), "num_tokens": len(g), "tokens": tokens})
-    return {"step": int(step), "block_size": int(trace.block_size), "groups": groups}
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        shown = range(a, min(b, a + MAX_SLOT_TOKENS))
+        tokens = [[cols[0][i], cols[1][i], trace.decode([cols[1][i]]), cols[2][i], cols[3][i], cols[4][i]] for i in shown]
+        rid = str(rids[a])
+        groups.append({"id": rid, "kind": str(kinds.get(rid, "prefill")), "num_tokens": b - a, "tokens": tokens})
+    return {"step": d.step, "block_size": int(trace.block_size), "groups": groups}
 
 
-def scheduled_kinds(trace: Any, step: int) -> dict[str, str]:
-    """``{request_id: "prefill" | "decode"}`` for the requests scheduled at ``step``."""
-    df = trace.scheduled(step)
-    return {str(r): ("prefill" if p else "decode") for r, p in zip(df["request_id"], df["is_prefill"])}
-
-
-def step_row(trace: Any, step: int) -> dict[str, Any]:
-    """The ``trace.steps`` row of ``step`` as a dict (empty if the step was not recorded)."""
-    steps = trace.steps
-    row = steps[steps["step"] == step]
-    return row.iloc[0].to_dict() if len(row) else {}
-
-
-def queues_state(trace: Any, step: int) -> dict[str, Any]:
-    """Traits of :class:`QueuesView`: queues after the step, budget use and KV usage."""
-    q = trace.queues(step).sort_values(["queue", "position"])
-    lanes = {name: g["request_id"].astype(str).tolist() for name, g in q.groupby("queue")}
-    row = step_row(trace, step)
+def queues_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``QueuesView``: queues after the step (head first), budget use and KV usage."""
+    q = d.trace.queues(d.step)
+    lanes: dict[str, list[str]] = {"running": [], "waiting": [], "preempted": [], "finished": []}
+    for name, rid in zip(q["queue"].tolist(), q["request_id"].tolist()):  # rows come in queue order
+        lanes.setdefault(name, []).append(str(rid))
+    row = d.row
     return {
-        "step": int(step),
+        "step": d.step,
         "queues": {
-            "running": lanes.get("running", []),
-            "waiting": lanes.get("waiting", []),
-            "preempted": lanes.get("preempted", []),
-            "finished": lanes.get("finished", []),
-            "scheduled_tokens": int(row.get("num_scheduled_tokens", 0)),
-            "prefill_tokens": int(row.get("num_prefill_tokens", 0)),
-            "decode_tokens": int(row.get("num_decode_tokens", 0)),
-            "token_budget": int(row.get("token_budget", 0)),
-            "kv_usage": float(row.get("kv_cache_usage_perc", 0.0)),
-            "num_blocks": int(trace.num_blocks),
-            "used": int(row.get("num_used_blocks", 0)),
-            "cached": int(row.get("num_cached_blocks", 0)),
-            "num_preemptions": int(row.get("num_preemptions", 0)),
+            **lanes,
+            "scheduled_tokens": int(row["num_scheduled_tokens"]),
+            "prefill_tokens": int(row["num_prefill_tokens"]),
+            "decode_tokens": int(row["num_decode_tokens"]),
+            "token_budget": int(row["token_budget"]),
+            "kv_usage": float(row["kv_cache_usage_perc"]),
+            "num_blocks": int(d.trace.num_blocks),
+            "used": int(row["num_used_blocks"]),
+            "cached": int(row["num_cached_blocks"]),
         },
     }
 
 
-def block_details(trace: Any, step: int, block_ids: list[int]) -> dict[str, dict[str, Any]]:
-    """Hover facts of some blocks after ``step``: content hash, tokens, their text, owners."""
-    blocks = trace.blocks(step)
+def block_details(d: StepData, block_ids: list[int]) -> dict[str, dict[str, Any]]:
+    """Hover facts of some blocks after the step: content hash, tokens, their text, owners."""
+    blocks = d.trace.blocks(d.step)
     out = {}
-    for b in block_ids:
-        row = blocks.iloc[int(b)]
-        tokens = trace.block_tokens(step, int(b))
-        out[str(int(b))] = {
+    for b in map(int, block_ids):
+        row = blocks.iloc[b]
+        tokens = d.trace.block_tokens(d.step, b)
+        out[str(b)] = {
             "hash": None if pd.isna(row["block_hash"]) else f"{int(row['block_hash']):016x}",
-            "tokens": tokens, "text": trace.decode(tokens), "owners": [str(o) for o in row["owners"]],
+            "tokens": tokens, "text": d.trace.decode(tokens), "owners": [str(o) for o in row["owners"]],
         }
     return out

@@ -17,6 +17,7 @@ import traitlets
 from plotly.subplots import make_subplots
 
 from kvscope.widgets import snapshot
+from kvscope.widgets.snapshot import StepData, StepSeries
 
 STATIC = resources.files("kvscope.widgets") / "static"
 CSS = (STATIC / "style.css").read_text()
@@ -27,24 +28,38 @@ def esm_source(view: str) -> str:
     return (STATIC / "common.js").read_text() + "\n" + (STATIC / f"{view}.js").read_text()
 
 
-class _StepView(anywidget.AnyWidget):
+class _ShowsSteps:
+    """What every view offers: built on a step of a trace, moved by ``update_from`` or ``show``."""
+
+    def _start(self, trace: Any, step: int | None) -> None:
+        if trace is not None:
+            self.update_from(trace, trace.step_ids[-1] if step is None else step)
+
+    def update_from(self, trace: Any, step: int) -> None:
+        """Show ``step`` of ``trace``."""
+        self.show(StepData(trace, step))
+
+    def show(self, data: StepData) -> None:
+        raise NotImplementedError
+
+
+class _StepView(_ShowsSteps, anywidget.AnyWidget):
     """An anywidget showing one step of a trace; subclasses name their snapshot function."""
 
     _css = traitlets.Unicode(CSS).tag(sync=True)
     step = traitlets.Int(-1).tag(sync=True)
     selected_request = traitlets.Unicode("").tag(sync=True)
-    snapshot_fn: Callable[[Any, int], dict[str, Any]]
+    snapshot_fn: Callable[[StepData], dict[str, Any]]
 
     def __init__(self, trace: Any = None, step: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.trace = None
-        if trace is not None:
-            self.update_from(trace, trace.step_ids[-1] if step is None else step)
+        self._start(trace, step)
 
-    def update_from(self, trace: Any, step: int) -> None:
-        """Show ``step`` of ``trace``; all changed traits go to the browser in one message."""
-        state = type(self).snapshot_fn(trace, step)
-        self.trace = trace
+    def show(self, data: StepData) -> None:
+        """Show one step; all changed traits go to the browser in one message."""
+        state = type(self).snapshot_fn(data)
+        self.trace = data.trace
         with self.hold_sync():
             for name, value in state.items():
                 setattr(self, name, value)
@@ -76,7 +91,7 @@ class BlockPoolView(_StepView):
         if content.get("type") == "inspect" and self.trace is not None:
             step = int(content["step"])
             self.send({"type": "details", "step": step,
-                       "blocks": snapshot.block_details(self.trace, step, content["blocks"])})
+                       "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"])})
 
     @property
     def num_blocks(self) -> int:
@@ -119,23 +134,20 @@ TIMELINE_SERIES = (  # (column of timeline_frame, label, subplot row, secondary 
 )
 
 
-def timeline_frame(trace: Any, max_points: int = 1500) -> dict[str, np.ndarray]:
+def timeline_frame(series: StepSeries, max_points: int = 1500) -> dict[str, np.ndarray]:
     """Per-step series of the timeline, averaged into at most ``max_points`` bins."""
-    s = trace.steps
-    if len(s) == 0:
-        return {"step": np.zeros(0)} | {col: np.zeros(0) for col, *_ in TIMELINE_SERIES}
-    queries = s["prefix_cache_queries"].to_numpy(float).cumsum()
-    hits = s["prefix_cache_hits"].to_numpy(float).cumsum()
+    s = series.arrays()
+    queries, hits = s["prefix_cache_queries"].cumsum(), s["prefix_cache_hits"].cumsum()
     cols = {
-        "step": s["step"].to_numpy(float),
-        "prefill_tokens": s["num_prefill_tokens"].to_numpy(float),
-        "decode_tokens": s["num_decode_tokens"].to_numpy(float),
-        "kv_usage_pct": 100 * s["kv_cache_usage_perc"].to_numpy(float),
+        "step": s["step"],
+        "prefill_tokens": s["num_prefill_tokens"],
+        "decode_tokens": s["num_decode_tokens"],
+        "kv_usage_pct": 100 * s["kv_cache_usage_perc"],
         "prefix_hit_pct": np.divide(100 * hits, queries, out=np.full_like(hits, np.nan), where=queries > 0),
-        "preemptions": s["num_preemptions"].to_numpy(float),
-        "latency_ms": 1000 * s["duration_s"].to_numpy(float),
+        "preemptions": s["num_preemptions"],
+        "latency_ms": 1000 * s["duration_s"],
     }
-    n = len(s)
+    n = len(cols["step"])
     if n > max_points:
         starts = np.arange(0, n, -(-n // max_points))
         counts = np.diff(np.append(starts, n))
@@ -148,21 +160,21 @@ def timeline_figure(trace: Any | None = None, height: int = 420) -> go.Figure:
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         specs=[[{}], [{}], [{"secondary_y": True}]],
                         subplot_titles=("tokens per step", "KV usage and prefix hits", "preemptions and latency"))
-    data = timeline_frame(trace) if trace is not None else None
+    data = timeline_frame(StepSeries(trace)) if trace is not None else None
     for col, label, row, secondary, kind in TIMELINE_SERIES:
         x = data["step"] if data else []
         y = data[col] if data else []
         trace_obj = go.Bar(x=x, y=y, name=label) if kind == "bar" else go.Scatter(x=x, y=y, name=label, mode="lines")
         fig.add_trace(trace_obj, row=row, col=1, secondary_y=secondary if row == 3 else None)
-    fig.update_layout(barmode="stack", height=height, margin=dict(l=50, r=50, t=40, b=30),
-                      legend=dict(orientation="h", y=-0.08), hovermode="x unified",
+    fig.update_layout(barmode="stack", height=height, margin=dict(l=50, r=20, t=40, b=30),
+                      legend=dict(x=1.06, y=1, xanchor="left", font=dict(size=11)), hovermode="x unified",
                       shapes=[dict(type="line", xref="x", yref="paper", x0=0, x1=0, y0=0, y1=1,
                                    line=dict(color="#e63946", width=1, dash="dot"), visible=False)])
     fig.update_xaxes(title_text="step", row=3, col=1)
     return fig
 
 
-class TimelineView(go.FigureWidget):
+class TimelineView(_ShowsSteps, go.FigureWidget):
     """One chart over steps: prefill/decode tokens, KV usage, prefix hit rate, preemptions, latency.
 
     A dotted line marks the step the other views show.
@@ -171,19 +183,18 @@ class TimelineView(go.FigureWidget):
     def __init__(self, trace: Any = None, step: int | None = None, height: int = 420) -> None:
         super().__init__(timeline_figure(height=height))
         self._last_step_seen: int | None = None
-        if trace is not None:
-            self.update_from(trace, trace.step_ids[-1] if step is None else step)
+        self._start(trace, step)
 
-    def update_from(self, trace: Any, step: int) -> None:
+    def show(self, data: StepData) -> None:
         """Refresh the series when the trace has new steps; always move the step marker."""
-        last = trace.step_ids[-1] if len(trace.step_ids) else None
+        last = data.series.last_step
         with self.batch_update():
             if last != self._last_step_seen:
-                data = timeline_frame(trace)
+                series = timeline_frame(data.series)
                 for trace_obj, (col, *_rest) in zip(self.data, TIMELINE_SERIES):
-                    trace_obj.x, trace_obj.y = data["step"], data[col]
+                    trace_obj.x, trace_obj.y = series["step"], series[col]
                 self._last_step_seen = last
-            self.layout.shapes[0].update(x0=step, x1=step, visible=True)
+            self.layout.shapes[0].update(x0=data.step, x1=data.step, visible=True)
 
 
 VIEW_CLASSES: dict[str, type] = {

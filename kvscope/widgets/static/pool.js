@@ -20,7 +20,7 @@ const POOL_RGBA = {
 
 /** Cell size and columns that fit `n` cells into `width` x about `maxHeight` pixels. */
 function poolGeometry(n, width, maxHeight) {
-  const cell = Math.max(2, Math.min(24, Math.floor(Math.sqrt((width * maxHeight) / Math.max(n, 1)))));
+  const cell = Math.max(2, Math.min(28, Math.floor(Math.sqrt((width * maxHeight) / Math.max(n, 1)))));
   const cols = Math.max(1, Math.floor(width / cell));
   return { cell, cols, rows: Math.ceil(n / cols), gap: cell >= 6 ? 1 : 0 };
 }
@@ -80,6 +80,16 @@ function render({ model, el }) {
       for (let y = 0; y < inner; y++) px.fill(c, (y0 + y) * canvas.width + x0, (y0 + y) * canvas.width + x0 + inner);
     }
     ctx.putImageData(img, 0, 0);
+    if (cell >= 20) { // big cells (small pools) also show each block's id
+      ctx.font = `${Math.floor(cell / 2.6)}px ui-monospace, monospace`;
+      ctx.textAlign = "center";
+      ctx.textBaseline = "middle";
+      for (let b = 0; b < n; b++) {
+        const dark = b === picked || sel.has(b) || (state[b] === 1 && refs[b] > 1);
+        ctx.fillStyle = dark ? "#fff" : "#0008";
+        ctx.fillText(String(b), (b % cols) * cell + inner / 2, Math.floor(b / cols) * cell + inner / 2 + 1);
+      }
+    }
     draws++;
     Object.assign(el.dataset, {
       numBlocks: n, step: model.get("step"), free: counts.free, used: counts.used,

@@ -1,0 +1,71 @@
+"""``%load_ext kvscope``, ``%kvscope`` and ``%%kvscope`` through IPython's own test shell."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("anywidget")
+from IPython.testing.globalipapp import get_ipython  # noqa: E402
+
+from engine_helpers import make_llm  # noqa: E402
+
+from kvscope import SamplingParams  # noqa: E402
+from kvscope.trace import Trace  # noqa: E402
+from kvscope.widgets import Dashboard  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "kvscope")
+    shell.user_ns["SamplingParams"] = SamplingParams
+    return shell
+
+
+def test_help_documents_the_options(ip):
+    doc = ip.find_line_magic("kvscope").__doc__
+    for text in ("%%kvscope", "demo", "-o OUT, --out OUT", "--level", "--interval", "--views", "--html"):
+        assert text in doc
+    assert ip.find_cell_magic("kvscope") is not None
+
+
+def test_cell_magic_records_the_cell_and_stores_the_trace(ip, tmp_path):
+    ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    html = tmp_path / "cell.html"
+    result = ip.run_cell_magic(
+        "kvscope", f"-o tr --interval 0.01 --html {html}",
+        "outs = llm.generate(['the quick brown fox'] * 2, SamplingParams(max_tokens=6, temperature=0))",
+    )
+    assert result is None
+    trace = ip.user_ns["tr"]
+    assert isinstance(trace, Trace) and len(trace.step_ids) >= 6
+    assert len(ip.user_ns["outs"]) == 2
+    assert html.exists() and "kvscope-pool" in html.read_text()
+    # the recording ended with the cell: later steps are not in the trace
+    ip.run_cell("llm.generate('the quick', SamplingParams(max_tokens=3))")
+    assert trace.step_ids[-1] < ip.user_ns["llm"].llm_engine.scheduler.step_count
+
+
+def test_line_magic_shows_a_live_dashboard_and_replays_a_trace(ip):
+    ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    dash = ip.run_line_magic("kvscope", "llm --views pool,queues --interval 0.01")
+    assert isinstance(dash, Dashboard) and set(dash.views) == {"pool", "queues"}
+    ip.run_cell("llm.generate('the quick brown fox', SamplingParams(max_tokens=4))")
+    dash.detach()
+    ip.user_ns["t"] = dash.trace
+    replay = ip.run_line_magic("kvscope", "t")
+    assert replay.llm is None and replay.step == dash.trace.step_ids[-1]
+
+
+def test_demo_runs_on_the_bundled_model(ip):
+    dash = ip.run_line_magic("kvscope", "demo --interval 0.05")
+    outputs = dash.run_future.result(timeout=60)
+    dash.detach()
+    assert len(outputs) == 8 and dash.trace.steps["num_preemptions"].sum() > 0
+    assert dash.trace.steps["prefix_cache_hits"].sum() > 0
+
+
+def test_errors_name_the_fix(ip):
+    with pytest.raises(ValueError, match="usage"):
+        ip.run_line_magic("kvscope", "")
+    with pytest.raises(NameError, match="nope"):
+        ip.run_line_magic("kvscope", "nope")
