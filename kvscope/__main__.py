@@ -4,15 +4,17 @@ from __future__ import annotations
 import argparse
 import time
 
+# Help-page headers in the bundled model's format; several share a module line, so their
+# first blocks come from the prefix cache.
 DEMO_PROMPTS = [
-    "The list type",
-    "The list type supports",
-    "A dictionary is",
-    "Return a new",
-    "The with statement",
-    "Raise an exception",
-    "The for statement is used to",
-    "Return the number of",
+    "Help on topic assert:\n\n",
+    "Help on method str.split in module builtins:\n\nsplit(self, /, sep=None, maxsplit=-1)\n\n",
+    "Help on method str.join in module builtins:\n\njoin(self, iterable, /)\n\n",
+    "Help on function join in module posixpath:\n\njoin(a, *p)\n\n",
+    "Help on function split in module posixpath:\n\nsplit(p)\n\n",
+    "Help on class Thread in module threading:\n\nclass Thread\n\n",
+    "Help on method BaseTransport.close in module asyncio.transports:\n\nclose(self)\n\n",
+    "Help on function dumps in module json:\n\n",
 ]
 
 
@@ -23,11 +25,10 @@ def demo(args: argparse.Namespace) -> None:
     llm = LLM(args.model, device=args.device, block_size=args.block_size)
     print(f"loaded {llm.model_dir} on {llm.llm_engine.executor.device} in {time.perf_counter() - t0:.1f}s; "
           f"{llm.llm_engine.block_manager.num_blocks} KV blocks of {args.block_size} tokens")
-    steps: list = []
-    llm.hooks.add("step.end", lambda info: steps.append(info))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     t0 = time.perf_counter()
-    outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+    with llm.record(level="blocks") as trace:
+        outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     for o in outs:
         c = o.outputs[0]
@@ -35,8 +36,13 @@ def demo(args: argparse.Namespace) -> None:
               f"{o.num_cached_tokens} cached)\n    {c.text.strip()!r}")
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     cached = sum(o.num_cached_tokens for o in outs)
+    steps = trace.steps
     print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), {len(steps)} steps, "
           f"{cached} prompt tokens served from the prefix cache")
+    print("\nfirst steps (trace.steps):")
+    cols = ["step", "num_prefill_tokens", "num_decode_tokens", "num_requests_running",
+            "num_requests_waiting", "num_used_blocks", "prefix_cache_hits"]
+    print(steps[cols].head(6).to_string(index=False))
     print("open notebooks/01_quickstart.ipynb (or `%load_ext kvscope` then `%kvscope demo`) to watch it live")
 
 
