@@ -90,8 +90,10 @@ def test_greedy_outputs_match_single_rank(arch: str) -> None:
     before = _shm()
     with make_llm(arch, tensor_parallel_size=2, num_kv_blocks=64) as llm:
         created = _created_by(llm, before)
-        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
+        with llm.record(level="summary") as trace:
+            assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
         shards = llm.llm_engine.executor.kv_shards()
+    assert trace.kv_shards.to_dict("records") == shards  # the trace shows the per-rank layout
     _assert_released(llm, created)
     # 2 KV heads: one per rank, each holding half of what the single rank's pool holds
     (whole,) = single.llm_engine.executor.kv_shards()

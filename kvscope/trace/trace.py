@@ -112,6 +112,12 @@ class Trace:
         return self._source.requests_frame().copy(deep=False)
 
     @property
+    def kv_shards(self) -> pd.DataFrame:
+        """One row per tensor-parallel rank: which KV heads it holds, its blocks and bytes."""
+        cols = ["rank", "kv_head_start", "kv_head_end", "num_kv_heads", "num_blocks", "bytes"]
+        return pd.DataFrame(self.meta.get("kv_shards") or [], columns=cols)
+
+    @property
     def block_events(self) -> pd.DataFrame:
         """Block events; those fired between steps (abort, reset) belong to the next step, phase ``idle``."""
         self._need_blocks("block_events")
