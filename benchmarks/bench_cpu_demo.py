@@ -1,6 +1,9 @@
 """The bundled model on a CPU: 32 requests x 64 new tokens, wall time and tokens per second.
 
-    python benchmarks/bench_cpu_demo.py [--threads 2] [--repeats 3]
+Runs once per ``--cpu-threads`` setting in one process (0 = kvscope's automatic choice), so the
+settings are compared under the same machine load.
+
+    python benchmarks/bench_cpu_demo.py [--cpu-threads 0 2] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -9,20 +12,22 @@ import os
 import statistics
 import time
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--cpu-threads", type=int, nargs="+", default=[0, os.cpu_count() or 1])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    for threads in args.cpu_threads:
+        run(args, threads or None)
+
+
+def run(args: argparse.Namespace, cpu_threads: int | None) -> None:
     from kvscope import LLM, SamplingParams
 
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", cpu_threads=cpu_threads)
     tok = llm.get_tokenizer()
     # Corpus-style prompts: help-page headers of a few modules, so some share prefixes.
     names = ["os.path", "json", "re", "itertools", "functools", "collections", "typing", "pathlib"]
@@ -39,7 +44,9 @@ def main() -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         stopped = sum(o.outputs[0].finish_reason == "stop" for o in outs)
     best, med = min(times), statistics.median(times)
-    print(f"{len(prompts)} requests x up to {args.max_tokens} new tokens on {args.threads} CPU threads: "
+    used = llm.llm_engine.executor.cpu_threads
+    label = f"cpu_threads={cpu_threads}" if cpu_threads else f"cpu_threads=auto ({used})"
+    print(f"{len(prompts)} requests x up to {args.max_tokens} new tokens, {label}: "
           f"median {med:.2f}s, best {best:.2f}s ({tokens} tokens, {tokens / med:.0f} tok/s; "
           f"{stopped}/{len(prompts)} stopped on EOS)")
     print(f"example: {prompts[0]!r} -> {tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)!r}")

@@ -38,6 +38,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    cpu_threads: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -67,6 +68,8 @@ class EngineConfig:
         if self.max_model_len is not None:
             positive_int("max_model_len", self.max_model_len)
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.cpu_threads is not None:
+            positive_int("cpu_threads", self.cpu_threads)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):

@@ -192,3 +192,20 @@ def test_runner_error_is_raised_and_engine_recovers(llm):
     assert not llm.has_unfinished_requests()
     llm.check_invariants()
     assert len(llm.generate([[3, 4, 5]], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+def test_cpu_threads_apply_to_steps_and_restore_the_callers_setting():
+    llm = make_llm(block_size=4, cpu_threads=1)
+    seen = []
+    model = llm.llm_engine.executor.model
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm.generate([[1, 2, 3]], greedy(3), use_tqdm=False)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(previous)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        make_llm(cpu_threads=0)

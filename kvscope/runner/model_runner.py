@@ -6,8 +6,9 @@ scheduler and never decides anything.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -54,6 +55,14 @@ def resolve_dtype(config: EngineConfig, hf_config: Any, device: torch.device) ->
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def resolve_cpu_threads(config: EngineConfig, hf_config: Any) -> int:
+    """Intra-op threads for CPU steps. Small models run several times faster on one thread:
+    their matmuls are too small to pay for thread synchronisation (measured in RESULTS.md)."""
+    if config.cpu_threads is not None:
+        return config.cpu_threads
+    return 1 if hf_config.hidden_size < 1024 else torch.get_num_threads()
+
+
 def kv_geometry(hf_config: Any, tp_size: int) -> tuple[int, int, int]:
     """(layers, KV heads per rank, head_dim) of the pool."""
     heads = hf_config.num_attention_heads
@@ -82,6 +91,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, hf_config, self.device)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
+        self.cpu_threads = resolve_cpu_threads(config, hf_config) if self.device.type == "cpu" else None
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -171,6 +181,19 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
 
     # ---------------------------------------------------------------- step
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """Run a CPU step on ``cpu_threads`` intra-op threads, restoring the caller's setting."""
+        if self.cpu_threads is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
     def _upload(self, x: StepInputs) -> DeviceInputs:
         """All of a step's integer inputs in one host buffer and one copy to the device.
 
@@ -220,7 +243,7 @@ class ModelRunner:
         if use_graph:
             hidden = self.graphs.run(x, d)
         else:
-            with forward_context(self._metadata(x, d)):
+            with forward_context(self._metadata(x, d)), self._threads():
                 hidden = self._forward(d.input_ids, d.positions)
         rows = None
         if len(x.logits_indices) == x.num_tokens:
@@ -234,11 +257,13 @@ class ModelRunner:
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
         sampled = [r for r in out.requests if r.sample]
-        # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
-        logits = None if rows is None else self.model.compute_logits(rows)
-        if logits is None:
-            return StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s}, cuda_graph=use_graph)
-        s = self.sampler(logits, [r.params for r in sampled], [r.output_index for r in sampled])
+        with self._threads():
+            # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
+            logits = None if rows is None else self.model.compute_logits(rows)
+            if logits is None:
+                return StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
+                                  cuda_graph=use_graph)
+            s = self.sampler(logits, [r.params for r in sampled], [r.output_index for r in sampled])
         tokens = {r.seq_id: tok for r, tok in zip(sampled, s.tokens)}
         logprobs = {} if s.logprobs is None else {r.seq_id: lp for r, lp in zip(sampled, s.logprobs)}
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
