@@ -5,8 +5,9 @@ widget update is serialized and sent over ZMQ exactly as in a notebook; only the
 missing. Three arms alternate in rotating order, each on the same LLM and workload:
 
 * ``none``: plain ``llm.generate``;
-* ``record``: inside ``llm.record(level="full")`` (what the dashboard records);
-* ``dashboard``: a displayed ``kvscope.dashboard(llm)`` with its default throttling.
+* ``record``: inside ``llm.record(level=...)``, what the dashboard records (``--level``);
+* ``dashboard``: a displayed ``kvscope.dashboard(llm)`` with its default throttling (timed
+  after the one-time cost of displaying it has drained).
 
     python benchmarks/bench_dashboard_overhead.py                  # bundled model, CPU
     python benchmarks/bench_dashboard_overhead.py --device cuda --prompts 64 --max-tokens 256 --num-kv-blocks 2048
@@ -52,12 +53,15 @@ def arm_none():
     return run(), None
 
 def arm_record():
-    with llm.record(level="full"):
+    with llm.record(level=args["level"]):
         return run(), None
 
 def arm_dashboard():
-    dash = kvscope.dashboard(llm)
+    dash = kvscope.dashboard(llm, level=args["level"], **{{k: args[k] for k in ("interval", "max_load") if args[k] is not None}})
     display(dash)
+    # Displaying sends each view's front-end code once (plotly's FigureWidget alone is ~5 MB);
+    # let the kernel's IOPub thread finish that before timing the steady state.
+    time.sleep(2.0)
     before = dash.num_updates
     t = time.perf_counter()
     tps = run()
@@ -102,6 +106,9 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6, help="rounds of the three arms")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in the kernel (0: leave)")
+    ap.add_argument("--level", default="blocks", choices=("blocks", "full"), help="recording level of both arms")
+    ap.add_argument("--interval", type=float, default=None, help="dashboard interval (default: the dashboard's)")
+    ap.add_argument("--max-load", type=float, default=None, help="dashboard max_load (default: the dashboard's)")
     args = ap.parse_args()
 
     from jupyter_client.manager import start_new_kernel

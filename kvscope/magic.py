@@ -19,10 +19,12 @@ class KvscopeMagics(Magics):
     @argument("-o", "--out", default=None, help="store the recorded Trace in this variable")
     @argument("--views", default=",".join(VIEW_CLASSES),
               help=f"comma-separated views to show, from: {', '.join(VIEW_CLASSES)}")
-    @argument("--level", default="full", choices=("summary", "blocks", "full"),
+    @argument("--level", default="blocks", choices=("summary", "blocks", "full"),
               help="recording level (the block views need 'blocks' or 'full')")
     @argument("--max-steps", type=int, default=2000, help="steps the recording keeps (a ring buffer)")
-    @argument("--interval", type=float, default=0.25, help="seconds between two browser updates")
+    @argument("--interval", type=float, default=0.25, help="least seconds between two browser updates")
+    @argument("--max-load", type=float, default=0.02,
+              help="largest share of the time live updates may take (they share the GIL with the engine)")
     @argument("--html", default=None, help="also write a static HTML export of the trace to this file")
     @line_cell_magic
     def kvscope(self, line: str, cell: str | None = None) -> Any:
@@ -35,7 +37,7 @@ class KvscopeMagics(Magics):
         """
         args = parse_argstring(self.kvscope, line)
         options = dict(views=[v.strip() for v in args.views.split(",") if v.strip()], level=args.level,
-                       max_steps=args.max_steps, interval=args.interval)
+                       max_steps=args.max_steps, interval=args.interval, max_load=args.max_load)
         from kvscope.widgets import Dashboard, demo
 
         if cell is not None:

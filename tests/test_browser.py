@@ -42,7 +42,7 @@ def wait_until(cond, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def steady_step(page, quiet: float = 1.0, timeout: float = 15.0) -> int:
+def steady_step(page, quiet: float = 0.5, timeout: float = 15.0) -> int:
     """The pool's step once it has not changed for ``quiet`` seconds."""
     end = time.monotonic() + timeout
     last, since = pool_step(page), time.monotonic()
@@ -74,23 +74,24 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         # The last cell starts a background run: the pool changes while it runs ...
         wait_until(lambda: "background run" in status(page), 90, "the background run")
         seen = {pool_step(page)}
-        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 3, 30, "the pool to change during the run")
+        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 30, "the pool to change during the run")
         dashboard = page.locator(".kvscope-dashboard").first
         dashboard.screenshot(path=str(SHOTS / "quickstart_live.png"))
 
         # ... Pause holds it between two steps ...
         page.locator("button.kvscope-pause").first.click()
-        wait_until(lambda: "paused" in status(page), 10, "the paused status")
+        wait_until(lambda: "paused at step" in status(page), 10, "the paused status")
         held = steady_step(page)
+        assert f"paused at step {held}" in status(page)
         time.sleep(1.0)
         assert pool_step(page) == held, "the engine kept running while paused"
-        assert "running" not in status(page)
 
         # ... Step runs exactly one engine step ...
         for k in (1, 2):
             page.locator("button.kvscope-step").first.click()
             wait_until(lambda: pool_step(page) == held + k, 10, f"step {held + k}")
             assert steady_step(page, quiet=0.8) == held + k
+            assert f"paused at step {held + k}" in status(page)
         dashboard.screenshot(path=str(SHOTS / "quickstart_paused.png"))
 
         # ... and with the kernel free, hovering a block asks it for the block's tokens.
@@ -101,14 +102,37 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         tip = page.inner_text(f"{POOL} .kvs-tip")
         assert tip.startswith("block 0") and "owners" in tip
 
-        # Resume lets it finish.
+        # Resume lets it go on.
         page.locator("button.kvscope-resume").first.click()
         wait_until(lambda: pool_step(page) > held + 2, 10, "the run to go on after Resume")
-        wait_until(lambda: "idle" in status(page), 60, "the background run to finish")
-        dashboard.screenshot(path=str(SHOTS / "quickstart_done.png"))
+        assert "running" in status(page)
 
         # The static export the notebook wrote opens without a kernel and draws the pool.
         page.goto((work / "kvscope_quickstart.html").as_uri())
         page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=30_000)
         assert page.eval_on_selector(POOL, "el => Number(el.dataset.numBlocks)") == num_blocks
         page.screenshot(path=str(SHOTS / "export.png"), full_page=True)
+
+
+def test_pool_view_draws_131072_blocks_quickly(tmp_path: Path):
+    """A 128k-block pool stays responsive: one canvas cell per block, drawn in milliseconds."""
+    from engine_helpers import greedy, make_llm
+
+    from kvscope.widgets import export_html
+
+    num_blocks = 131072
+    llm = make_llm(num_kv_blocks=num_blocks, block_size=1, validate=False)
+    with llm.record() as trace:
+        llm.generate(["the quick brown fox jumps over the lazy dog"] * 4, greedy(3), use_tqdm=False)
+    page_path = export_html(trace, tmp_path / "big.html", include_plotlyjs=False)
+    with chromium_page() as page:
+        page.goto(page_path.as_uri())
+        page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=30_000)
+        data = page.eval_on_selector(POOL, "el => ({...el.dataset})")
+        assert int(data["numBlocks"]) == num_blocks and int(data["used"]) + int(data["cached"]) > 0
+        page.fill("#kvscope-slider", "0")
+        page.dispatch_event("#kvscope-slider", "input")
+        redraw = page.eval_on_selector(POOL, "el => ({...el.dataset})")
+        assert int(redraw["step"]) == trace.step_ids[0] and int(redraw["draws"]) > int(data["draws"])
+        page.screenshot(path=str(SHOTS / "pool_131072_blocks.png"))
+    assert float(redraw["drawMs"]) < 250, f"drawing {num_blocks} blocks took {redraw['drawMs']} ms"

@@ -1,10 +1,11 @@
 """The dashboard: the views composed over one trace, live on an ``LLM`` or replaying a ``Trace``.
 
 Live, the dashboard records the engine (``llm.record``) and adds a trace listener. The listener
-runs in the engine's thread and only notes the newest step and wakes an updater thread; that
-thread pushes at most one batch of changes per ``interval`` seconds, so the engine never waits
-for the browser. ``generate_async`` runs the engine in a background thread so the kernel stays
-free, and Pause / Step / Resume hold that thread between two engine steps.
+runs in the engine's thread and only queues the step's record and wakes an updater thread, so
+the engine never waits for the browser. The updater pushes each update as one batch per view,
+at most every ``interval`` seconds and rarer when updates are dear (``max_load``).
+``generate_async`` runs the engine in a background thread so the kernel stays free, and
+Pause / Step / Resume hold that thread between two engine steps.
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import html
 import threading
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import ipywidgets as W
 
@@ -34,11 +35,14 @@ class StepGate:
         self._credits = 0
         self.waiting = False
 
-    def wait(self) -> None:
+    def wait(self, on_hold: Callable[[], None]) -> None:
+        """Return at once unless paused; else call ``on_hold`` and block until let through."""
         if not self.paused:  # the common case costs one attribute read
             return
         with self._cond:
-            self.waiting = True
+            if self._credits == 0:
+                self.waiting = True
+                on_hold()
             while self.paused and self._credits == 0:
                 self._cond.wait()
             if self._credits:
@@ -67,25 +71,28 @@ class Dashboard:
     :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
-    ``views`` picks and orders the views; ``level`` and ``max_steps`` go to ``llm.record``
-    (the block views need ``"blocks"`` or ``"full"``; ``"full"`` keeps a pool snapshot per step,
-    which makes moving between steps cheap). Live updates come at most every ``interval``
-    seconds, and rarer if updating would take more than ``max_load`` of the time, because
-    the updater shares the interpreter (the GIL) with the engine.
+    ``views`` picks the views; ``level`` and ``max_steps`` go to ``llm.record`` (the block views
+    need ``"blocks"`` or ``"full"``; ``"full"`` adds a whole-pool copy per step, which makes
+    jumping back in a long replay cheaper but costs ``num_blocks * 16`` bytes per step). Live
+    updates come at most every ``interval`` seconds, and rarer when updating would take more
+    than ``max_load`` of the wall time: the updater shares the interpreter lock with the
+    engine, so the time it spends is roughly what the engine loses.
     """
 
     def __init__(
         self,
         source: Any,
         views: Iterable[str] = DEFAULT_VIEWS,
-        level: str = "full",
+        level: str = "blocks",
         max_steps: int = 2000,
         interval: float = 0.25,
-        max_load: float = 0.03,
+        max_load: float = 0.02,
     ) -> None:
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
+        if level == "summary" and set(views) != {"timeline"}:
+            raise ValueError("level='summary' records no blocks; it can feed views=['timeline'] only")
         self.interval, self.max_load = interval, max_load
         self.llm = source if hasattr(source, "record") else None
         self._closed = self.llm is None
@@ -96,7 +103,8 @@ class Dashboard:
         else:
             self.trace = source
         self.series = StepSeries(self.trace)
-        self._wake, self._stop = threading.Event(), threading.Event()
+        # _wake: a new step is there; _kick: update now (paused, or detaching), skipping the throttle
+        self._wake, self._kick = threading.Event(), threading.Event()
         self.gate = StepGate()
         self._bg_thread: threading.Thread | None = None
         if self.llm is not None:
@@ -206,7 +214,7 @@ class Dashboard:
         self.series.add(record)
         self._wake.set()
         if threading.current_thread() is self._bg_thread:
-            self.gate.wait()
+            self.gate.wait(on_hold=self._kick.set)  # the engine is idle now: show this step at once
 
     def _update_loop(self) -> None:
         cost = 0.0
@@ -215,20 +223,18 @@ class Dashboard:
             if self._closed:
                 return
             self._wake.clear()
-            start = time.thread_time()
+            start = time.perf_counter()
             try:
                 self._refresh(follow=self.follow.value)
                 self.num_updates += 1
             except Exception:  # a broken update must never stop the engine or this thread
                 self.last_error = traceback.format_exc()
                 self._set_status()
-            # Wait at least `interval`, and long enough that updating uses at most `max_load`
-            # of the time: the updater shares the interpreter lock with the engine. CPU time,
-            # not wall time, so waiting for that lock does not count as load.
-            spent = time.thread_time() - start
+            spent = time.perf_counter() - start
             self.update_time_s += spent
             cost = 0.5 * (cost + spent)  # smoothed: the first update is the dearest
-            self._stop.wait(max(self.interval, cost / self.max_load - cost))
+            self._kick.wait(max(self.interval, cost / self.max_load - cost))
+            self._kick.clear()
 
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:
         """Run ``llm.generate(prompts, sampling_params)`` in a background thread.
@@ -277,15 +283,22 @@ class Dashboard:
         self._set_status()
 
     def resume(self) -> None:
+        """Let the background run go on."""
         self.gate.resume()
         self._set_status()
 
     def _set_status(self) -> None:
+        with self._lock:  # also called from the background run's thread
+            self._write_status()
+
+    def _write_status(self) -> None:
         running = self._run is not None and not self._run.done()
         if self.llm is None:
             text = f"replay · {len(self.trace.step_ids)} steps recorded"
+        elif running and self.gate.waiting:
+            text = f"background run · paused at step {self.trace.step_ids[-1]}"
         elif running:
-            text = "background run · paused" if self.gate.paused else "background run · running"
+            text = "background run · pausing…" if self.gate.paused else "background run · running"
         else:
             text = "detached · replay" if self._closed else "live · idle"
         if self._shown is not None:
@@ -301,13 +314,13 @@ class Dashboard:
         """Stop recording and updating; the dashboard stays as a replay of what it recorded."""
         if self.llm is None or self._closed:
             return
-        if self._run is not None and not self._run.done():
+        if self._run is not None:
             self.gate.resume()
-            self._run.result()
+            wait([self._run])  # its outputs or error stay in run_future
         self._listener.remove()
         self._recording.__exit__(None, None, None)
         self._closed = True
-        self._stop.set()
+        self._kick.set()
         self._wake.set()
         self._updater.join()
         self._refresh(follow=self.follow.value)

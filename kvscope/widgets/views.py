@@ -159,18 +159,18 @@ def timeline_figure(trace: Any | None = None, height: int = 420) -> go.Figure:
     """The timeline as a plain plotly figure (the static export draws this one)."""
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         specs=[[{}], [{}], [{"secondary_y": True}]],
-                        subplot_titles=("tokens per step", "KV usage and prefix hits", "preemptions and latency"))
+                        subplot_titles=("tokens per step", "KV usage and prefix hits (%)", "preemptions and step latency (ms) per step"))
     data = timeline_frame(StepSeries(trace)) if trace is not None else None
     for col, label, row, secondary, kind in TIMELINE_SERIES:
         x = data["step"] if data else []
         y = data[col] if data else []
         trace_obj = go.Bar(x=x, y=y, name=label) if kind == "bar" else go.Scatter(x=x, y=y, name=label, mode="lines")
         fig.add_trace(trace_obj, row=row, col=1, secondary_y=secondary if row == 3 else None)
-    fig.update_layout(barmode="stack", height=height, margin=dict(l=50, r=20, t=40, b=30),
-                      legend=dict(x=1.06, y=1, xanchor="left", font=dict(size=11)), hovermode="x unified",
+    fig.update_layout(barmode="stack", height=height, margin=dict(l=50, r=50, t=40, b=50),
+                      legend=dict(orientation="h", y=-0.06, yanchor="top", font=dict(size=11)),
+                      hovermode="x unified",
                       shapes=[dict(type="line", xref="x", yref="paper", x0=0, x1=0, y0=0, y1=1,
                                    line=dict(color="#e63946", width=1, dash="dot"), visible=False)])
-    fig.update_xaxes(title_text="step", row=3, col=1)
     return fig
 
 

@@ -58,6 +58,7 @@ function render({ model, el }) {
   }
 
   function draw() {
+    const t0 = performance.now();
     const n = state.length;
     const width = Math.max(200, (el.clientWidth || 800) - 4);
     geo = poolGeometry(n, width, model.get("max_height") || 360);
@@ -94,7 +95,7 @@ function render({ model, el }) {
     Object.assign(el.dataset, {
       numBlocks: n, step: model.get("step"), free: counts.free, used: counts.used,
       cached: counts.cached, shared: counts.shared, selectedRequest: model.get("selected_request"),
-      selectedBlocks: sel.size, draws,
+      selectedBlocks: sel.size, draws, drawMs: (performance.now() - t0).toFixed(1),
     });
     const swatch = (color, label) => h("span", { class: "kvs-key" },
       h("i", { style: { background: color } }), label);
