@@ -92,6 +92,14 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
             wait_until(lambda: pool_step(page) == held + k, 10, f"step {held + k}")
             assert steady_step(page, quiet=0.8) == held + k
             assert f"paused at step {held + k}" in status(page)
+        # Selecting a request in the block tables highlights its blocks in the pool (linked in
+        # the browser, no kernel round trip).
+        row = page.locator("[data-kvscope-view=tables] tr").first
+        request = row.locator(".kvs-rid").inner_text()
+        row.click()
+        page.wait_for_function(
+            f"() => document.querySelector('{POOL}').dataset.selectedRequest === '{request}'", timeout=10_000)
+        assert int(page.eval_on_selector(POOL, "el => el.dataset.selectedBlocks")) > 0
         dashboard.screenshot(path=str(SHOTS / "quickstart_paused.png"))
 
         # ... and with the kernel free, hovering a block asks it for the block's tokens.
@@ -104,8 +112,7 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
 
         # Resume lets it go on.
         page.locator("button.kvscope-resume").first.click()
-        wait_until(lambda: pool_step(page) > held + 2, 10, "the run to go on after Resume")
-        assert "running" in status(page)
+        wait_until(lambda: pool_step(page) > held + 2 and "running" in status(page), 10, "the run to go on")
 
         # The static export the notebook wrote opens without a kernel and draws the pool.
         page.goto((work / "kvscope_quickstart.html").as_uri())

@@ -60,7 +60,7 @@ class StepGate:
 
     def resume(self) -> None:
         with self._cond:
-            self.paused, self._credits = False, 0
+            self.paused, self._credits, self.waiting = False, 0, False
             self._cond.notify_all()
 
 

@@ -1,9 +1,8 @@
 // Slot mapping of one step: every token computed in the step, the slot its K/V is written to,
 // and that slot as (block, offset). Prefill chunks and decode rows are shown alike.
-// Synced state: `groups` ([{id, kind, tokens: [[position, token_id, text, slot, block, offset]]}]),
-// `block_size`, `selected_request`, `step`.
-
-const MAX_TOKENS = 128;
+// Synced state: `groups` ([{id, kind, num_tokens, tokens: [[position, token_id, text, slot, block,
+// offset]]}], `tokens` being the first ones only for long prefill chunks), `block_size`,
+// `selected_request`, `step`.
 
 function render({ model, el }) {
   el.classList.add("kvs-view", "kvs-slots");
@@ -14,16 +13,16 @@ function render({ model, el }) {
     const selected = model.get("selected_request");
     let total = 0;
     const parts = groups.map((g) => {
-      total += g.tokens.length;
-      const first = g.tokens[0][0], last = g.tokens[g.tokens.length - 1][0];
-      const cells = g.tokens.slice(0, MAX_TOKENS).map(([pos, tok, text, slot, block, off]) =>
+      total += g.num_tokens;
+      const first = g.tokens[0][0], last = first + g.num_tokens - 1; // a chunk's positions are contiguous
+      const cells = g.tokens.map(([pos, tok, text, slot, block, off]) =>
         h("div", { class: "kvs-slot", title: `position ${pos} \u00b7 token ${tok} \u2192 slot ${slot} = block ${block} \u00d7 ${model.get("block_size")} + ${off}` },
           h("code", {}, kvsShowText(text) || "\u2205"), h("small", {}, `${slot} = ${block}\u00b7${off}`)));
-      if (g.tokens.length > MAX_TOKENS) cells.push(h("span", { class: "kvs-dim" }, `+${g.tokens.length - MAX_TOKENS} more`));
+      if (g.num_tokens > g.tokens.length) cells.push(h("span", { class: "kvs-dim" }, `+${g.num_tokens - g.tokens.length} more`));
       return h("div", { class: `kvs-slot-group ${g.id === selected ? "kvs-selected" : ""}` },
         h("div", { class: "kvs-slot-head", onclick: () => kvsSelect(model, g.id) },
           h("span", { class: `kvs-badge kvs-${g.kind}` }, g.kind), ` request ${g.id} \u00b7 `,
-          first === last ? `position ${first}` : `positions ${first}\u2013${last} (${g.tokens.length} tokens)`),
+          first === last ? `position ${first}` : `positions ${first}\u2013${last} (${g.num_tokens} tokens)`),
         h("div", { class: "kvs-slot-row" }, cells));
     });
     el.replaceChildren(
