@@ -2,7 +2,10 @@
 a full KV pool and preemption. Used by ``%kvscope demo`` and the notebooks."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvscope.widgets.dashboard import Dashboard
 
 # Few blocks and a small token budget, so a handful of requests already fills the pool and
 # long prompts are prefilled in chunks.
@@ -29,7 +32,7 @@ def demo_prompts(n: int = 8) -> list[str]:
     return [SYSTEM_PROMPT + "Question: " + QUESTIONS[i % len(QUESTIONS)] + "\nAnswer:" for i in range(n)]
 
 
-def demo(llm: Any = None, num_prompts: int = 8, max_tokens: int = 64, **dashboard_options: Any) -> Any:
+def demo(llm: Any = None, num_prompts: int = 8, max_tokens: int = 64, **dashboard_options: Any) -> "Dashboard":
     """A live dashboard on ``llm`` (default: ``LLM()`` on the bundled model with
     :data:`DEMO_ENGINE_ARGS`) running :func:`demo_prompts` in the background."""
     from kvscope import LLM, SamplingParams
