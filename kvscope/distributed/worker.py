@@ -50,18 +50,22 @@ class WorkerArgs:
 
 
 def worker_main(args: WorkerArgs, doorbell: Semaphore, reply: Connection) -> None:
-    """Process entry point: report every failure to rank 0, then exit non-zero."""
+    """Process entry point: report every failure to rank 0 and exit non-zero; exit 0 when stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle; it stops us
+    code = 0
     try:
         torch.set_num_threads(args.num_threads)
         _serve(args, doorbell, reply)
     except BaseException:
-        try:
-            reply.send(("error", traceback.format_exc()))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)  # no destructors: a group with a collective in flight could block exit
+        code = 1
+        reply.send(("error", traceback.format_exc()))
+    finally:
+        # No destructors either way: a group with a collective in flight could block exit, and
+        # gloo's background threads, destroyed at interpreter teardown, abort the process
+        # ("terminate called without an active exception") once in a few clean exits.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _serve(args: WorkerArgs, doorbell: Semaphore, reply: Connection) -> None:
