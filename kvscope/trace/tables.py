@@ -64,11 +64,13 @@ QUEUES = ("running", "waiting", "preempted", "finished")
 def frame(name: str, data: Iterable[tuple] | dict[str, Any]) -> pd.DataFrame:
     """A table with exactly the schema of ``name`` (rows as tuples, or columns as a dict)."""
     schema = SCHEMAS[name]
-    if isinstance(data, dict):
-        df = pd.DataFrame(data, columns=list(schema))
-    else:  # object first: pandas would turn an int column holding None into (lossy) floats
-        df = pd.DataFrame(list(data), columns=list(schema), dtype=object)
-    return df.astype(schema)
+    if not isinstance(data, dict):
+        rows = list(data)
+        data = dict(zip(schema, zip(*rows))) if rows else {c: () for c in schema}
+    # Each column built straight in its dtype: one pass, no object->Arrow->object round trips
+    # (which made a 100-row table cost ~3 ms under pandas 3), and None stays None / <NA>.
+    return pd.DataFrame({c: pd.Series(list(data[c]) if isinstance(data[c], tuple) else data[c], dtype=t)
+                         for c, t in schema.items()})
 
 
 # ------------------------------------------------------------- records -> tables
