@@ -158,3 +158,16 @@ def test_html_export_contains_the_pool(tmp_path):
     assert sorted(map(int, payload["details"][-1])) == cached.tolist()
     small = export_html(trace, tmp_path / "small.html", max_steps=5, include_plotlyjs="cdn")
     assert len(load_payload(small.read_text())["steps"]) == 5
+
+
+def test_queues_view_shows_each_ranks_kv_shard():
+    """Under tensor parallelism the scheduler view lists which KV heads, blocks and bytes each rank holds."""
+    from kvscope.widgets.views import QueuesView
+
+    with make_llm(tensor_parallel_size=2, num_kv_blocks=16) as llm:
+        with llm.record() as trace:
+            llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)
+        shards = llm.llm_engine.executor.kv_shards()
+    view = QueuesView(trace)
+    assert view.queues["kv_shards"] == shards
+    assert [(s["kv_head_start"], s["kv_head_end"]) for s in shards] == [(0, 1), (1, 2)]

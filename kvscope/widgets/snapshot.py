@@ -147,7 +147,8 @@ def slots_state(d: StepData) -> dict[str, Any]:
 
 
 def queues_state(d: StepData) -> dict[str, Any]:
-    """Traits of ``QueuesView``: queues after the step (head first), budget use and KV usage."""
+    """Traits of ``QueuesView``: queues after the step (head first), budget use, KV usage, and
+    the KV pool's shards over tensor-parallel ranks (which heads each rank holds, its bytes)."""
     q = d.trace.queues(d.step)
     lanes: dict[str, list[str]] = {"running": [], "waiting": [], "preempted": [], "finished": []}
     for name, rid in zip(q["queue"].tolist(), q["request_id"].tolist()):  # rows come in queue order
@@ -165,6 +166,7 @@ def queues_state(d: StepData) -> dict[str, Any]:
             "num_blocks": int(d.trace.num_blocks),
             "used": int(row["num_used_blocks"]),
             "cached": int(row["num_cached_blocks"]),
+            "kv_shards": d.trace.kv_shards.to_dict("records"),
         },
     }
 

@@ -14,6 +14,17 @@ function kvsGauge(frac, label) {
   return box;
 }
 
+// One line per tensor-parallel rank: the KV heads its shard of every block holds, and its bytes.
+function kvsShards(shards) {
+  if (shards.length < 2) return h("div", { class: "kvs-dim" }, shards.length ?
+    `KV pool: ${shards[0].num_kv_heads} KV heads, ${(shards[0].bytes / 2 ** 20).toFixed(1)} MiB` : "");
+  return h("div", { class: "kvs-shards", "data-ranks": shards.length },
+    h("div", { class: "kvs-dim" }, `KV shards over ${shards.length} tensor-parallel ranks`),
+    shards.map((s) => h("div", { class: "kvs-dim" },
+      `rank ${s.rank}: KV heads ${s.kv_head_start}\u2013${s.kv_head_end - 1} of every block, ` +
+      `${s.num_blocks} blocks, ${(s.bytes / 2 ** 20).toFixed(1)} MiB`)));
+}
+
 function render({ model, el }) {
   el.classList.add("kvs-view", "kvs-queues");
   el.dataset.kvscopeView = "queues";
@@ -40,6 +51,7 @@ function render({ model, el }) {
           lane("waiting", q.waiting, "kvs-waiting"),
           lane("preempted this step", q.preempted, "kvs-preempted"),
           lane("finished this step", q.finished, "kvs-finished"))),
+      kvsShards(q.kv_shards || []),
     );
     Object.assign(el.dataset, {
       step: model.get("step"), running: (q.running || []).length, waiting: (q.waiting || []).length,
