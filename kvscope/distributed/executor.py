@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import types
+import warnings
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -214,7 +215,10 @@ class _Ranks:
                 p.join(_STOP_GRACE_S)
             if p.is_alive():
                 p.kill()
-                p.join()
+                p.join(_STOP_GRACE_S)
+            if p.is_alive():  # e.g. stuck in the GPU driver: never hang the caller on it
+                warnings.warn(f"kvscope tensor-parallel worker (pid {p.pid}) survived SIGKILL for "
+                              f"{_STOP_GRACE_S:.0f} s; leaving it behind", RuntimeWarning, stacklevel=2)
         for conn in self.replies:
             conn.close()
         self.channel.close()
