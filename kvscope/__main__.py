@@ -35,14 +35,17 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\n[{o.request_id}] {o.prompt!r} -> ({c.finish_reason}, {len(c.token_ids)} tokens, "
               f"{o.num_cached_tokens} cached)\n    {c.text.strip()!r}")
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    cached = sum(o.num_cached_tokens for o in outs)
     steps = trace.steps
-    print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), {len(steps)} steps, "
-          f"{cached} prompt tokens served from the prefix cache")
+    print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), {len(steps)} steps")
     print("\nfirst steps (trace.steps):")
     cols = ["step", "num_prefill_tokens", "num_decode_tokens", "num_requests_running",
             "num_requests_waiting", "num_used_blocks", "prefix_cache_hits"]
     print(steps[cols].head(6).to_string(index=False))
+    again = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+    cached = sum(o.num_cached_tokens for o in again)
+    total = sum(len(o.prompt_token_ids) for o in again)
+    print(f"\nthe same prompts again: {cached} of {total} prompt tokens came from the prefix cache "
+          f"(full {llm.llm_engine.block_manager.block_size}-token blocks, matched by content hash)")
     print("open notebooks/01_quickstart.ipynb (or `%load_ext kvscope` then `%kvscope demo`) to watch it live")
 
 

@@ -209,3 +209,14 @@ def test_cpu_threads_apply_to_steps_and_restore_the_callers_setting():
         torch.set_num_threads(previous)
     with pytest.raises(ValueError, match="cpu_threads"):
         make_llm(cpu_threads=0)
+
+
+def test_demo_command_runs_on_the_bundled_model_and_hits_the_prefix_cache(capsys):
+    import re
+
+    from kvscope.__main__ import main
+
+    main(["demo", "--device", "cpu", "--max-tokens", "8"])
+    out = capsys.readouterr().out
+    cached, total = map(int, re.search(r"again: (\d+) of (\d+) prompt tokens", out).groups())
+    assert 0 < cached < total  # full blocks come back from the cache; the last token never does
