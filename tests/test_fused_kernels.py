@@ -23,7 +23,7 @@ from kvscope.layers import norm as norm_module
 from kvscope.layers.activation import SiluAndMul
 from kvscope.layers.norm import RMSNorm
 from kvscope.layers.rotary import RopeConfig, RotaryEmbedding, rotate_qk
-from triton_testing import (RecordLaunches, compile_sm90, compiled_only, interpreted_only,
+from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
                             needs_cuda, rel_err, run_interpreted_tests)
 
 EPS = 1e-6
@@ -218,16 +218,11 @@ def launch_all(tokens: int, hidden: int, num_q_heads: int, num_kv_heads: int, he
 @pytest.mark.slow
 @compiled_only
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = {name: RecordLaunches(getattr(tf, name)) for name in
-               ("_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_and_mul_kernel")}
-    for name, rec in kernels.items():
-        monkeypatch.setattr(tf, name, rec)
+    kernels = record_launches(monkeypatch, tf, ("_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_and_mul_kernel"))
     for shape in MODEL_SHAPES:
         launch_all(3, *shape, torch.bfloat16, "cpu")
     assert [len(r.calls) for r in kernels.values()] == [4, 4, 2]
-    for rec in kernels.values():
-        for call in rec.calls:
-            compile_sm90(rec.fn, call)
+    compile_recorded(kernels)
 
 
 # --- GPU -------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from kvscope.kernels import triton_attention as ta
 from kvscope.runner.forward_context import AttentionMetadata
-from triton_testing import (RecordLaunches, compile_sm90, compiled_only, interpreted_only,
+from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
                             needs_cuda, rel_err, run_interpreted_tests)
 
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
@@ -200,10 +200,7 @@ def test_interpreted_backend_empty_history_row() -> None:
 @pytest.mark.slow
 @compiled_only
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = {name: RecordLaunches(getattr(ta, name)) for name in
-               ("_store_kvcache_kernel", "_paged_attention_kernel", "_merge_splits_kernel")}
-    for name, rec in kernels.items():
-        monkeypatch.setattr(ta, name, rec)
+    kernels = record_launches(monkeypatch, ta, ("_store_kvcache_kernel", "_paged_attention_kernel", "_merge_splits_kernel"))
     mixed = make_case([(0, 20), (33, 1), (16, 40)], 16, 8, 2, 128, torch.bfloat16, "cpu", seed=3)
     decode = make_case([(100, 1), (7, 1)], 16, 8, 2, 128, torch.bfloat16, "cpu", seed=4)
     ta.store_kvcache(mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta.slot_mapping)
@@ -211,9 +208,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale,
                        num_splits=4)
     assert [len(r.calls) for r in kernels.values()] == [1, 2, 1]
-    for rec in kernels.values():
-        for call in rec.calls:
-            compile_sm90(rec.fn, call)
+    compile_recorded(kernels)
 
 
 # --- GPU -----------------------------------------------------------------------------------

@@ -93,3 +93,18 @@ def compile_sm90(fn, call: dict):
             signature[param.name] = "fp32"
     return triton.compile(ASTSource(fn, signature, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def record_launches(monkeypatch: pytest.MonkeyPatch, module, names: tuple[str, ...]) -> dict[str, "RecordLaunches"]:
+    """Swap ``module``'s kernels for recorders of their launches (the sm_90 compile check's input)."""
+    recs = {name: RecordLaunches(getattr(module, name)) for name in names}
+    for name, rec in recs.items():
+        monkeypatch.setattr(module, name, rec)
+    return recs
+
+
+def compile_recorded(recs: dict[str, "RecordLaunches"]) -> None:
+    """Compile every recorded launch for sm_90 (real argument specialisation, no GPU needed)."""
+    for rec in recs.values():
+        for call in rec.calls:
+            compile_sm90(rec.fn, call)
