@@ -141,7 +141,12 @@ def main() -> None:
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--fused", action="store_true", help="turn on the fused Triton norm/RoPE/SiLU kernels")
     args = ap.parse_args()
+    if args.fused:
+        from kvscope.layers import norm
+
+        norm.USE_FUSED_KERNELS = True
 
     prompts, outs = workload()
     cfg = json.loads(Path(args.config, "config.json").read_text())

@@ -12,11 +12,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [[ "$what" == tests || "$what" == all ]]; then
-    python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
+    python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_fused_kernels.py 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
     python benchmarks/bench_control_plane.py 2>&1 | tee "$OUT/control_plane.log"
     python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 64 \
         --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || rc=1
+    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 0 --fused \
+        --json "$OUT/throughput_fused.json" 2>&1 | tee "$OUT/throughput_fused.log" || rc=1
+    python benchmarks/bench_trace_overhead.py --device cuda --requests 64 --max-tokens 128 --repeats 7 \
+        2>&1 | tee "$OUT/trace_overhead.log" || rc=1
 fi
 exit $rc
