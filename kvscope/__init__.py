@@ -6,7 +6,6 @@ from kvscope.config import EngineConfig
 from kvscope.llm import LLM
 from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.sampling_params import SamplingParams
-from kvscope.trace.trace import Trace
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Trace"]
 __version__ = "0.1.0"
@@ -31,3 +30,13 @@ def load_ipython_extension(ipython: "IPython.InteractiveShell") -> None:
 
 
 __all__.append("dashboard")
+
+
+def __getattr__(name: str) -> object:
+    """``kvscope.Trace`` on first use: the trace layer needs pandas (the notebook extra), the
+    engine does not."""
+    if name == "Trace":
+        from kvscope.trace.trace import Trace
+
+        return Trace
+    raise AttributeError(f"module 'kvscope' has no attribute {name!r}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine, PromptType
@@ -11,8 +11,9 @@ from kvscope.model_source import resolve_model_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
 from kvscope.trace.hooks import HookRegistry
-from kvscope.trace.recorder import Recorder
-from kvscope.trace.trace import Trace
+
+if TYPE_CHECKING:
+    from kvscope.trace.trace import Trace
 
 
 class _NoTokenizer:
@@ -170,11 +171,18 @@ class LLM:
         return self.llm_engine.hooks
 
     @contextlib.contextmanager
-    def record(self, level: str = "blocks", max_steps: int = 10_000) -> Iterator[Trace]:
+    def record(self, level: str = "blocks", max_steps: int = 10_000) -> Iterator["Trace"]:
         """``with llm.record() as trace: llm.generate(...)``: record each step (docs/TRACE_API.md).
 
         Levels: ``"summary"`` < ``"blocks"`` < ``"full"``; the last ``max_steps`` steps are kept.
         """
+        try:
+            from kvscope.trace.recorder import Recorder
+        except ImportError as exc:  # pandas / pyarrow come with the notebook extra
+            raise ImportError(
+                f"recording a trace needs pandas and pyarrow ({exc}); install them with "
+                "pip install 'kvscope[notebook]'"
+            ) from exc
         with Recorder(self.llm_engine, level, max_steps, model=self.model_dir) as trace:
             yield trace
 

@@ -220,3 +220,26 @@ def test_demo_command_runs_on_the_bundled_model_and_hits_the_prefix_cache(capsys
     out = capsys.readouterr().out
     cached, total = map(int, re.search(r"again: (\d+) of (\d+) prompt tokens", out).groups())
     assert 0 < cached < total  # full blocks come back from the cache; the last token never does
+
+
+def test_engine_runs_without_the_notebook_extra():
+    """pandas/pyarrow are the notebook extra: the engine works without them, and recording says
+    what to install."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['pandas'] = None; sys.modules['pyarrow'] = None\n"
+        "from kvscope import LLM, SamplingParams\n"
+        "llm = LLM(device='cpu')\n"
+        "out = llm.generate('Help on topic assert:\\n\\n', SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)\n"
+        "assert len(out[0].outputs[0].token_ids) >= 1\n"
+        "try:\n"
+        "    llm.record().__enter__()\n"
+        "except ImportError as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "REFUSED" in proc.stdout and "kvscope[notebook]" in proc.stdout

@@ -1,7 +1,19 @@
-"""The trace layer: named hooks, per-step records and pandas views of scheduler and KV state."""
+"""The trace layer: named hooks, per-step records and pandas views of scheduler and KV state.
+
+Hooks need nothing beyond the standard library (the engine always imports them); the records
+and DataFrames need pandas and pyarrow (the notebook extra), so they load on first use.
+"""
 from kvscope.trace.hooks import HOOK_POINTS, HookRegistry
-from kvscope.trace.record import StepRecord
-from kvscope.trace.recorder import LEVELS, Recorder
-from kvscope.trace.trace import Trace
 
 __all__ = ["Trace", "Recorder", "StepRecord", "HookRegistry", "HOOK_POINTS", "LEVELS"]
+
+_LAZY = {"Trace": "kvscope.trace.trace", "Recorder": "kvscope.trace.recorder",
+         "LEVELS": "kvscope.trace.recorder", "StepRecord": "kvscope.trace.record"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvscope.trace' has no attribute {name!r}")
