@@ -72,11 +72,10 @@ class LLM:
             else AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
         )
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
-        max_model_len = min(self.config.max_model_len or max_pos, max_pos)
-        if self.config.max_model_len is not None and self.config.max_model_len > max_pos:
+        max_model_len = self.config.max_model_len or max_pos
+        if max_model_len > max_pos:
             raise ValueError(
-                f"max_model_len={self.config.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({max_pos})"
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({max_pos})"
             )
         if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_model_len:
             raise ValueError(

@@ -175,8 +175,6 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
-        if full == seq.num_hashed_blocks:
-            return
         for i in range(seq.num_hashed_blocks, full):
             b = seq.block_table[i]
             seq.num_hashed_blocks = i + 1

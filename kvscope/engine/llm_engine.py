@@ -235,15 +235,15 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens:
+        if seq.num_output_tokens >= p.min_tokens:
             if token in seq.eos_token_ids:
                 return "stop"
-            if p.stop_token_ids and token in p.stop_token_ids:
+            if token in p.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
             if p.stop_strings and self._hit_stop_string(seq):
                 return "stop"
-        if len(seq.token_ids) >= seq.max_total_tokens:
+        if seq.num_tokens >= seq.max_total_tokens:
             return "length"
         return None
 

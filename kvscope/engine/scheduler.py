@@ -124,12 +124,18 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledRequest:
         start = seq.num_computed_tokens
-        tokens = seq.token_ids
         end = start + n
-        sample = end == len(tokens)
+        sample = end == seq.num_tokens
         return ScheduledRequest(
-            seq.seq_id, tokens[start:end], start, seq.block_table, start < seq.prefill_len, sample,
-            num_cached, seq.params if sample else None, len(tokens) - seq.num_prompt_tokens,
+            seq_id=seq.seq_id,
+            token_ids=seq.token_ids[start:end],
+            start=start,
+            block_table=seq.block_table,
+            is_prefill=start < seq.prefill_len,
+            sample=sample,
+            num_cached_tokens=num_cached,
+            params=seq.params if sample else None,
+            output_index=seq.num_output_tokens,
         )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:

@@ -122,7 +122,7 @@ class ModelRunner:
     # ------------------------------------------------------------- KV pool
     def _block_bytes(self, tp_size: int) -> int:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
-        return 2 * layers * self.block_size * kv_heads * head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
 
     def _size_pool(self, tp_size: int) -> int:
         if self.config.num_kv_blocks is not None:
