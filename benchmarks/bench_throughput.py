@@ -76,11 +76,11 @@ def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float) -> float:
     return sum(outs) / seconds
 
 
-def run_kvscope(model_dir: str, prompts, outs, args) -> tuple[float, int]:
+def run_kvscope(model_dir: str, prompts, outs, args, tp: int) -> tuple[float, int]:
     from kvscope import LLM, SamplingParams
 
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.eager,
-              tensor_parallel_size=args.tp, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
+              tensor_parallel_size=tp, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
               gpu_memory_utilization=args.gpu_mem)
     warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)]
     llm.generate([[1] * 16], warm, use_tqdm=False)
@@ -136,17 +136,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many (0: skip)")
-    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (\"1,2\": ratio to the first)")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
     ap.add_argument("--json", default=None, help="write the figures here")
-    ap.add_argument("--fused", action="store_true", help="turn on the fused Triton norm/RoPE/SiLU kernels")
+    ap.add_argument("--unfused", action="store_true", help="torch code instead of the fused Triton norm/RoPE/SiLU kernels")
     args = ap.parse_args()
-    if args.fused:
+    if args.unfused:
         from kvscope.layers import norm
 
-        norm.USE_FUSED_KERNELS = True
+        norm.USE_FUSED_KERNELS = False
 
     prompts, outs = workload()
     cfg = json.loads(Path(args.config, "config.json").read_text())
@@ -155,15 +155,20 @@ def main() -> None:
     print(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s")
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(args.config, Path(tmp))
-        tok_s, steps = run_kvscope(tmp, prompts, outs, args)
+        sizes = [int(t) for t in args.tp.split(",")]
+        tok_s, steps = run_kvscope(tmp, prompts, outs, args, sizes[0])
         roof = roofline_tok_s(cfg, prompts, outs, steps, bw)
-        print(f"kvscope: {tok_s:,.0f} output tok/s ({steps} steps)")
-        print(f"roofline: {roof:,.0f} tok/s -> kvscope at {tok_s / roof:.1%} of the roofline")
-        figures = dict(kvscope_tok_s=tok_s, steps=steps, roofline_tok_s=roof, copy_bw=bw)
+        print(f"kvscope: {tok_s:,.0f} output tok/s ({steps} steps, TP={sizes[0]})")
+        print(f"roofline (one GPU): {roof:,.0f} tok/s -> kvscope at {tok_s / roof:.1%} of the roofline")
+        figures = dict(kvscope_tok_s=tok_s, steps=steps, roofline_tok_s=roof, copy_bw=bw, tp=sizes[0])
+        for tp in sizes[1:]:
+            t, _ = run_kvscope(tmp, prompts, outs, args, tp)
+            print(f"kvscope at TP={tp}: {t:,.0f} output tok/s -> {t / tok_s:.2f}x of TP={sizes[0]}")
+            figures[f"kvscope_tp{tp}_tok_s"] = t
         n = args.hf_requests
         if n:
             sub_p, sub_o = prompts[:n], outs[:n]
-            ours, _ = run_kvscope(tmp, sub_p, sub_o, args)
+            ours, _ = run_kvscope(tmp, sub_p, sub_o, args, sizes[0])
             theirs = run_transformers(tmp, sub_p, sub_o)
             print(f"first {n} requests: kvscope {ours:,.0f} tok/s, transformers paged|sdpa {theirs:,.0f} tok/s "
                   f"-> {ours / theirs:.1f}x")

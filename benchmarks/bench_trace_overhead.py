@@ -9,10 +9,11 @@ trace's hooks in one instrumented run. Goals: <= 3% slower at ``summary``, <= 10
 On CPU the throughput is per CPU-second of this process (``--threads 1``), which keeps a shared
 machine's other jobs out of the ratios.
 
-Model: ``--model DIR``, else the bundled demo model, else a tiny random Qwen3 checkpoint
-written to a temp dir (prompts are token ids, so no tokenizer is needed).
+Model: ``--model DIR``; or ``--config DIR`` (one of ``benchmarks/configs/``, random bf16
+weights: the GPU benchmark's model); else the bundled demo model, else a tiny random Qwen3
+checkpoint written to a temp dir (prompts are token ids, so no tokenizer is needed).
 
-    python benchmarks/bench_trace_overhead.py [--device cuda] [--model DIR] [--repeats 15]
+    python benchmarks/bench_trace_overhead.py [--device cuda] [--model DIR | --config DIR] [--repeats 15]
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def hook_share(llm: LLM, prompts: list[list[int]], params: SamplingParams, level
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF model directory (default: bundled demo model)")
+    ap.add_argument("--config", default=None, help="a benchmarks/configs/ directory: random bf16 weights (CUDA)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -111,8 +113,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or (str(BUNDLED_MODEL) if (BUNDLED_MODEL / "config.json").exists()
-                               else str(tiny_random_checkpoint(Path(tmp))))
+        if args.config:
+            from bench_throughput import write_random_checkpoint  # this script's folder is on sys.path
+
+            write_random_checkpoint(args.config, Path(tmp))
+            model = tmp
+        else:
+            model = args.model or (str(BUNDLED_MODEL) if (BUNDLED_MODEL / "config.json").exists()
+                                   else str(tiny_random_checkpoint(Path(tmp))))
         llm = LLM(model, device=args.device, block_size=args.block_size, skip_tokenizer_init=True,
                   dtype="float32" if args.device == "cpu" else "auto")
         prompts = workload(args, llm.llm_engine.vocab_size)
@@ -126,7 +134,7 @@ def main() -> None:
         share = {level: hook_share(llm, prompts, params, level) for level in LEVELS}
         llm.shutdown()
 
-    print(f"model {model} on {args.device}: {args.requests} requests, prompt <= {args.prompt_len}, "
+    print(f"model {args.config or model} on {args.device}: {args.requests} requests, prompt <= {args.prompt_len}, "
           f"{args.max_tokens} output tokens each, block_size {args.block_size}, {args.repeats} rounds")
     unit = "tok/s" if cuda else "tok per CPU-s"
     for level in RUNS:

@@ -95,7 +95,7 @@ def test_cuda_graphs_match_eager(checkpoint):
 
 
 def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
-    llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4)
+    llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
     used = []
     llm.hooks.add("step.end", lambda info: used.append(info.cuda_graph))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -106,6 +106,7 @@ def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
     used.clear()
     out = llm.generate(_prompts(3), params, use_tqdm=False)
     assert not any(used) and all(len(o.outputs[0].token_ids) == 8 for o in out)
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("variant", [

@@ -53,6 +53,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.used: set[int] = set()
         self.hash_to_block: dict[int, int] = {}
+        self.num_cached_blocks = 0  # free blocks still in hash_to_block, kept so no step scans the pool
         self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counter name)
         self.prefix_cache_hits = 0     # tokens found
 
@@ -118,7 +119,8 @@ class BlockManager:
 
     def _uncache(self, block_id: int) -> None:
         h = int(self.block_hash[block_id])
-        if h != NO_HASH:
+        if h != NO_HASH:  # only free blocks are ever uncached
+            self.num_cached_blocks -= 1
             self._emit("block.evicted", block_id, None)  # before clearing, so the event carries the hash
             if self.hash_to_block.get(h) == block_id:
                 del self.hash_to_block[h]
@@ -149,6 +151,7 @@ class BlockManager:
                 self._emit("block.shared", b, seq)
             else:
                 del self.free[b]
+                self.num_cached_blocks -= 1
                 self.ref_count[b] = 1
                 self.used.add(b)
                 self._emit("block.reused", b, seq)
@@ -165,6 +168,7 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 self.used.discard(b)
                 self.free[b] = None
+                self.num_cached_blocks += int(self.block_hash[b] != NO_HASH)
             self._emit("block.freed", b, seq)
         seq.block_table = []
         seq.num_hashed_blocks = 0
@@ -190,6 +194,6 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""
-        for b in list(self.free):
+        for b in [b for b in self.hash_to_block.values() if self.ref_count[b] == 0]:
             self._uncache(b)
         return True

@@ -45,6 +45,9 @@ def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Ite
     for b in np.flatnonzero(bm.block_hash != NO_HASH):
         if bm.hash_to_block.get(int(bm.block_hash[b])) != b:
             raise InvariantError(f"block {b} has a hash that does not map back to it")
+    cached = int(np.count_nonzero((bm.ref_count == 0) & (bm.block_hash != NO_HASH)))
+    if bm.num_cached_blocks != cached:
+        raise InvariantError(f"num_cached_blocks is {bm.num_cached_blocks}, the pool holds {cached} cached blocks")
 
     bs = bm.block_size
     for s in running:

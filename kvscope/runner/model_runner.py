@@ -7,6 +7,7 @@ scheduler and never decides anything.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Any, Iterator
 
@@ -95,6 +96,8 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            gc.collect()  # an earlier engine nobody holds may still pin its KV pool in a reference cycle
+            torch.cuda.empty_cache()
         self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
         load_weights(self.model, model_dir)
         self.model.eval()
@@ -278,5 +281,14 @@ class ModelRunner:
                      bytes=self.kv_cache.numel() * self.kv_cache.element_size())]
 
     def shutdown(self) -> None:
+        """Release the graphs, the KV pool and the weights now, so a next engine in this
+        process can size its pool from free memory (the layers hold views of the pool)."""
         self.graphs = None
         self.kv_cache = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = None
+        self.attn_layers = []
+        self.model = None
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()

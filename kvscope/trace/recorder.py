@@ -221,7 +221,6 @@ class Recorder:
         queries = sum(  # the whole sequence is looked up: its prompt and what it generated so far
             reqs[sched.request_ids[i]].prompt_len + out.requests[i].output_index for i in admitted
         ) if bm.enable_prefix_caching else 0
-        ref, hashes = bm.ref_count, bm.block_hash
         t = info.timings
         total = int(lens.sum())
         rec = StepRecord(
@@ -232,7 +231,7 @@ class Recorder:
             num_requests_running=len(info.running), num_requests_waiting=len(info.waiting),
             num_preemptions=len(out.preempted_seq_ids), num_free_blocks=len(bm.free),
             num_used_blocks=len(bm.used),
-            num_cached_blocks=int(np.count_nonzero((ref == 0) & (hashes >= 0))),
+            num_cached_blocks=bm.num_cached_blocks,
             kv_cache_usage_perc=len(bm.used) / bm.num_blocks,
             prefix_cache_queries=queries, prefix_cache_hits=hits, cuda_graph=bool(info.cuda_graph),
             schedule_s=t.get("schedule_s", _NAN), prepare_s=t.get("prepare_s", _NAN),
