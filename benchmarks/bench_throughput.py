@@ -80,7 +80,7 @@ def run_kvscope(model_dir: str, prompts, outs, args, tp: int) -> tuple[float, in
     from kvscope import LLM, SamplingParams
 
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.eager,
-              tensor_parallel_size=tp, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
+              tensor_parallel_size=tp, async_scheduling=args.async_scheduling and tp == 1, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
               gpu_memory_utilization=args.gpu_mem)
     warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=8)]
     llm.generate([[1] * 16], warm, use_tqdm=False)
@@ -138,6 +138,7 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many (0: skip)")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (\"1,2\": ratio to the first)")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlap step n+1's CPU work with step n (TP=1)")
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
     ap.add_argument("--json", default=None, help="write the figures here")

@@ -39,6 +39,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     cpu_threads: int | None = None
+    async_scheduling: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -81,10 +82,16 @@ class EngineConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init",
+                     "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not (
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "async_scheduling=True needs tensor_parallel_size=1 (the workers would need each step's "
+                f"sampled tokens before rank 0 has them), got tensor_parallel_size={self.tensor_parallel_size}"
+            )

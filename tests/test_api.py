@@ -170,6 +170,8 @@ def test_unknown_and_invalid_config_keys_raise():
         LLM(path, max_model_len=10**6, device="cpu")
     with pytest.raises(FileNotFoundError, match="never downloads"):
         LLM("some-org/definitely-not-cached-model")
+    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1"):
+        LLM(path, async_scheduling=True, tensor_parallel_size=2, device="cpu")
 
 
 def test_runner_error_is_raised_and_engine_recovers(llm):
@@ -192,6 +194,28 @@ def test_runner_error_is_raised_and_engine_recovers(llm):
     assert not llm.has_unfinished_requests()
     llm.check_invariants()
     assert len(llm.generate([[3, 4, 5]], greedy(5), use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+
+def test_async_step_error_rolls_back_both_steps_and_engine_recovers():
+    llm = make_llm(block_size=4, async_scheduling=True)
+    runner = llm.llm_engine.executor
+    launch, calls = runner.execute_async, {"n": 0}
+
+    def flaky(out):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the previous step is still in flight
+            raise RuntimeError("injected device failure")
+        return launch(out)
+
+    runner.execute_async = flaky
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(prompts, greedy(6), use_tqdm=False)
+    runner.execute_async = launch
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    expected = token_ids(make_llm(block_size=4).generate(prompts, greedy(6), use_tqdm=False))
+    assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == expected
 
 
 def test_cpu_threads_apply_to_steps_and_restore_the_callers_setting():

@@ -57,9 +57,10 @@ request = st.tuples(
     policy=st.sampled_from(["unified", "prefill_first"]),
     caching=st.booleans(),
     chunked=st.booleans(),
+    async_scheduling=st.booleans(),
 )
 def test_every_request_finishes_exactly_once_without_leaks(
-    reqs, block_size, spare_blocks, budget, max_num_seqs, policy, caching, chunked
+    reqs, block_size, spare_blocks, budget, max_num_seqs, policy, caching, chunked, async_scheduling
 ):
     longest = max(len(p) + m for p, m, _, _ in reqs)
     num_blocks = -(-longest // block_size) + spare_blocks
@@ -68,16 +69,16 @@ def test_every_request_finishes_exactly_once_without_leaks(
     engine = make_engine(
         num_blocks, block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         scheduling_policy=policy, enable_prefix_caching=caching, enable_chunked_prefill=chunked,
+        async_scheduling=async_scheduling,
     )
     finished: dict[str, str] = {}
     twice: list[str] = []
 
-    def on_finished(request_id: str, finish_reason: str, **_: object) -> None:
+    def on_finished(request_id: str, finish_reason: str) -> None:
         if request_id in finished:
             twice.append(request_id)
         finished[request_id] = finish_reason
 
-    engine.hooks.add("request.finished", on_finished)
     ids: dict[str, tuple] = {}
     aborted: set[str] = set()
     step = 0
@@ -90,9 +91,12 @@ def test_every_request_finishes_exactly_once_without_leaks(
             if abort_after is not None and step == added + abort_after and rid not in finished:
                 assert engine.abort_request(rid)
                 aborted.add(rid)
+                on_finished(rid, "abort")
         if step > 6 and not engine.has_unfinished_requests():
             break
-        engine.step()
+        for out in engine.step():  # outputs, not hooks: a hook would make the engine step synchronously
+            if out.finished:
+                on_finished(out.request_id, out.outputs[0].finish_reason)
         step += 1
     assert not engine.has_unfinished_requests(), "engine did not drain"
     assert not twice, f"finished more than once: {twice}"

@@ -113,6 +113,8 @@ def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
     dict(enable_prefix_caching=True),
     dict(enable_prefix_caching=True, max_num_batched_tokens=64),
     dict(enable_prefix_caching=False, block_size=32, num_kv_blocks=40),
+    dict(enable_prefix_caching=True, async_scheduling=True),
+    dict(enable_prefix_caching=True, async_scheduling=True, max_num_batched_tokens=64, num_kv_blocks=40),
 ])
 def test_prefix_caching_and_scheduling_do_not_change_tokens_on_gpu(checkpoint, variant):
     prompts = _prompts()

@@ -16,11 +16,13 @@ if [[ "$what" == tests || "$what" == all ]]; then
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
     python benchmarks/bench_control_plane.py 2>&1 | tee "$OUT/control_plane.log"
-    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 64 \
+    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 64 --async-scheduling \
         --json "$OUT/throughput.json" 2>&1 | tee "$OUT/throughput.log" || rc=1
-    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 0 --fused \
-        --json "$OUT/throughput_fused.json" 2>&1 | tee "$OUT/throughput_fused.log" || rc=1
+    python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b --hf-requests 0 \
+        --json "$OUT/throughput_sync.json" 2>&1 | tee "$OUT/throughput_sync.log" || rc=1
+    python benchmarks/bench_trace_overhead.py --device cuda --config benchmarks/configs/qwen3-0.6b \
+        --requests 256 --prompt-len 512 --max-tokens 128 --repeats 5 2>&1 | tee "$OUT/trace_overhead.log" || rc=1
     python benchmarks/bench_trace_overhead.py --device cuda --requests 64 --max-tokens 128 --repeats 7 \
-        2>&1 | tee "$OUT/trace_overhead.log" || rc=1
+        2>&1 | tee "$OUT/trace_overhead_demo.log" || rc=1
 fi
 exit $rc

@@ -178,7 +178,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = min(seq.num_computed_tokens, seq.num_tokens) // bs  # never past a token still in flight
         for i in range(seq.num_hashed_blocks, full):
             b = seq.block_table[i]
             seq.num_hashed_blocks = i + 1

@@ -17,10 +17,32 @@ class StepResult:
     cuda_graph: bool = False
 
 
+class StepHandle(Protocol):
+    """A launched step; ``result()`` waits for its tokens (and only for them)."""
+
+    def result(self) -> StepResult: ...
+
+
+class DoneStep:
+    """A step whose result is already on the host (CPU runs, executors without overlap)."""
+
+    def __init__(self, result: StepResult) -> None:
+        self._result = result
+
+    def result(self) -> StepResult:
+        return self._result
+
+
 class Executor(Protocol):
+    """``execute_async`` is needed only under ``async_scheduling``: it launches the step and
+    returns at once; a decode row whose input token is ``PLACEHOLDER`` takes the token the
+    previous launched step sampled for that sequence."""
+
     num_kv_blocks: int
     vocab_size: int
 
     def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle: ...
 
     def shutdown(self) -> None: ...

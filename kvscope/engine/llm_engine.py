@@ -2,6 +2,11 @@
 
 The engine is torch-free: it drives an :class:`~kvscope.engine.executor.Executor` through
 :class:`SchedulerOutput` and receives sampled token ids back.
+
+With ``async_scheduling`` (vLLM's flag) a step is scheduled and launched before the previous
+step's tokens are read back, so the CPU work of step n+1 overlaps the GPU work of step n; the
+outputs then trail by one step. Hooks need every step's state exactly as it ends, so while any
+hook is attached (a recorder, a dashboard) the engine steps synchronously.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Any, Callable, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.executor import Executor, StepResult
+from kvscope.engine.executor import Executor, StepHandle, StepResult
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.engine.sequence import Sequence, SequenceStatus
@@ -51,6 +56,8 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self.validate_every_step = False
         self.step_listeners: list[Callable[[], None]] = []
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -136,7 +143,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -151,16 +158,70 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[Sequence]:
+        if self.async_scheduling and not self.hooks.any_active(""):
+            return self._step_async()
+        if self._in_flight is not None:  # a hook was attached: finish the launched step first
+            return self._resolve(*self._in_flight)
+        return self._step_sync()
+
+    def _no_progress(self) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError(
+                "scheduler made no progress with unfinished requests; this is a kvscope bug "
+                f"(waiting={len(self.scheduler.waiting)}, running={len(self.scheduler.running)}, "
+                f"free blocks={self.block_manager.num_free_blocks})"
+            )
+
+    def _step_async(self) -> list[Sequence]:
+        """Schedule and launch step n, then read back and post-process step n-1."""
+        out = self.scheduler.schedule()
+        handle = None
+        if out.requests:
+            try:
+                handle = self.executor.execute_async(out)
+            except BaseException:
+                self._rollback_in_flight(out)
+                raise
+        previous, self._in_flight = self._in_flight, None
+        if handle is not None:
+            self._in_flight = (out, handle, time.perf_counter())
+        if previous is None:
+            if handle is None and not out.preempted_seq_ids:
+                self._no_progress()
+            return []
+        return self._resolve(*previous, launched=out)
+
+    def _resolve(self, out: SchedulerOutput, handle: StepHandle, t0: float,
+                 launched: SchedulerOutput | None = None) -> list[Sequence]:
+        if launched is None:
+            self._in_flight = None
+        try:
+            result = handle.result()
+        except BaseException:
+            self._rollback_in_flight(out, launched)
+            raise
+        progressed, _ = self._postprocess(out, result, time.perf_counter())
+        if self.validate_every_step:
+            self.check_invariants()
+        for fn in self.step_listeners:
+            fn()
+        return progressed
+
+    def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
+        """A launched step failed: roll back every step in flight, and forget the prefix cache,
+        which may already have registered blocks those steps were still writing."""
+        self._in_flight = None
+        for out in outs:
+            if out is not None:
+                self._rollback(out)
+        self.block_manager.reset_prefix_cache()
+
+    def _step_sync(self) -> list[Sequence]:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         if out.is_empty and not out.preempted_seq_ids:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(
-                    "scheduler made no progress with unfinished requests; this is a kvscope bug "
-                    f"(waiting={len(self.scheduler.waiting)}, running={len(self.scheduler.running)}, "
-                    f"free blocks={self.block_manager.num_free_blocks})"
-                )
+            self._no_progress()
             return []
         if self.hooks.active("step.scheduled"):
             self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
@@ -192,13 +253,16 @@ class LLMEngine:
     def _rollback(self, out: SchedulerOutput) -> None:
         """The executor failed: put this step's sequences back to waiting with no blocks."""
         for r in reversed(out.requests):
-            seq = self.seqs[r.seq_id]
+            seq = self.seqs.get(r.seq_id)
+            if seq is None or seq.is_finished:
+                continue
             if seq.status is SequenceStatus.RUNNING:
                 self.scheduler.running.remove(seq)
                 self.block_manager.free_sequence(seq)
                 seq.status = SequenceStatus.WAITING
-                seq.num_computed_tokens = 0
                 self.scheduler.waiting.appendleft(seq)
+            seq.num_computed_tokens = 0
+            seq.num_pending = 0
 
     def _postprocess(
         self, out: SchedulerOutput, result: StepResult, now: float
@@ -206,9 +270,11 @@ class LLMEngine:
         progressed, finished = [], []
         bm = self.block_manager
         for r in out.requests:
-            seq = self.seqs[r.seq_id]
-            seq.num_computed_tokens += len(r.token_ids)
-            bm.hash_computed_blocks(seq)
+            seq = self.seqs.get(r.seq_id)
+            if seq is None or seq.is_finished:
+                continue  # finished or aborted while this step was in flight: its work is dropped
+            if seq.status is SequenceStatus.RUNNING:
+                bm.hash_computed_blocks(seq)
             m = seq.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
@@ -217,6 +283,7 @@ class LLMEngine:
                 continue
             token = result.tokens[r.seq_id]
             seq.token_ids.append(token)
+            seq.num_pending -= 1
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
@@ -227,8 +294,7 @@ class LLMEngine:
             progressed.append(seq)
             reason = self._stop_reason(seq, token)
             if reason is not None:
-                self.scheduler.running.remove(seq)
-                bm.free_sequence(seq)
+                self.scheduler.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         return progressed, finished

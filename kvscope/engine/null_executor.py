@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from kvscope.engine.executor import StepResult
+from kvscope.engine.executor import DoneStep, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 
 
@@ -32,6 +32,9 @@ class NullExecutor:
                     tok = 0
                 tokens[r.seq_id] = tok
         return StepResult(tokens=tokens, timings={"prepare_s": time.perf_counter() - t0})
+
+    def execute_async(self, out: SchedulerOutput) -> DoneStep:
+        return DoneStep(self.execute(out))
 
     def shutdown(self) -> None:
         pass

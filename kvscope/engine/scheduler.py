@@ -12,6 +12,10 @@ Two policies (DESIGN.md, "Scheduling policies"):
 When blocks run out for a running sequence, the scheduler preempts from the tail of
 ``running`` (LIFO) by recompute: the victim's blocks are freed, its computed tokens reset, and
 it goes to the head of ``waiting``.
+
+Scheduling a chunk advances ``num_computed_tokens`` at once, and a chunk that samples adds a
+pending token, so under async scheduling the next step can be planned while this one runs: a
+decode row whose input token is still on the device carries ``PLACEHOLDER`` instead of its id.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvscope.engine.sequence import Sequence, SequenceStatus
+
+PLACEHOLDER = -1  # a token id sampled by the step in flight; the runner reads it on the device
 
 if TYPE_CHECKING:
     from kvscope.trace.hooks import HookRegistry
@@ -82,10 +88,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             start = seq.num_computed_tokens
-            if prefill_only and start >= seq.prefill_len:
-                i += 1
+            known = seq.num_known_tokens
+            if (prefill_only and start >= seq.prefill_len) or known >= seq.max_total_tokens:
+                i += 1  # (the second case: its last token is in flight; the sequence ends then)
                 continue
-            n = min(seq.num_tokens - start, budget)
+            n = min(known - start, budget)
             while not self.block_manager.allocate(seq, start + n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -104,6 +111,8 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted with a token in flight: re-admit once its tokens are all known
             cached = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
             n = seq.num_tokens - num_cached
@@ -123,20 +132,28 @@ class Scheduler:
             budget -= n
 
     def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledRequest:
+        """The step's share of ``seq``; marks those tokens computed and the sample pending."""
         start = seq.num_computed_tokens
         end = start + n
-        sample = end == seq.num_tokens
-        return ScheduledRequest(
+        known = seq.num_known_tokens
+        sample = end == known
+        token_ids = seq.token_ids[start:end]
+        if end > len(seq.token_ids):  # only a decode row's one input token can be in flight
+            token_ids.append(PLACEHOLDER)
+        row = ScheduledRequest(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start:end],
+            token_ids=token_ids,
             start=start,
             block_table=seq.block_table,
             is_prefill=start < seq.prefill_len,
             sample=sample,
             num_cached_tokens=num_cached,
             params=seq.params if sample else None,
-            output_index=seq.num_output_tokens,
+            output_index=seq.num_output_tokens + seq.num_pending,
         )
+        seq.num_computed_tokens = end
+        seq.num_pending += sample
+        return row
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

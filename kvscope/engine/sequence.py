@@ -18,10 +18,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request's state. ``token_ids`` is prompt + generated tokens.
 
-    ``num_computed_tokens`` counts tokens whose K/V are in the pool; the block table covers
-    exactly those (plus, during a step, the ones scheduled). ``prefill_len`` is the token count
+    ``num_computed_tokens`` counts tokens whose K/V are in the pool or being written by a
+    scheduled step; the block table covers exactly those. ``prefill_len`` is the token count
     at the last admission: positions below it are prefill, later ones decode (a preempted
-    request recomputes its outputs as prefill).
+    request recomputes its outputs as prefill). ``num_pending`` counts tokens already sampled
+    on the device but not yet appended to ``token_ids``: under async scheduling the next step
+    is scheduled before the last one's tokens come back.
     """
 
     seq_id: int
@@ -39,6 +41,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    num_pending: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -55,6 +58,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens including the ones still in flight: the length the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

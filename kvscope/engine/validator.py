@@ -58,7 +58,7 @@ def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Ite
                 f"{s.num_computed_tokens} computed tokens need {need}"
             )
         prev = NO_HASH
-        for i in range(s.num_computed_tokens // bs):
+        for i in range(min(s.num_computed_tokens, s.num_tokens) // bs):
             tokens = s.block_tokens(i, bs)
             prev = hash_block(tokens, prev)
             b = s.block_table[i]

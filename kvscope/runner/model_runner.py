@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kvscope.config import EngineConfig
 from kvscope.distributed.parallel_state import tp_all_reduce
-from kvscope.engine.executor import StepResult
+from kvscope.engine.executor import DoneStep, StepHandle, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.kernels.select import select_backend
 from kvscope.layers.attention import Attention
@@ -26,7 +26,7 @@ from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.forward_context import AttentionMetadata, forward_context
 from kvscope.runner.inputs import DeviceInputs, StepInputs, build_step_inputs
-from kvscope.runner.sampler import Sampler
+from kvscope.runner.sampler import DeviceSample, Sampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -112,8 +112,14 @@ class ModelRunner:
             self.num_kv_blocks = int(tp_all_reduce(blocks, op=dist.ReduceOp.MIN).item())
         self._allocate_pool(tp_size)
         self.graphs: DecodeGraphs | None = None
-        self._staging: torch.Tensor | None = None
-        self._upload_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        # Two pinned staging buffers, alternating: filling one never waits on the copy in flight.
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
+        self._uploads = 0
+        # The last step's sampled tokens on the device, and each sampling sequence's row in them:
+        # async scheduling's placeholder tokens are read from here.
+        self._last_sample: torch.Tensor | None = None
+        self._last_rows: dict[int, int] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -197,26 +203,31 @@ class ModelRunner:
         finally:
             torch.set_num_threads(previous)
 
-    def _upload(self, x: StepInputs) -> DeviceInputs:
-        """All of a step's integer inputs in one host buffer and one copy to the device.
+    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray) -> DeviceInputs:
+        """All of a step's integer inputs in one host buffer and one copy to the device; then
+        the placeholder input ids at ``fill`` take the previous step's sampled rows ``src``.
 
-        On CUDA the buffer is pinned and reused, so the copy is non-blocking; an event makes the
-        next step wait for it before overwriting the buffer (ranks that never sample never sync).
+        On CUDA the buffers are pinned and reused, so the copy is non-blocking; an event makes
+        the step after next wait for it before overwriting the same buffer.
         """
         parts = [x.input_ids, x.positions, x.slot_mapping, x.logits_indices, x.cu_seqlens_q,
-                 x.cu_seqlens_k, x.context_lens, x.block_tables.ravel()]
+                 x.cu_seqlens_k, x.context_lens, x.block_tables.ravel(), fill, src]
         sizes = [p.size for p in parts]
         total = sum(sizes)
         if self.device.type == "cuda":
-            if self._staging is None or self._staging.numel() < total:
-                self._staging = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
-            self._upload_done.synchronize()
-            np.concatenate(parts, out=self._staging.numpy()[:total], casting="unsafe")
-            flat = self._staging[:total].to(self.device, non_blocking=True)
-            self._upload_done.record()
+            k = self._uploads % 2
+            self._uploads += 1
+            if self._staging[k] is None or self._staging[k].numel() < total:
+                self._staging[k] = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
+            self._upload_done[k].synchronize()
+            np.concatenate(parts, out=self._staging[k].numpy()[:total], casting="unsafe")
+            flat = self._staging[k][:total].to(self.device, non_blocking=True)
+            self._upload_done[k].record()
         else:
             flat = torch.from_numpy(np.concatenate(parts, casting="unsafe", dtype=np.int64))
-        ids, pos, slots, logits_idx, cu_q, cu_k, ctx, tables = flat.split(sizes)
+        ids, pos, slots, logits_idx, cu_q, cu_k, ctx, tables, fill_d, src_d = flat.split(sizes)
+        if fill.size:
+            ids[fill_d] = self._last_sample[src_d]
         i32 = torch.int32
         return DeviceInputs(
             input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=logits_idx,
@@ -240,7 +251,11 @@ class ModelRunner:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size)
-        d = self._upload(x)
+        fill = np.flatnonzero(x.input_ids < 0)  # PLACEHOLDER: sampled by the previous step
+        rows = np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
+        src = np.fromiter((self._last_rows[out.requests[i].seq_id] for i in rows.tolist()),
+                          dtype=np.int64, count=fill.size)
+        d = self._upload(x, fill, src)
         t1 = time.perf_counter()
         use_graph = self.graphs is not None and self.graphs.can_run(x)
         if use_graph:
@@ -255,8 +270,12 @@ class ModelRunner:
             rows = hidden[d.logits_indices]
         return rows, x, use_graph, t1 - t0, time.perf_counter() - t1
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.execute_async(out).result()
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
         sampled = [r for r in out.requests if r.sample]
@@ -264,13 +283,14 @@ class ModelRunner:
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
-                return StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
-                                  cuda_graph=use_graph)
-            s = self.sampler(logits, [r.params for r in sampled], [r.output_index for r in sampled])
-        tokens = {r.seq_id: tok for r, tok in zip(sampled, s.tokens)}
-        logprobs = {} if s.logprobs is None else {r.seq_id: lp for r, lp in zip(sampled, s.logprobs)}
+                return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
+                                           cuda_graph=use_graph))
+            s = self.sampler.sample(logits, [r.params for r in sampled], [r.output_index for r in sampled])
+        self._last_sample = s.tokens
+        self._last_rows = {r.seq_id: i for i, r in enumerate(sampled)}
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        return StepResult(tokens=tokens, logprobs=logprobs, timings=timings, cuda_graph=use_graph)
+        step = _LaunchedStep(s, [r.seq_id for r in sampled], timings, use_graph)
+        return step if self.device.type == "cuda" else DoneStep(step.result())
 
     def kv_shards(self) -> list[dict[str, int]]:
         """This rank's share of the KV heads and of the pool's bytes (see docs/TRACE_API.md)."""
@@ -292,3 +312,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+
+class _LaunchedStep:
+    """A step whose tokens are still being copied back from the device."""
+
+    def __init__(self, sample: DeviceSample, seq_ids: list[int], timings: dict[str, float],
+                 cuda_graph: bool) -> None:
+        self._sample, self._seq_ids, self._timings, self._graph = sample, seq_ids, timings, cuda_graph
+
+    def result(self) -> StepResult:
+        t0 = time.perf_counter()
+        s = self._sample.to_output()
+        timings = {**self._timings, "sample_s": self._timings["sample_s"] + time.perf_counter() - t0}
+        logprobs = {} if s.logprobs is None else dict(zip(self._seq_ids, s.logprobs))
+        return StepResult(tokens=dict(zip(self._seq_ids, s.tokens)), logprobs=logprobs,
+                          timings=timings, cuda_graph=self._graph)

@@ -4,6 +4,10 @@ Random rows use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which 
 ``p`` exactly and lets each seeded row draw its noise from its own generator. A seeded row's
 noise depends only on ``(seed, output index)``, so the same request gives the same tokens
 whatever it was batched with, and after a preemption.
+
+Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
+:class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
+only for those copies (so a next step can already be running).
 """
 from __future__ import annotations
 
@@ -18,6 +22,41 @@ from kvscope.sampling_params import SamplingParams
 class SampleOutput:
     tokens: list[int]
     logprobs: list[dict[int, float]] | None  # per row, when any row asked for logprobs
+
+
+class DeviceSample:
+    """One step's sampled tokens (and log-probs) on the device, on their way to the host."""
+
+    def __init__(self, tokens: torch.Tensor, params: list[SamplingParams],
+                 logprob_parts: tuple[torch.Tensor, ...] | None) -> None:
+        self.tokens = tokens  # int64 [n] on the device: a next step may read it there
+        self._params = params
+        parts = (tokens, *(logprob_parts or ()))
+        if tokens.is_cuda:
+            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts]
+            self._ready: torch.cuda.Event | None = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = list(parts), None
+        self._has_logprobs = logprob_parts is not None
+
+    def to_output(self) -> SampleOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host[0].tolist()
+        if not self._has_logprobs:
+            return SampleOutput(tokens, None)
+        chosen, *top = (p.tolist() for p in self._host[1:])
+        rows: list[dict[int, float]] = []
+        for i, p in enumerate(self._params):
+            row: dict[int, float] = {}
+            if p.logprobs:
+                row = dict(zip(top[1][i][: p.logprobs], top[0][i][: p.logprobs]))
+            if p.logprobs is not None:
+                row[tokens[i]] = chosen[i]
+            rows.append(row)
+        return SampleOutput(tokens, rows)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -52,9 +91,21 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> SampleOutput:
+        return self.sample(logits, params, output_index).to_output()
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+    ) -> DeviceSample:
         logits = logits.float()
         n, vocab = logits.shape
         asked = [p.logprobs for p in params if p.logprobs is not None]
@@ -65,12 +116,11 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                 device=logits.device)
+            temps = self._tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
             scaled = logits / temps.unsqueeze(1)
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-                top_p = torch.tensor([float(p.top_p) for p in params], device=logits.device)
+                top_k = self._tensor([p.top_k for p in params], torch.int64)
+                top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -79,26 +129,11 @@ class Sampler:
                     noise[i] = _seeded_noise(p.seed, output_index[i], vocab, logits.device)
             sampled = (probs / noise).argmax(dim=-1)
             if any(greedy):
-                mask = torch.tensor(greedy, device=logits.device)
+                mask = self._tensor(greedy, torch.bool)
                 sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
             tokens = sampled
-        token_list = tokens.tolist()
         if raw_logprobs is None:
-            return SampleOutput(token_list, None)
-        return SampleOutput(token_list, self._logprobs(raw_logprobs, tokens, params, want_lp))
-
-    @staticmethod
-    def _logprobs(
-        lp: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams], k_max: int
-    ) -> list[dict[int, float]]:
-        chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_v, top_i = (lp.topk(k_max, dim=-1) if k_max > 0 else (None, None))
-        rows: list[dict[int, float]] = []
-        for i, p in enumerate(params):
-            row: dict[int, float] = {}
-            if p.logprobs:
-                row = dict(zip(top_i[i, : p.logprobs].tolist(), top_v[i, : p.logprobs].tolist()))
-            if p.logprobs is not None:
-                row[int(tokens[i])] = chosen[i]
-            rows.append(row)
-        return rows
+            return DeviceSample(tokens, params, None)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
+        return DeviceSample(tokens, params, (chosen, top_v, top_i))
