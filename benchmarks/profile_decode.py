@@ -1,5 +1,9 @@
 """Where a decode step's time goes on a GPU: host phases (from step.end timings) and top kernels.
 
+With ``--async-scheduling`` no hook is attached (a hook makes the engine step synchronously):
+it prints wall time per step and the host calls that cost the most CPU time (a blocking
+``cudaStreamSynchronize`` / ``cudaHostAlloc`` there means the overlap is lost).
+
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
 """
 from __future__ import annotations
@@ -8,6 +12,7 @@ import argparse
 import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +27,7 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=900)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--async-scheduling", action="store_true")
     args = ap.parse_args()
     from kvscope import LLM, SamplingParams
 
@@ -29,13 +35,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(args.config, Path(tmp))
         llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=16384,
-                  enforce_eager=args.eager)
+                  enforce_eager=args.eager, async_scheduling=args.async_scheduling)
         prompts = [[rng.randrange(10000) for _ in range(args.prompt)] for _ in range(args.seqs)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000 // 10)
         for p in prompts:
             llm.add_request(p, params)
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.llm_engine.seqs.values()):
             llm.llm_engine._step()
+        if args.async_scheduling:
+            _profile_async(llm)
+            return
         timings = []
         hook = llm.hooks.add("step.end", lambda info: timings.append(
             info.timings | {"dur": info.duration_s, "graph": info.cuda_graph}))
@@ -54,6 +63,25 @@ def main() -> None:
             print(f"  {k:14s} {statistics.median(t.get(k, 0.0) for t in timings) * 1e3:8.3f} ms")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         llm.shutdown()
+
+
+def _profile_async(llm) -> None:
+    step = llm.llm_engine._step
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(20):
+        t = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t)
+    print(f"async scheduling: {statistics.median(walls) * 1e3:.3f} ms per decode step (median of 20)")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    llm.shutdown()
 
 
 if __name__ == "__main__":
