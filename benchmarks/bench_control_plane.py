@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--hooks", action="store_true", help="attach a no-op step.end hook")
+    ap.add_argument("--record", default=None, choices=("summary", "blocks", "full"),
+                    help="record a trace at this level while timing (its cost per step)")
     args = ap.parse_args()
 
     max_len = args.prompt + args.steps + 64
@@ -46,12 +48,21 @@ def main() -> None:
         engine.add_request([rng.randrange(1, 32000) for _ in range(args.prompt)], params)
     engine._step()  # admit and prefill everyone
     assert len(engine.scheduler.running) == args.seqs
+    recorder = None
+    if args.record:
+        from kvscope.trace.recorder import Recorder
+
+        recorder = Recorder(engine, args.record)
+        recorder.start()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine._step()
     dt = (time.perf_counter() - t0) / args.steps
+    if recorder is not None:
+        recorder.stop()
     print(f"control plane: {dt * 1e6:.0f} us/step with {args.seqs} running sequences "
-          f"(decode, block_size {args.block_size}, prompt {args.prompt})")
+          f"(decode, block_size {args.block_size}, prompt {args.prompt})"
+          + (f", recording at {args.record!r}" if args.record else ""))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="engine with async scheduling: 'summary' keeps it, 'blocks'/'full' step synchronously")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -122,7 +124,7 @@ def main() -> None:
             model = args.model or (str(BUNDLED_MODEL) if (BUNDLED_MODEL / "config.json").exists()
                                    else str(tiny_random_checkpoint(Path(tmp))))
         llm = LLM(model, device=args.device, block_size=args.block_size, skip_tokenizer_init=True,
-                  dtype="float32" if args.device == "cpu" else "auto")
+                  dtype="float32" if args.device == "cpu" else "auto", async_scheduling=args.async_scheduling)
         prompts = workload(args, llm.llm_engine.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         cuda = args.device == "cuda"
@@ -135,7 +137,8 @@ def main() -> None:
         llm.shutdown()
 
     print(f"model {args.config or model} on {args.device}: {args.requests} requests, prompt <= {args.prompt_len}, "
-          f"{args.max_tokens} output tokens each, block_size {args.block_size}, {args.repeats} rounds")
+          f"{args.max_tokens} output tokens each, block_size {args.block_size}, {args.repeats} rounds"
+          + (", async scheduling" if args.async_scheduling else ""))
     unit = "tok/s" if cuda else "tok per CPU-s"
     for level in RUNS:
         ratio = statistics.median(t / b for t, b in zip(tok_s[level], tok_s[None]))

@@ -135,8 +135,9 @@ def test_async_scheduling_with_preemption_and_sampling_stops(policy):
 
 
 def test_async_scheduling_abort_and_hooks_mid_run(baseline):
-    """Aborting while a step is in flight, and attaching a hook (which makes stepping
-    synchronous) mid-run, lose nothing: the other requests' tokens equal the baseline."""
+    """Aborting while a step is in flight, and attaching a block-level hook (which makes
+    stepping synchronous: the step in flight is finished first) mid-run, lose nothing: the
+    other requests' tokens equal the baseline."""
     prompts, params = _workload()
     llm = make_llm(block_size=4, async_scheduling=True)
     engine = llm.llm_engine
@@ -147,7 +148,7 @@ def test_async_scheduling_abort_and_hooks_mid_run(baseline):
         if steps == 3:
             assert engine.abort_request(ids[1])
         if steps == 5:
-            llm.hooks.add("step.end", lambda info: None)
+            llm.hooks.add("block.allocated", lambda **_: None)
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids

@@ -20,6 +20,7 @@ from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.block_manager import hash_block
+from kvscope.engine.scheduler import PLACEHOLDER
 
 VOCAB = 320
 POOL = ("state", "ref_count", "block_hash", "num_tokens")
@@ -333,3 +334,29 @@ def test_stopping_freezes_the_trace_and_releases_the_engine():
     assert recorder.engine is None and trace.step_ids == [1, 2, 3]
     with pytest.raises(RuntimeError, match="records once"):
         recorder.start()
+
+
+def test_summary_recording_keeps_async_scheduling_and_agrees_with_sync():
+    """A ``summary`` recorder needs no block-level hook, so the engine keeps planning ahead;
+    its tables agree with the outputs and with the same recording made synchronously."""
+    prompts, params = _workload()
+    tables = {}
+    for mode in (False, True):
+        llm = make_llm(block_size=4, enable_prefix_caching=True, async_scheduling=mode)
+        runner, ahead = llm.llm_engine.executor, []
+        launch = runner.execute_async
+        runner.execute_async = lambda out: ahead.append(any(PLACEHOLDER in r.token_ids for r in out.requests)) or launch(out)
+        with llm.record(level="summary") as trace:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert any(ahead) == mode, "summary recording must not switch async scheduling off"
+        steps, rows = trace.steps, trace.requests.set_index("request_id")
+        assert (steps.num_prefill_tokens + steps.num_decode_tokens == steps.num_scheduled_tokens).all()
+        assert steps.step.is_unique and steps.step.is_monotonic_increasing
+        for o in outputs:
+            r = rows.loc[o.request_id]
+            assert (r.output_len, r.num_cached_tokens, r.finish_reason) == \
+                (len(o.outputs[0].token_ids), o.num_cached_tokens, o.outputs[0].finish_reason)
+        tables[mode] = (token_ids(outputs), int(steps.num_scheduled_tokens.sum()),
+                        int(steps.prefix_cache_hits.sum()), rows.sort_index()[["prompt_len", "output_len"]])
+    assert tables[True][:3] == tables[False][:3]
+    assert_frame_equal(tables[True][3], tables[False][3])

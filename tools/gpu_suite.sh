@@ -22,6 +22,8 @@ if [[ "$what" == bench || "$what" == all ]]; then
         --json "$OUT/throughput_sync.json" 2>&1 | tee "$OUT/throughput_sync.log" || rc=1
     python benchmarks/bench_trace_overhead.py --device cuda --config benchmarks/configs/qwen3-0.6b \
         --requests 256 --prompt-len 512 --max-tokens 128 --repeats 5 2>&1 | tee "$OUT/trace_overhead.log" || rc=1
+    python benchmarks/bench_trace_overhead.py --device cuda --config benchmarks/configs/qwen3-0.6b --async-scheduling \
+        --requests 256 --prompt-len 512 --max-tokens 128 --repeats 5 2>&1 | tee "$OUT/trace_overhead_async.log" || rc=1
     python benchmarks/bench_trace_overhead.py --device cuda --requests 64 --max-tokens 128 --repeats 7 \
         2>&1 | tee "$OUT/trace_overhead_demo.log" || rc=1
 fi

@@ -5,14 +5,18 @@ The engine is torch-free: it drives an :class:`~kvscope.engine.executor.Executor
 
 With ``async_scheduling`` (vLLM's flag) a step is scheduled and launched before the previous
 step's tokens are read back, so the CPU work of step n+1 overlaps the GPU work of step n; the
-outputs then trail by one step. Hooks need every step's state exactly as it ends, so while any
-hook is attached (a recorder, a dashboard) the engine steps synchronously.
+outputs then trail by one step. ``step.end`` and the ``request.*`` hooks still fire once per
+step (when its tokens are processed, so queues and pool counts already include step n+1's
+scheduling). Block-level hooks and ``step.scheduled`` need each step's pool state exactly as it
+ends, so while one is attached (a ``blocks``/``full`` recorder, a dashboard) the engine steps
+synchronously.
 """
 from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable, Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
@@ -55,9 +59,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.validate_every_step = False
-        self.step_listeners: list[Callable[[], None]] = []
         self.async_scheduling = config.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, StepHandle, float] | None = None
+        self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -158,10 +161,11 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[Sequence]:
-        if self.async_scheduling and not self.hooks.any_active(""):
+        exact = self.hooks.active("step.scheduled") or self.hooks.any_active("block.")
+        if self.async_scheduling and not exact:
             return self._step_async()
-        if self._in_flight is not None:  # a hook was attached: finish the launched step first
-            return self._resolve(*self._in_flight)
+        if self._in_flight is not None:  # a block-level hook was attached: finish the launched step
+            return self._resolve(self._in_flight)
         return self._step_sync()
 
     def _no_progress(self) -> None:
@@ -174,37 +178,60 @@ class LLMEngine:
 
     def _step_async(self) -> list[Sequence]:
         """Schedule and launch step n, then read back and post-process step n-1."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        handle = None
+        t1 = time.perf_counter()
+        launched = None
         if out.requests:
             try:
-                handle = self.executor.execute_async(out)
+                launched = _InFlight(out, self.executor.execute_async(out), t0, t1 - t0, self._step_request_ids(out))
             except BaseException:
                 self._rollback_in_flight(out)
                 raise
-        previous, self._in_flight = self._in_flight, None
-        if handle is not None:
-            self._in_flight = (out, handle, time.perf_counter())
+        previous, self._in_flight = self._in_flight, launched
         if previous is None:
-            if handle is None and not out.preempted_seq_ids:
+            if launched is None and not out.preempted_seq_ids:
                 self._no_progress()
             return []
-        return self._resolve(*previous, launched=out)
+        return self._resolve(previous, launched=out)
 
-    def _resolve(self, out: SchedulerOutput, handle: StepHandle, t0: float,
-                 launched: SchedulerOutput | None = None) -> list[Sequence]:
+    def _resolve(self, step: "_InFlight", launched: SchedulerOutput | None = None) -> list[Sequence]:
         if launched is None:
             self._in_flight = None
         try:
-            result = handle.result()
+            result = step.handle.result()
         except BaseException:
-            self._rollback_in_flight(out, launched)
+            self._rollback_in_flight(step.out, launched)
             raise
-        progressed, _ = self._postprocess(out, result, time.perf_counter())
+        return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids)
+
+    def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
+        """seq_id -> request_id of the step's rows and preemptions, taken while all are known
+        (only when a ``step.end`` hook will want them)."""
+        if not self.hooks.active("step.end"):
+            return None
+        ids = {r.seq_id: self.seqs[r.seq_id].request_id for r in out.requests}
+        ids.update({i: self.seqs[i].request_id for i in out.preempted_seq_ids})
+        return ids
+
+    def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
+                  request_ids: dict[int, str] | None) -> list[Sequence]:
+        """Post-process a step whose tokens are back, check invariants, fire ``step.end``."""
+        t2 = time.perf_counter()
+        progressed, finished = self._postprocess(out, result, t2)
+        t3 = time.perf_counter()
         if self.validate_every_step:
             self.check_invariants()
-        for fn in self.step_listeners:
-            fn()
+        if self.hooks.active("step.end"):
+            timings = {"schedule_s": schedule_s, **result.timings, "postprocess_s": t3 - t2}
+            self.hooks.fire("step.end", info=StepInfo(
+                step=out.step, time_s=t0, duration_s=t3 - t0, scheduler_output=out,
+                request_ids=request_ids if request_ids is not None else self._step_request_ids(out),
+                sampled=result.tokens, finished=[s.request_id for s in finished],
+                waiting=[s.request_id for s in self.scheduler.waiting],
+                running=[s.request_id for s in self.scheduler.running],
+                timings=timings, cuda_graph=result.cuda_graph,
+            ))
         return progressed
 
     def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
@@ -230,25 +257,7 @@ class LLMEngine:
         except BaseException:
             self._rollback(out)
             raise
-        t2 = time.perf_counter()
-        progressed, finished = self._postprocess(out, result, t2)
-        t3 = time.perf_counter()
-        if self.validate_every_step:
-            self.check_invariants()
-        if self.hooks.active("step.end"):
-            timings = {"schedule_s": t1 - t0, **result.timings, "postprocess_s": t3 - t2}
-            ids = {r.seq_id: self.seqs[r.seq_id].request_id for r in out.requests}
-            ids.update({i: self.seqs[i].request_id for i in out.preempted_seq_ids})
-            self.hooks.fire("step.end", info=StepInfo(
-                step=out.step, time_s=t0, duration_s=t3 - t0, scheduler_output=out, request_ids=ids,
-                sampled=result.tokens, finished=[s.request_id for s in finished],
-                waiting=[s.request_id for s in self.scheduler.waiting],
-                running=[s.request_id for s in self.scheduler.running],
-                timings=timings, cuda_graph=result.cuda_graph,
-            ))
-        for fn in self.step_listeners:
-            fn()
-        return progressed
+        return self._end_step(out, result, t0, t1 - t0, None)
 
     def _rollback(self, out: SchedulerOutput) -> None:
         """The executor failed: put this step's sequences back to waiting with no blocks."""
@@ -376,3 +385,14 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         check_invariants(self.block_manager, self.scheduler.running, self.scheduler.waiting)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose tokens have not been read back yet (async scheduling)."""
+
+    out: SchedulerOutput
+    handle: StepHandle
+    t0: float
+    schedule_s: float
+    request_ids: dict[int, str] | None

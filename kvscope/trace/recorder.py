@@ -212,8 +212,10 @@ class Recorder:
         bm = self.engine.block_manager
         sched = Scheduled.from_output(out, info.request_ids)
         reqs = self._requests
+        known = self.engine.by_request_id
         for rid in set(sched.request_ids).difference(reqs):  # running since before the recording
-            self._touch(rid)
+            if rid in known:  # (not if aborted while its step was in flight, under async scheduling)
+                self._touch(rid)
         lens, prefill = sched.num_new_tokens, sched.is_prefill
         prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
         admitted = np.flatnonzero(sched.is_admission).tolist()
