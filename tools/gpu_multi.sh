@@ -3,13 +3,7 @@
 # on bench_throughput's workload (Qwen3-0.6B shapes at TP 1,2; Qwen3-8B shapes at TP 1,2).
 #   bash tools/gpu_multi.sh          (logs and JSON go to $OUT, default /tmp/kvscope-gpu)
 # Each part has a time limit, so a hang costs minutes, not the session's device time.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/kvscope-gpu}"
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/gpu_env.sh"
 rc=0
 timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_gpu.py 2>&1 | tee "$OUT/pytest_tp.log" || rc=1
 for model in qwen3-0.6b qwen3-8b; do

@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # Everything kvscope needs a GPU for, in one device call: GPU tests, then the benchmarks.
 #   bash tools/gpu_suite.sh [tests|bench|all]     (results and logs go to $OUT, default /tmp/kvscope-gpu)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/kvscope-gpu}"
-mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 what="${1:-all}"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 rc=0
 if [[ "$what" == tests || "$what" == all ]]; then
     python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py tests/test_fused_kernels.py 2>&1 | tee "$OUT/pytest_gpu.log" || rc=1
