@@ -9,6 +9,7 @@ runner receives, as an independent witness for ``block_tables`` and ``slot_mappi
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -347,9 +348,14 @@ def test_summary_recording_keeps_async_scheduling_and_agrees_with_sync():
         launch = runner.execute_async
         runner.execute_async = lambda out: ahead.append(any(PLACEHOLDER in r.token_ids for r in out.requests)) or launch(out)
         with llm.record(level="summary") as trace:
+            t0 = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
         assert any(ahead) == mode, "summary recording must not switch async scheduling off"
         steps, rows = trace.steps, trace.requests.set_index("request_id")
+        # Steps follow each other: no overlap, and together no longer than the run.
+        assert (steps.time_s.iloc[1:].to_numpy() >= (steps.time_s + steps.duration_s).iloc[:-1].to_numpy()).all()
+        assert steps.duration_s.sum() <= wall
         assert (steps.num_prefill_tokens + steps.num_decode_tokens == steps.num_scheduled_tokens).all()
         assert steps.step.is_unique and steps.step.is_monotonic_increasing
         for o in outputs:

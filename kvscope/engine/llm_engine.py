@@ -61,6 +61,7 @@ class LLMEngine:
         self.validate_every_step = False
         self.async_scheduling = config.async_scheduling
         self._in_flight: _InFlight | None = None
+        self._last_step_end = 0.0
 
     # ------------------------------------------------------------- requests
     def add_request(
@@ -222,10 +223,13 @@ class LLMEngine:
         t3 = time.perf_counter()
         if self.validate_every_step:
             self.check_invariants()
+        # Under async scheduling a step starts before the previous one ends; starting the
+        # clock at the later of the two makes durations add up to wall time, as in sync mode.
+        start, self._last_step_end = max(t0, self._last_step_end), t3
         if self.hooks.active("step.end"):
             timings = {"schedule_s": schedule_s, **result.timings, "postprocess_s": t3 - t2}
             self.hooks.fire("step.end", info=StepInfo(
-                step=out.step, time_s=t0, duration_s=t3 - t0, scheduler_output=out,
+                step=out.step, time_s=start, duration_s=t3 - start, scheduler_output=out,
                 request_ids=request_ids if request_ids is not None else self._step_request_ids(out),
                 sampled=result.tokens, finished=[s.request_id for s in finished],
                 waiting=[s.request_id for s in self.scheduler.waiting],

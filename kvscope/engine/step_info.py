@@ -9,8 +9,8 @@ from kvscope.engine.scheduler_output import SchedulerOutput
 @dataclass
 class StepInfo:
     step: int
-    time_s: float                       # perf_counter at the start of the step
-    duration_s: float
+    time_s: float                       # perf_counter at the start of the step (async: or the previous step's end)
+    duration_s: float                   # to this step's end; durations add up to wall time
     scheduler_output: SchedulerOutput
     request_ids: dict[int, str]         # seq_id -> request_id for every scheduled/preempted seq
     sampled: dict[int, int]             # seq_id -> token sampled this step
