@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from pandas.testing import assert_frame_equal
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
+from kvscope.trace.recorder import FULL_MEMORY_WARNING_BYTES
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.scheduler import PLACEHOLDER
 
@@ -189,7 +191,7 @@ def test_recording_mid_run_and_reset_prefix_cache():
     prompts, params = _workload(seed=3, n=3)
     llm.generate(prompts, params, use_tqdm=False)  # leaves cached blocks behind, unrecorded
     contents = llm.llm_engine.block_manager.block_tokens.copy()
-    with llm.record("full") as full, llm.record("blocks") as blocks:
+    with llm.record("full", max_steps=1000) as full, llm.record("blocks") as blocks:
         again = llm.generate(prompts, params, use_tqdm=False)
         llm.reset_prefix_cache()
         cold = llm.generate(prompts, params, use_tqdm=False)
@@ -366,3 +368,17 @@ def test_summary_recording_keeps_async_scheduling_and_agrees_with_sync():
                         int(steps.prefix_cache_hits.sum()), rows.sort_index()[["prompt_len", "output_len"]])
     assert tables[True][:3] == tables[False][:3]
     assert_frame_equal(tables[True][3], tables[False][3])
+
+
+def test_full_level_warns_when_its_snapshots_could_fill_memory():
+    llm = make_llm(block_size=4, num_kv_blocks=64)
+    per_step = 64 * (4 + 8 + 4)  # ref_count, block_hash, num_tokens for every block
+    with pytest.warns(UserWarning, match="level='blocks' rebuilds the same pool"):
+        with llm.record(level="full", max_steps=FULL_MEMORY_WARNING_BYTES // per_step + 1):
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with llm.record(level="full", max_steps=FULL_MEMORY_WARNING_BYTES // per_step):
+            pass
+        with llm.record(level="blocks", max_steps=10 * FULL_MEMORY_WARNING_BYTES // per_step):
+            pass

@@ -14,6 +14,7 @@ import functools
 import itertools
 import math
 import threading
+import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
 Listener = Callable[[StepRecord], Any]
 _NAN = math.nan
+_SNAPSHOT_BYTES_PER_BLOCK = 4 + 8 + 4  # PoolSnapshot: ref_count, block_hash, num_tokens
+FULL_MEMORY_WARNING_BYTES = 4 << 30
 
 
 class ListenerHandle:
@@ -92,6 +95,14 @@ class Recorder:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+        full_bytes = engine.block_manager.num_blocks * _SNAPSHOT_BYTES_PER_BLOCK * max_steps
+        if level == "full" and full_bytes > FULL_MEMORY_WARNING_BYTES:
+            warnings.warn(
+                f"level='full' copies the whole pool ({engine.block_manager.num_blocks} blocks) every "
+                f"step: up to {full_bytes / 2**30:.1f} GiB of host memory for max_steps={max_steps}. "
+                "level='blocks' rebuilds the same pool state from block events for far less; or lower max_steps.",
+                stacklevel=2,
+            )
         self.engine = engine
         self.level = level
         self.max_steps = max_steps
