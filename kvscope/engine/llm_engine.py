@@ -20,6 +20,7 @@ from typing import Any, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.executor import Executor, StepHandle, StepResult
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
@@ -327,14 +328,27 @@ class LLMEngine:
         return None
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self._decode(seq)
-        hits = [(i, s) for s in seq.params.stop_strings if (i := text.find(s)) >= 0]
-        if not hits:
+        """Search only the text added since the last check (and the stop strings' reach back
+        into it); on a hit, cut the exact full decode at the earliest stop string."""
+        stops = seq.params.stop_strings
+        checked = len(seq.streamed_text)
+        text = self._stream_text(seq)
+        start = max(0, checked - max(map(len, stops)) + 1)
+        if not any(text.find(s, start) >= 0 for s in stops):
             return False
-        i, s = min(hits)
-        seq.text = text[: i + len(s)] if seq.params.include_stop_str_in_output else text[:i]
+        full = self._decode(seq)
+        found = ([(i, s, full) for s in stops if (i := full.find(s)) >= 0]
+                 or [(i, s, text) for s in stops if (i := text.find(s, start)) >= 0])
+        i, s, source = min(found)
+        seq.text = source[: i + len(s)] if seq.params.include_stop_str_in_output else source[:i]
         seq.stop_reason = s
         return True
+
+    def _stream_text(self, seq: Sequence) -> str:
+        """``seq``'s output text so far, decoded incrementally (an incomplete last character is held back)."""
+        if seq.detokenizer is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        return seq.detokenizer.update(seq.output_token_ids)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -361,7 +375,7 @@ class LLMEngine:
 
     # -------------------------------------------------------------- outputs
     def request_output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text if seq.is_finished else self._decode(seq)
+        text = seq.text if seq.is_finished else self._stream_text(seq)
         completion = CompletionOutput(
             index=0,
             text=text,

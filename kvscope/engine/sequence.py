@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.outputs import RequestMetrics
 from kvscope.sampling_params import SamplingParams
 
@@ -48,7 +49,8 @@ class Sequence:
     num_preemptions: int = 0
     output_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
-    text: str = ""
+    text: str = ""  # the final text, set when the request finishes
+    detokenizer: IncrementalDetokenizer | None = None  # streaming text, made on first use
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -71,6 +73,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def streamed_text(self) -> str:
+        return self.detokenizer.text if self.detokenizer is not None else ""
 
     @property
     def is_finished(self) -> bool:

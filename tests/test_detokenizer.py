@@ -1,0 +1,100 @@
+"""Streaming text is decoded incrementally; the truth is the tokenizer decoding every token at once.
+
+Checked on the bundled model's byte-level BPE (real text, multi-byte characters) and on the
+tiny test tokenizer fed random ids (many bytes that never form a character), then through the
+engine: ``LLM.step()`` text and stop strings.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from kvscope import LLM, SamplingParams
+from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.model_source import BUNDLED_MODEL
+from tiny_models import tiny_checkpoint
+
+INCOMPLETE = "\ufffd"
+
+
+def _assert_streams_like_full_decode(tokenizer, ids: list[int]) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    final = tokenizer.decode(ids, skip_special_tokens=True)
+    for k in range(1, len(ids) + 1):
+        streamed = detok.update(ids[:k])
+        full = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if not full.endswith(INCOMPLETE):
+            assert streamed == full, k
+        assert full.startswith(streamed) or final.startswith(streamed), k
+
+
+@pytest.fixture(scope="module")
+def bundled_tokenizer():
+    return AutoTokenizer.from_pretrained(BUNDLED_MODEL, local_files_only=True)
+
+
+def test_multibyte_text_streams_exactly(bundled_tokenizer):
+    text = "Help on café naïve — 日本語 🙂 strings:\n\n  ‘quoted’ x² ≤ y\tend"
+    _assert_streams_like_full_decode(bundled_tokenizer, bundled_tokenizer.encode(text))
+
+
+def test_sentencepiece_style_spaces_stream_exactly():
+    """Metaspace tokenizers (Llama 2, Mistral) drop a token's leading space when it is decoded
+    alone; the window of the previous update's tokens keeps the spaces between words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["the paged cache keeps blocks of keys and values", "a block table maps positions to blocks",
+              "prefix caching shares the blocks of a common prompt"] * 20
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    ids = tokenizer.encode("the block table maps the paged cache", add_special_tokens=False)
+    assert tokenizer.decode(ids[1:2]) != tokenizer.decode(ids[:2])[len(tokenizer.decode(ids[:1])):]  # the trap
+    _assert_streams_like_full_decode(tokenizer, ids)
+
+
+def test_random_bytes_stream_like_full_decode():
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3"), local_files_only=True)
+    rng = random.Random(0)
+    for _ in range(5):
+        _assert_streams_like_full_decode(tokenizer, [rng.randrange(3, 320) for _ in range(60)])
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu")
+
+
+def test_step_text_is_the_decode_of_the_tokens_so_far(llm, bundled_tokenizer):
+    prompts = ["Help on topic assert:\n\n", "Help on module json:\n\n"]
+    for i, p in enumerate(prompts):
+        llm.add_request(p, SamplingParams(temperature=0.8, seed=i, max_tokens=48))
+    finished = 0
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            c = out.outputs[0]
+            full = bundled_tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            if out.finished or not full.endswith(INCOMPLETE):
+                assert c.text == full
+            else:
+                assert full.startswith(c.text)
+            finished += out.finished
+    assert finished == len(prompts)
+
+
+def test_stop_string_cuts_the_greedy_text(llm):
+    prompt = "Help on method list.append in module builtins:\n\nappend(self, object, /)\n\n"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    needle = " " + words[len(words) // 2]
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[needle]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", needle)
+    assert cut.text == full.text[: full.text.index(needle)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < len(full.token_ids)
