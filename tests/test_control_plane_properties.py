@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -144,3 +145,35 @@ def test_block_manager_refcounts_match_tables(ops, block_size, num_blocks):
         bm.free_sequence(seq)
     check_invariants(bm, [], [])
     assert bm.num_free_blocks == num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["same", "grow", "reset"]),
+                                      st.integers(0, 40)), min_size=1, max_size=8), min_size=1, max_size=30),
+    capacity=st.integers(1, 12),
+)
+def test_block_table_cache_packs_what_the_tables_hold(steps, capacity):
+    """The runner's incremental packing equals packing every table from scratch, while tables
+    grow in place, are replaced (a sequence freed and re-admitted), and the cache overflows."""
+    from kvscope.engine.scheduler_output import ScheduledRequest
+    from kvscope.runner.inputs import BlockTableCache
+
+    cache = BlockTableCache(capacity=capacity, width=2)
+    tables: dict[int, list[int]] = {}
+    for step in steps:
+        reqs = []
+        for seq_id, op, n in dict((s, (s, op, n)) for s, op, n in step).values():  # one row per sequence
+            table = tables.setdefault(seq_id, [])
+            if op == "reset" or not table:
+                table = tables[seq_id] = [7 * seq_id + k for k in range(n + 1)]  # a new list object
+            elif op == "grow":
+                table.extend(100 + k for k in range(n))
+            reqs.append(ScheduledRequest(seq_id=seq_id, token_ids=[1], start=0, block_table=table,
+                                         is_prefill=False, sample=True))
+        packed = cache.pack(reqs)
+        widest = max(len(r.block_table) for r in reqs)
+        expected = np.full((len(reqs), widest), -1, dtype=np.int32)
+        for i, r in enumerate(reqs):
+            expected[i, : len(r.block_table)] = r.block_table
+        assert np.array_equal(packed, expected)

@@ -17,12 +17,15 @@ class NullExecutor:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.eos_every = eos_every  # when > 0, token 0 (an EOS) comes out about once per eos_every draws
+        self._tables = None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        from kvscope.runner.inputs import build_step_inputs
+        from kvscope.runner.inputs import BlockTableCache, build_step_inputs
 
         t0 = time.perf_counter()
-        build_step_inputs(out, self.block_size)
+        if self._tables is None:
+            self._tables = BlockTableCache()
+        build_step_inputs(out, self.block_size, self._tables)
         tokens = {}
         for r in out.requests:
             if r.sample:

@@ -50,7 +50,52 @@ class DeviceInputs:
     block_tables: torch.Tensor
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+class BlockTableCache:
+    """Each sequence's block table kept as a numpy row between steps, so packing a step copies
+    only the block ids appended since the sequence's last step (for decode, usually none)
+    instead of every id of every table.
+
+    While a sequence runs its table list only grows; freeing it replaces the list object
+    (``BlockManager.free_sequence``). So a row is trusted only while the cached list *is* the
+    scheduled one; the cache holds that list, so its ``id`` cannot be reused meanwhile.
+    """
+
+    def __init__(self, capacity: int = 512, width: int = 64) -> None:
+        self.table = np.full((capacity, width), -1, dtype=np.int32)
+        self.rows: dict[int, tuple[int, list[int], int]] = {}  # seq_id -> (row, list, cached length)
+
+    def pack(self, reqs: list) -> np.ndarray:
+        """The step's tables, ``[len(reqs), widest]`` int32, -1 past each table's end."""
+        capacity = self.table.shape[0]
+        if len(self.rows) + len(reqs) > capacity:  # forget finished sequences: start over
+            self.rows.clear()
+            if len(reqs) > capacity:
+                self.table = np.full((2 * len(reqs), self.table.shape[1]), -1, dtype=np.int32)
+        widest = max(len(r.block_table) for r in reqs)
+        if widest > self.table.shape[1]:
+            grown = np.full((self.table.shape[0], 2 * widest), -1, dtype=np.int32)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table = grown
+        rows = self.rows
+        slots = np.empty(len(reqs), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            table, n = r.block_table, len(r.block_table)
+            entry = rows.get(r.seq_id)
+            if entry is not None and entry[1] is table:
+                row, _, cached = entry
+            else:
+                row = entry[0] if entry is not None else len(rows)
+                self.table[row] = -1
+                cached = 0
+            if n > cached:
+                self.table[row, cached:n] = table[cached:]
+            rows[r.seq_id] = (row, table, n)
+            slots[i] = row
+        return self.table[slots, :widest]
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTableCache) -> StepInputs:
+    """Pack ``out``; ``tables`` is the caller's cache, kept across its steps."""
     reqs = out.requests
     b = len(reqs)
     q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=b)
@@ -62,18 +107,12 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
     cu_k = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(ctx, out=cu_k[1:])
 
-    table_lens = np.fromiter((len(r.block_table) for r in reqs), dtype=np.int64, count=b)
-    width = int(table_lens.max())
-    tables = np.full((b, width), -1, dtype=np.int32)
-    # Row-major order of the mask equals the concatenation order of the tables.
-    tables[np.arange(width) < table_lens[:, None]] = np.fromiter(
-        chain.from_iterable(r.block_table for r in reqs), dtype=np.int32, count=int(table_lens.sum())
-    )
+    block_tables = tables.pack(reqs)
 
     input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=t)
     row = np.repeat(np.arange(b), q_lens)
     positions = np.arange(t, dtype=np.int64) - cu_q[:-1][row] + starts[row]
-    slots = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     sample = np.fromiter((r.sample for r in reqs), dtype=bool, count=b)
     return StepInputs(
@@ -83,7 +122,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         cu_seqlens_q=cu_q.astype(np.int32),
         cu_seqlens_k=cu_k.astype(np.int32),
         context_lens=ctx.astype(np.int32),
-        block_tables=tables,
+        block_tables=block_tables,
         logits_indices=(cu_q[1:] - 1)[sample],
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=int(ctx.max()),

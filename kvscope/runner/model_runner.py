@@ -25,7 +25,7 @@ from kvscope.models import build_model
 from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.forward_context import AttentionMetadata, forward_context
-from kvscope.runner.inputs import DeviceInputs, StepInputs, build_step_inputs
+from kvscope.runner.inputs import BlockTableCache, DeviceInputs, StepInputs, build_step_inputs
 from kvscope.runner.sampler import DeviceSample, Sampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -118,6 +118,7 @@ class ModelRunner:
         self._uploads = 0
         # The last step's sampled tokens on the device, and each sampling sequence's row in them:
         # async scheduling's placeholder tokens are read from here.
+        self._tables = BlockTableCache(capacity=2 * config.max_num_seqs)
         self._last_sample: torch.Tensor | None = None
         self._last_rows: dict[int, int] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -250,7 +251,7 @@ class ModelRunner:
     def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
         t0 = time.perf_counter()
-        x = build_step_inputs(out, self.block_size)
+        x = build_step_inputs(out, self.block_size, self._tables)
         fill = np.flatnonzero(x.input_ids < 0)  # PLACEHOLDER: sampled by the previous step
         rows = np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
         src = np.fromiter((self._last_rows[out.requests[i].seq_id] for i in rows.tolist()),
