@@ -41,10 +41,14 @@ class Scheduled:
     token_ids: np.ndarray          # int32, all rows' tokens concatenated
 
     @classmethod
-    def from_output(cls, out: "SchedulerOutput", request_ids: dict[int, str]) -> "Scheduled":
+    def from_output(cls, out: "SchedulerOutput", request_ids: dict[int, str], with_tokens: bool = True) -> "Scheduled":
+        """``with_tokens=False`` leaves ``token_ids`` empty: the ``summary`` level never keeps them,
+        and a prefill step's tokens are the costliest column to build."""
         reqs = out.requests
         n = len(reqs)
         lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=n)
+        tokens = (np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int32, count=int(lens.sum()))
+                  if with_tokens else np.empty(0, dtype=np.int32))
         return cls(
             [request_ids[r.seq_id] for r in reqs],
             np.fromiter((r.start for r in reqs), dtype=np.int32, count=n),
@@ -52,7 +56,7 @@ class Scheduled:
             np.fromiter((r.num_cached_tokens for r in reqs), dtype=np.int32, count=n),
             np.fromiter((r.is_prefill for r in reqs), dtype=bool, count=n),
             np.fromiter((r.sample for r in reqs), dtype=bool, count=n),
-            np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int32, count=int(lens.sum())),
+            tokens,
         )
 
     def __len__(self) -> int:

@@ -221,7 +221,7 @@ class Recorder:
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
         bm = self.engine.block_manager
-        sched = Scheduled.from_output(out, info.request_ids)
+        sched = Scheduled.from_output(out, info.request_ids, with_tokens=self._blocks)
         reqs = self._requests
         known = self.engine.by_request_id
         for rid in set(sched.request_ids).difference(reqs):  # running since before the recording
