@@ -197,8 +197,10 @@ def test_runner_error_is_raised_and_engine_recovers(llm):
 
 
 def test_async_step_error_rolls_back_both_steps_and_engine_recovers():
+    """A launch that fails while the previous step is in flight rolls both back; the requests
+    then run to the same tokens as an engine that never failed."""
     llm = make_llm(block_size=4, async_scheduling=True)
-    runner = llm.llm_engine.executor
+    engine, runner = llm.llm_engine, llm.llm_engine.executor
     launch, calls = runner.execute_async, {"n": 0}
 
     def flaky(out):
@@ -208,14 +210,24 @@ def test_async_step_error_rolls_back_both_steps_and_engine_recovers():
         return launch(out)
 
     runner.execute_async = flaky
-    prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    prompts, params = [[3, 4, 5, 6, 7], [8, 9, 10]], [greedy(2), greedy(6)]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]  # the failing step
+    # schedules only the second: the first's last token is in flight in the step before
     with pytest.raises(RuntimeError, match="injected"):
-        llm.generate(prompts, greedy(6), use_tqdm=False)
+        while engine.has_unfinished_requests():
+            engine.step()
+    llm.check_invariants()
+    done = {}
+    while engine.has_unfinished_requests():  # the engine keeps serving the same requests
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    expected = token_ids(make_llm(block_size=4).generate(prompts, params, use_tqdm=False))
+    assert [done[i] for i in ids] == expected
+    with pytest.raises(RuntimeError, match="injected"):  # and through generate(), which aborts its requests
+        calls["n"] = 1
+        llm.generate(prompts, params, use_tqdm=False)
     runner.execute_async = launch
     assert not llm.has_unfinished_requests()
-    llm.check_invariants()
-    expected = token_ids(make_llm(block_size=4).generate(prompts, greedy(6), use_tqdm=False))
-    assert token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)) == expected
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
 
 
 def test_cpu_threads_apply_to_steps_and_restore_the_callers_setting():

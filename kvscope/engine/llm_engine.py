@@ -21,7 +21,7 @@ from typing import Any, Sequence as Seq
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
-from kvscope.engine.executor import Executor, StepHandle, StepResult
+from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.engine.sequence import Sequence, SequenceStatus
@@ -184,15 +184,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
-        if out.requests:
+        if out.requests or out.preempted_seq_ids:  # (a step of preemptions alone is reported too)
             try:
-                launched = _InFlight(out, self.executor.execute_async(out), t0, t1 - t0, self._step_request_ids(out))
+                handle = self.executor.execute_async(out) if out.requests else DoneStep(StepResult(tokens={}))
             except BaseException:
-                self._rollback_in_flight(out)
+                self._rollback_in_flight(self._in_flight.out if self._in_flight else None, out)
                 raise
+            launched = _InFlight(out, handle, t0, t1 - t0, self._step_request_ids(out))
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
-            if launched is None and not out.preempted_seq_ids:
+            if launched is None:
                 self._no_progress()
             return []
         return self._resolve(previous, launched=out)
