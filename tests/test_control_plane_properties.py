@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvscope.config import EngineConfig
@@ -48,7 +48,7 @@ request = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request, min_size=1, max_size=12),
     block_size=st.sampled_from([1, 2, 4, 8]),
@@ -59,9 +59,18 @@ request = st.tuples(
     caching=st.booleans(),
     chunked=st.booleans(),
     async_scheduling=st.booleans(),
+    fail_at=st.one_of(st.none(), st.integers(1, 40)),       # this launch raises, once
+)
+@example(  # found by this test: prefill_first re-admitted a self-preempted prefill forever
+    reqs=[([1], 3, 0, None), ([1, 1], 2, 0, None)], block_size=1, spare_blocks=0, budget=2, max_num_seqs=2,
+    policy="prefill_first", caching=False, chunked=True, async_scheduling=False, fail_at=None,
+)
+@example(  # a launch fails while the step before, holding another request's last token, is in flight
+    reqs=[([1, 2, 3, 4], 2, 0, None), ([2, 3], 6, 0, None)], block_size=4, spare_blocks=4, budget=64,
+    max_num_seqs=2, policy="unified", caching=False, chunked=True, async_scheduling=True, fail_at=3,
 )
 def test_every_request_finishes_exactly_once_without_leaks(
-    reqs, block_size, spare_blocks, budget, max_num_seqs, policy, caching, chunked, async_scheduling
+    reqs, block_size, spare_blocks, budget, max_num_seqs, policy, caching, chunked, async_scheduling, fail_at
 ):
     longest = max(len(p) + m for p, m, _, _ in reqs)
     num_blocks = -(-longest // block_size) + spare_blocks
@@ -72,6 +81,16 @@ def test_every_request_finishes_exactly_once_without_leaks(
         scheduling_policy=policy, enable_prefix_caching=caching, enable_chunked_prefill=chunked,
         async_scheduling=async_scheduling,
     )
+    name = "execute_async" if async_scheduling else "execute"
+    launch, launches = getattr(engine.executor, name), [0]
+
+    def failing_once(out):
+        launches[0] += 1
+        if launches[0] == fail_at:
+            raise RuntimeError("injected launch failure")
+        return launch(out)
+
+    setattr(engine.executor, name, failing_once)
     finished: dict[str, str] = {}
     twice: list[str] = []
 
@@ -95,7 +114,13 @@ def test_every_request_finishes_exactly_once_without_leaks(
                 on_finished(rid, "abort")
         if step > 6 and not engine.has_unfinished_requests():
             break
-        for out in engine.step():  # outputs, not hooks: a hook would make the engine step synchronously
+        try:
+            outputs = engine.step()  # outputs, not hooks: a hook would make the engine step synchronously
+        except RuntimeError as exc:
+            assert "injected" in str(exc)
+            engine.check_invariants()
+            outputs = []
+        for out in outputs:
             if out.finished:
                 on_finished(out.request_id, out.outputs[0].finish_reason)
         step += 1

@@ -79,7 +79,12 @@ class Scheduler:
 
     def _schedule_prefill_first(self, out: SchedulerOutput) -> None:
         budget = self._schedule_running(out, out.token_budget, prefill_only=True)
-        self._admit_waiting(out, budget)
+        # After a preemption, admit nothing this step: a prefill that preempted itself for want
+        # of blocks would be re-admitted into the blocks it just gave up, step after step,
+        # while the decoding sequences that hold the rest of the pool never ran (a livelock
+        # the property test found). The step then falls through to decode.
+        if not out.preempted_seq_ids:
+            self._admit_waiting(out, budget)
         if not out.requests:
             self._schedule_running(out, out.token_budget, prefill_only=False)
 
