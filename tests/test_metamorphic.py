@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import SamplingParams
@@ -156,3 +158,30 @@ def test_async_scheduling_abort_and_hooks_mid_run(baseline):
     assert [done[i] for i in ids if i != ids[1]] == [b for i, b in zip(ids, baseline) if i != ids[1]]
     bm = engine.block_manager
     assert not bm.used and bm.num_free_blocks == bm.num_blocks
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 2, 4, 16]), budget=st.integers(1, 64),
+       spare_blocks=st.integers(0, 20), policy=st.sampled_from(["unified", "prefill_first"]),
+       caching=st.booleans(), max_num_seqs=st.integers(1, 6), temperature=st.sampled_from([0.0, 1.0]))
+def test_async_scheduling_matches_sync_on_random_workloads(
+    seed, block_size, budget, spare_blocks, policy, caching, max_num_seqs, temperature
+):
+    """Random prompts sharing prefixes, seeded sampling, stop tokens, tight pools and budgets:
+    async and sync runs give the same tokens and finish reasons."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]
+    prompts = [shared[: rng.randrange(0, 20)] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 20))]
+               for _ in range(rng.randrange(1, 6))]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=rng.randrange(1, 12),
+                             stop_token_ids=[rng.randrange(3, VOCAB) for _ in range(20)])
+              for i in range(len(prompts))]
+    longest = max(len(p) + sp.max_tokens for p, sp in zip(prompts, params))
+    runs = []
+    for mode in (False, True):
+        llm = make_llm(block_size=block_size, num_kv_blocks=-(-longest // block_size) + spare_blocks,
+                       max_num_batched_tokens=budget, scheduling_policy=policy, enable_prefix_caching=caching,
+                       max_num_seqs=max_num_seqs, async_scheduling=mode, max_model_len=128)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[1] == runs[0]
