@@ -98,6 +98,19 @@ def test_replay_of_a_loaded_trace_shows_the_same_steps(tmp_path):
             assert a.get_state(keys) == b.get_state(keys)
 
 
+def test_a_huge_pool_draws_its_first_blocks(monkeypatch):
+    from kvscope.widgets import snapshot
+
+    monkeypatch.setattr(snapshot, "MAX_POOL_BLOCKS", 8)
+    llm = make_llm(**ENGINE)  # 12 blocks, more than the 8 drawn
+    with llm.record() as trace:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    pool = BlockPoolView(trace, step=2)
+    assert pool.num_blocks == 12
+    assert pool.state == trace.pool_arrays(2)["state"][:8].tobytes()
+    assert pool.ref_count == trace.pool_arrays(2)["ref_count"][:8].astype(np.int32).tobytes()
+
+
 def test_a_view_is_usable_alone():
     llm = make_llm(**ENGINE)
     with llm.record() as trace:  # "blocks" level: the pool is replayed from events

@@ -15,6 +15,9 @@ import numpy as np
 import pandas as pd
 
 MAX_SLOT_TOKENS = 128  # tokens per request sent to the slot-mapping view (the rest are counted)
+# Blocks the pool view draws: a larger pool (a tiny model on a big GPU has millions) shows its
+# first ones, where allocation starts, so each update stays ~1 MB.
+MAX_POOL_BLOCKS = 1 << 18
 
 
 # The ``trace.steps`` columns the views use.
@@ -106,12 +109,15 @@ class StepData:
 
 
 def pool_state(d: StepData) -> dict[str, Any]:
-    """Traits of ``BlockPoolView``: the whole pool as binary arrays plus the block tables."""
+    """Traits of ``BlockPoolView``: the pool (its first ``MAX_POOL_BLOCKS``) as binary arrays
+    plus the block tables."""
+    shown = slice(0, MAX_POOL_BLOCKS)
     return {
         "step": d.step,
         "block_size": int(d.trace.block_size),
-        "state": np.ascontiguousarray(d.arrays["state"], dtype=np.uint8).tobytes(),
-        "ref_count": np.ascontiguousarray(d.arrays["ref_count"], dtype=np.int32).tobytes(),
+        "num_blocks": int(d.trace.num_blocks),
+        "state": np.ascontiguousarray(d.arrays["state"][shown], dtype=np.uint8).tobytes(),
+        "ref_count": np.ascontiguousarray(d.arrays["ref_count"][shown], dtype=np.int32).tobytes(),
         "tables": d.tables,
     }
 

@@ -75,6 +75,7 @@ class BlockPoolView(_StepView):
     _esm = traitlets.Unicode(esm_source("pool")).tag(sync=True)
     snapshot_fn = staticmethod(snapshot.pool_state)
     block_size = traitlets.Int(0).tag(sync=True)
+    num_blocks = traitlets.Int(0).tag(sync=True)  # the whole pool's; ``state`` may hold fewer
     state = traitlets.Bytes(b"").tag(sync=True)
     ref_count = traitlets.Bytes(b"").tag(sync=True)
     tables = traitlets.Dict().tag(sync=True)
@@ -92,10 +93,6 @@ class BlockPoolView(_StepView):
             step = int(content["step"])
             self.send({"type": "details", "step": step,
                        "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"])})
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.state)
 
 
 class BlockTablesView(_StepView):

@@ -108,7 +108,9 @@ function render({ model, el }) {
       model.get("selected_request")
         ? swatch(KVS_COLORS.selected, `request ${model.get("selected_request")}: ${sel.size} blocks`)
         : h("span", { class: "kvs-dim" }, "click a block or a request to select it"),
-      h("span", { class: "kvs-dim" }, `${n} blocks \u00d7 ${model.get("block_size")} tokens`),
+      h("span", { class: "kvs-dim" }, (model.get("num_blocks") || n) > n
+        ? `first ${n} of ${model.get("num_blocks")} blocks shown \u00d7 ${model.get("block_size")} tokens`
+        : `${n} blocks \u00d7 ${model.get("block_size")} tokens`),
     );
   }
 
