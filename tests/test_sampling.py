@@ -16,7 +16,7 @@ PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.1
 def _draw(params: SamplingParams, n: int = 40000, seed: int = 0) -> torch.Tensor:
     sampler = Sampler(seed, torch.device("cpu"))
     logits = PROBS.log().repeat(n, 1)
-    return torch.tensor(sampler(logits, [params] * n, [0] * n).tokens)
+    return torch.tensor(sampler.sample(logits, [params] * n, [0] * n).to_output().tokens)
 
 
 def _freq(tokens: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_greedy_rows_ignore_noise_in_mixed_batch():
     sampler = Sampler(0, torch.device("cpu"))
     logits = PROBS.log().repeat(500, 1)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 250
-    toks = torch.tensor(sampler(logits, params, [0] * 500).tokens)
+    toks = torch.tensor(sampler.sample(logits, params, [0] * 500).to_output().tokens)
     assert (toks[0::2] == 1).all() and len(set(toks[1::2].tolist())) > 1
 
 
@@ -74,7 +74,7 @@ def test_seeded_requests_reproduce_regardless_of_batch():
 
 def test_logprob_of_sampled_token_matches_distribution():
     sampler = Sampler(0, torch.device("cpu"))
-    out = sampler(PROBS.log().unsqueeze(0), [SamplingParams(temperature=1.0, logprobs=2)], [0])
+    out = sampler.sample(PROBS.log().unsqueeze(0), [SamplingParams(temperature=1.0, logprobs=2)], [0]).to_output()
     lp = out.logprobs[0]
     assert set(lp) >= {1, 3}
     assert lp[1] == pytest.approx(math.log(0.5), abs=1e-6)

@@ -116,9 +116,9 @@ class ModelRunner:
         self._staging: list[torch.Tensor | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
+        self._tables = BlockTableCache(capacity=2 * config.max_num_seqs)
         # The last step's sampled tokens on the device, and each sampling sequence's row in them:
         # async scheduling's placeholder tokens are read from here.
-        self._tables = BlockTableCache(capacity=2 * config.max_num_seqs)
         self._last_sample: torch.Tensor | None = None
         self._last_rows: dict[int, int] = {}
         if self.device.type == "cuda" and not config.enforce_eager:

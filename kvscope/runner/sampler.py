@@ -98,11 +98,6 @@ class Sampler:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
-    def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
-    ) -> SampleOutput:
-        return self.sample(logits, params, output_index).to_output()
-
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> DeviceSample:
