@@ -21,6 +21,8 @@ from pandas.testing import assert_frame_equal
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
+from kvscope.trace.events import BLOCK_EVENTS
+from kvscope.trace.hooks import HOOK_POINTS
 from kvscope.trace.recorder import FULL_MEMORY_WARNING_BYTES
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.scheduler import PLACEHOLDER
@@ -264,15 +266,30 @@ def test_levels_attach_only_their_hooks():
     llm = make_llm(block_size=4)
     prompts, params = _workload(n=2)
     with llm.record("summary") as summary:
-        assert not llm.hooks.any_active("block.") and not llm.hooks.active("step.scheduled")
+        assert not llm.hooks.wants_block_events() and not llm.hooks.active("step.scheduled")
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.hooks.any_active("")  # nothing listens once recording stops
+    assert not llm.hooks.wants_block_events()  # nothing listens once recording stops
+    assert not any(llm.hooks.active(name) for name in HOOK_POINTS)
     assert len(summary.steps) and len(summary.requests) == 2
     for read in (lambda: summary.block_events, lambda: summary.pool_arrays(1), summary.kv_events):
         with pytest.raises(ValueError, match="level 'blocks' or 'full'"):
             read()
     with llm.record("blocks"):
-        assert all(llm.hooks.active(f"block.{e}") for e in ("allocated", "shared", "freed", "hashed"))
+        assert len(llm.hooks.block_sinks) == 1 and llm.hooks.active("step.scheduled")
+
+
+def test_block_hooks_see_the_events_the_recorder_keeps():
+    """User hooks (one Python call per event) and the recorder's block sink get the same stream."""
+    llm = _tight_llm()
+    seen = []
+    hooks = {name: (lambda name: lambda **p: seen.append((name, p["block_id"], p["request_id"], p["ref_count"],
+                                                          p["block_hash"])))(name) for name in BLOCK_EVENTS}
+    with llm.hooks(hooks), llm.record("blocks") as trace:
+        llm.generate(*_workload(), use_tqdm=False)
+    ev = trace.block_events
+    hashes = [None if pd.isna(h) else int(h) for h in ev.block_hash]
+    assert seen == list(zip(ev.event, ev.block_id, ev.request_id, ev.ref_count, hashes))
+    assert len(set(ev.event)) >= 5
 
 
 def test_raising_hook_is_detached_and_generation_completes():

@@ -106,15 +106,11 @@ class BlockManager:
     # --------------------------------------------------------------- mutation
     def _emit(self, event: str, block_id: int, seq: Sequence | None) -> None:
         hooks = self.hooks
-        if hooks is not None and hooks.active(event):
-            h = int(self.block_hash[block_id])
-            hooks.fire(
-                event,
-                step=self.step,
-                block_id=block_id,
-                request_id=seq.request_id if seq is not None else None,
-                ref_count=int(self.ref_count[block_id]),
-                block_hash=None if h == NO_HASH else h,
+        if hooks is not None and (hooks.block_sinks or hooks.active(event)):
+            h = self.block_hash.item(block_id)
+            hooks.emit_block(
+                event, self.step, block_id, seq.request_id if seq is not None else None,
+                self.ref_count.item(block_id), None if h == NO_HASH else h,
             )
 
     def _uncache(self, block_id: int) -> None:

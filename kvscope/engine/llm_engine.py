@@ -163,7 +163,7 @@ class LLMEngine:
         return outputs
 
     def _step(self) -> list[Sequence]:
-        exact = self.hooks.active("step.scheduled") or self.hooks.any_active("block.")
+        exact = self.hooks.active("step.scheduled") or self.hooks.wants_block_events()
         if self.async_scheduling and not exact:
             return self._step_async()
         if self._in_flight is not None:  # a block-level hook was attached: finish the launched step

@@ -3,6 +3,10 @@
 The engine asks ``hooks.active(name)`` before it builds a payload, so a hook point with no
 listener costs one dict lookup. A hook that raises is reported with its traceback and
 detached; the engine goes on.
+
+Block events are the busiest hook points (a prefill step of a large batch fires thousands), so
+besides hooks they go to *block sinks*: plain lists that receive each event as a
+:class:`~kvscope.trace.events.BlockEvent` with no Python call per event. The recorder uses one.
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import itertools
 import traceback
 import warnings
 from typing import Any, Callable, Iterator
+
+from kvscope.trace.events import BlockEvent
 
 HOOK_POINTS: tuple[str, ...] = (
     "step.scheduled",
@@ -27,6 +33,8 @@ HOOK_POINTS: tuple[str, ...] = (
 )
 
 Hook = Callable[..., Any]
+_SINK = "block sink"  # the HookHandle name of a block sink
+_new_tuple = tuple.__new__  # builds a BlockEvent without NamedTuple.__new__'s Python frame
 
 
 def warn_detached(fn: Hook, where: str) -> None:
@@ -59,6 +67,8 @@ class HookRegistry:
     def __init__(self) -> None:
         self._hooks: dict[str, dict[int, Hook]] = {}
         self._keys = itertools.count()
+        self._sinks: dict[int, list[BlockEvent]] = {}
+        self.block_sinks: tuple[list[BlockEvent], ...] = ()  # read by the block manager per event
 
     def add(self, name: str, fn: Hook) -> HookHandle:
         """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``."""
@@ -83,7 +93,20 @@ class HookRegistry:
 
     __call__ = hooks
 
+    def add_block_sink(self, sink: list[BlockEvent]) -> HookHandle:
+        """Append every block event to ``sink`` (a list) until the handle is removed."""
+        if not isinstance(sink, list):
+            raise TypeError(f"a block sink must be a list, got {type(sink).__name__}")
+        key = next(self._keys)
+        self._sinks[key] = sink
+        self.block_sinks = tuple(self._sinks.values())
+        return HookHandle(self, _SINK, key)
+
     def _remove(self, name: str, key: int) -> None:
+        if name == _SINK:
+            self._sinks.pop(key, None)
+            self.block_sinks = tuple(self._sinks.values())
+            return
         fns = self._hooks.get(name)
         if fns is not None:
             fns.pop(key, None)
@@ -93,11 +116,26 @@ class HookRegistry:
     def active(self, name: str) -> bool:
         return name in self._hooks
 
-    def any_active(self, prefix: str) -> bool:
-        return any(n.startswith(prefix) for n in self._hooks)
+    def wants_block_events(self) -> bool:
+        """Whether any block hook or block sink is attached."""
+        return bool(self.block_sinks) or any(n.startswith("block.") for n in self._hooks)
 
     def clear(self) -> None:
         self._hooks.clear()
+        self._sinks.clear()
+        self.block_sinks = ()
+
+    def emit_block(
+        self, event: str, step: int, block_id: int, request_id: str | None, ref_count: int,
+        block_hash: int | None,
+    ) -> None:
+        """One block event: appended to every sink, then passed to the ``event`` hooks."""
+        ev = _new_tuple(BlockEvent, (event, block_id, request_id, ref_count, block_hash, step))
+        for sink in self.block_sinks:
+            sink.append(ev)
+        if event in self._hooks:
+            self.fire(event, step=step, block_id=block_id, request_id=request_id,
+                      ref_count=ref_count, block_hash=block_hash)
 
     def fire(self, name: str, **payload: Any) -> None:
         fns = self._hooks.get(name)

@@ -10,7 +10,6 @@ fully reconstructible.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import threading
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
-from kvscope.trace.events import BLOCK_EVENTS, BlockEvent
+from kvscope.trace.events import BlockEvent
 from kvscope.trace.hooks import HookHandle, warn_detached
 from kvscope.trace.pool import PoolState, fill_counts
 from kvscope.trace.record import PoolSnapshot, Scheduled, StepRecord
@@ -142,8 +141,7 @@ class Recorder:
         if self._blocks:
             self.baseline = PoolState.capture(self.engine)
             self._handles.append(hooks.add("step.scheduled", self._on_scheduled))
-            for name in BLOCK_EVENTS:
-                self._handles.append(hooks.add(name, functools.partial(self._on_block, name)))
+            self._handles.append(hooks.add_block_sink(self._pending))
         self._handles += [
             hooks.add("request.added", self._on_added),
             hooks.add("request.finished", self._on_finished),
@@ -159,7 +157,7 @@ class Recorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._pending = []
+        self._pending.clear()
         for req in list(self._requests.values()):
             req.freeze()
         self.engine = None
@@ -212,12 +210,6 @@ class Recorder:
     def _on_scheduled(self, **_: Any) -> None:
         self._pre_forward = len(self._pending)
 
-    def _on_block(
-        self, event: str, step: int, block_id: int, request_id: str | None, ref_count: int,
-        block_hash: int | None,
-    ) -> None:
-        self._pending.append(BlockEvent(event, block_id, request_id, ref_count, block_hash, step))
-
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
         bm = self.engine.block_manager
@@ -253,7 +245,8 @@ class Recorder:
         )
         if self._blocks:
             rec.scheduled = sched
-            rec.block_events, self._pending = self._pending, []
+            rec.block_events = self._pending.copy()
+            self._pending.clear()
             rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
             rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
             rec.preempted = [info.request_ids[i] for i in out.preempted_seq_ids]
