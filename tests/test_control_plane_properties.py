@@ -5,7 +5,6 @@ seconds; the scheduler, block manager and engine loop are the real ones.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import numpy as np
 from hypothesis import HealthCheck, example, given, settings

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,6 @@ from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.trace.events import BLOCK_EVENTS
 from kvscope.trace.hooks import HOOK_POINTS
-from kvscope.trace.recorder import FULL_MEMORY_WARNING_BYTES
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.scheduler import PLACEHOLDER
 
@@ -387,15 +385,14 @@ def test_summary_recording_keeps_async_scheduling_and_agrees_with_sync():
     assert_frame_equal(tables[True][3], tables[False][3])
 
 
-def test_full_level_warns_when_its_snapshots_could_fill_memory():
-    llm = make_llm(block_size=4, num_kv_blocks=64)
-    per_step = 64 * (4 + 8 + 4)  # ref_count, block_hash, num_tokens for every block
-    with pytest.warns(UserWarning, match="level='blocks' rebuilds the same pool"):
-        with llm.record(level="full", max_steps=FULL_MEMORY_WARNING_BYTES // per_step + 1):
-            pass
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with llm.record(level="full", max_steps=FULL_MEMORY_WARNING_BYTES // per_step):
-            pass
-        with llm.record(level="blocks", max_steps=10 * FULL_MEMORY_WARNING_BYTES // per_step):
-            pass
+def test_full_snapshots_keep_only_what_each_step_changed(run):
+    """A ``full`` record keeps the blocks whose refcount or hash changed (read from the block
+    manager); each of them must be named by one of that step's block events, and after the
+    keyframe they are a small part of the pool."""
+    recs = run.full._records()
+    assert len(recs[0].pool.block_ids) == run.full.num_blocks  # the keyframe
+    for rec in recs[1:]:
+        named = {e.block_id for e in rec.block_events}
+        assert set(rec.pool.block_ids.tolist()) <= named, f"step {rec.step}"
+    changed = sum(len(r.pool.block_ids) for r in recs[1:])
+    assert 0 < changed < run.full.num_blocks * (len(recs) - 1) / 4

@@ -6,7 +6,11 @@ tensor-parallel workers.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from itertools import chain
+
+import numpy as np
 
 from kvscope.sampling_params import SamplingParams
 
@@ -30,6 +34,16 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@dataclass(slots=True)
+class StepColumns:
+    """A step's rows as numpy columns, for code that works on whole steps (input packing, the trace)."""
+
+    start: np.ndarray           # int64 [B]
+    num_new_tokens: np.ndarray  # int64 [B]
+    sample: np.ndarray          # bool [B]
+    token_ids: np.ndarray       # int64 [T]: every row's tokens, concatenated
+
+
 @dataclass
 class SchedulerOutput:
     step: int
@@ -44,3 +58,16 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    @functools.cached_property
+    def columns(self) -> StepColumns:
+        """Built once per step: the runner packs its inputs from it and a recorder reuses it."""
+        reqs = self.requests
+        b = len(reqs)
+        lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=b)
+        return StepColumns(
+            start=np.fromiter((r.start for r in reqs), dtype=np.int64, count=b),
+            num_new_tokens=lens,
+            sample=np.fromiter((r.sample for r in reqs), dtype=bool, count=b),
+            token_ids=np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=int(lens.sum())),
+        )

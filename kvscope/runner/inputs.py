@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
-
 import numpy as np
 import torch
 
@@ -98,8 +96,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTableC
     """Pack ``out``; ``tables`` is the caller's cache, kept across its steps."""
     reqs = out.requests
     b = len(reqs)
-    q_lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=b)
-    starts = np.fromiter((r.start for r in reqs), dtype=np.int64, count=b)
+    cols = out.columns
+    q_lens, starts, input_ids = cols.num_new_tokens, cols.start, cols.token_ids
     t = int(q_lens.sum())
     cu_q = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])
@@ -109,12 +107,11 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTableC
 
     block_tables = tables.pack(reqs)
 
-    input_ids = np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=t)
     row = np.repeat(np.arange(b), q_lens)
     positions = np.arange(t, dtype=np.int64) - cu_q[:-1][row] + starts[row]
     slots = block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-    sample = np.fromiter((r.sample for r in reqs), dtype=bool, count=b)
+    sample = cols.sample
     return StepInputs(
         input_ids=input_ids,
         positions=positions,

@@ -34,18 +34,21 @@ def block_states(ref_count: np.ndarray, block_hash: np.ndarray) -> np.ndarray:
     return state
 
 
+def last_fills(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each table's last block and the tokens with K/V in it, from ``(block_table, num_computed_tokens)``."""
+    rows = [(t[-1], len(t), computed) for t, computed in tables if t]
+    a = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=3 * len(rows)).reshape(len(rows), 3)
+    return a[:, 0].copy(), a[:, 2] - (a[:, 1] - 1) * block_size
+
+
 def fill_counts(
     ref_count: np.ndarray, block_hash: np.ndarray, block_size: int,
-    last_blocks: Iterable[tuple[Sequence[int], int]],
+    last_blocks: np.ndarray, last_counts: np.ndarray,
 ) -> np.ndarray:
-    """Tokens with K/V per block: full if used or cached, except each live table's last block.
-
-    ``last_blocks`` yields ``(block_table, num_computed_tokens)`` of every sequence holding blocks.
-    """
+    """Tokens with K/V per block: full if used or cached, except each live table's last block
+    (``last_blocks``, holding ``last_counts`` tokens; see :func:`last_fills`)."""
     counts = np.where((ref_count > 0) | (block_hash != NO_HASH), block_size, 0).astype(np.int32)
-    for table, computed in last_blocks:
-        if table:
-            counts[table[-1]] = computed - (len(table) - 1) * block_size
+    counts[last_blocks] = last_counts
     return counts
 
 
@@ -142,10 +145,8 @@ class PoolState:
             self.tables.setdefault(rid, []).append(b)
 
     def num_tokens(self) -> np.ndarray:
-        return fill_counts(
-            self.ref_count, self.block_hash, self.block_size,
-            ((t, self.computed.get(r, 0)) for r, t in self.tables.items()),
-        )
+        last = last_fills(((t, self.computed.get(r, 0)) for r, t in self.tables.items()), self.block_size)
+        return fill_counts(self.ref_count, self.block_hash, self.block_size, *last)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """``Trace.pool_arrays`` of this state."""

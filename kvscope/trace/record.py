@@ -1,7 +1,8 @@
 """``StepRecord``: everything one engine step decided, as recorded by a :class:`Recorder`.
 
 The summary fields (one ``trace.steps`` row) are always present. ``blocks`` level adds what was
-scheduled per request, the queues and the block events; ``full`` adds a copy of the whole pool.
+scheduled per request, the queues and the block events; ``full`` adds the pool as read from the
+block manager after the step (stored as the change since the previous step).
 
 Block tables and slot mappings are not copied per step: a table only ever changes through
 block events (allocate / share / reuse append, free drops), so :class:`~kvscope.trace.Trace`
@@ -11,7 +12,6 @@ scheduled rows. That keeps recording O(events) instead of O(blocks in all tables
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -42,21 +42,19 @@ class Scheduled:
 
     @classmethod
     def from_output(cls, out: "SchedulerOutput", request_ids: dict[int, str], with_tokens: bool = True) -> "Scheduled":
-        """``with_tokens=False`` leaves ``token_ids`` empty: the ``summary`` level never keeps them,
-        and a prefill step's tokens are the costliest column to build."""
+        """Reuses the step's :attr:`SchedulerOutput.columns` (the runner built them to pack its
+        inputs). ``with_tokens=False`` leaves ``token_ids`` empty: ``summary`` never keeps them."""
         reqs = out.requests
         n = len(reqs)
-        lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int32, count=n)
-        tokens = (np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int32, count=int(lens.sum()))
-                  if with_tokens else np.empty(0, dtype=np.int32))
+        cols = out.columns
         return cls(
             [request_ids[r.seq_id] for r in reqs],
-            np.fromiter((r.start for r in reqs), dtype=np.int32, count=n),
-            lens,
+            cols.start.astype(np.int32),
+            cols.num_new_tokens.astype(np.int32),
             np.fromiter((r.num_cached_tokens for r in reqs), dtype=np.int32, count=n),
             np.fromiter((r.is_prefill for r in reqs), dtype=bool, count=n),
-            np.fromiter((r.sample for r in reqs), dtype=bool, count=n),
-            tokens,
+            cols.sample,
+            cols.token_ids.astype(np.int32) if with_tokens else np.empty(0, dtype=np.int32),
         )
 
     def __len__(self) -> int:
@@ -72,12 +70,20 @@ class Scheduled:
         return self.start + self.num_new_tokens
 
 
-class PoolSnapshot(NamedTuple):
-    """The whole pool after a step (``full`` level): one entry per block, read-only arrays."""
+class PoolDelta(NamedTuple):
+    """The pool after a step (``full`` level), as what changed since the previous step.
 
-    ref_count: np.ndarray   # int32
-    block_hash: np.ndarray  # int64, -1 for none
-    num_tokens: np.ndarray  # int32, tokens with K/V in the block
+    ``block_ids`` are the blocks whose ``ref_count`` or ``block_hash`` changed, with their new
+    values; the oldest record a trace keeps lists every block (a keyframe). ``last_blocks`` and
+    ``last_counts`` give each live table's last block and the tokens in it; every other used or
+    cached block is full. Read from the block manager, never from the block events.
+    """
+
+    block_ids: np.ndarray    # int32
+    ref_count: np.ndarray    # int32
+    block_hash: np.ndarray   # int64, -1 for none
+    last_blocks: np.ndarray  # int32
+    last_counts: np.ndarray  # int32
 
 
 @dataclass(slots=True)
@@ -115,7 +121,7 @@ class StepRecord:
     preempted: list[str] | None = None
     finished: list[str] | None = None
     # ``full`` level
-    pool: PoolSnapshot | None = field(default=None)
+    pool: PoolDelta | None = field(default=None)
 
     def event_phase(self, i: int) -> str:
         """``idle``, ``schedule`` or ``postprocess`` for ``block_events[i]``."""

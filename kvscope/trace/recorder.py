@@ -13,7 +13,6 @@ import dataclasses
 import itertools
 import math
 import threading
-import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -22,8 +21,9 @@ import pandas as pd
 
 from kvscope.trace.events import BlockEvent
 from kvscope.trace.hooks import HookHandle, warn_detached
-from kvscope.trace.pool import PoolState, fill_counts
-from kvscope.trace.record import PoolSnapshot, Scheduled, StepRecord
+from kvscope.trace.pool import PoolState
+from kvscope.trace.record import Scheduled, StepRecord
+from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
 from kvscope.trace.tables import frame
 from kvscope.trace.trace import Trace
 
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
 LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
 Listener = Callable[[StepRecord], Any]
 _NAN = math.nan
-_SNAPSHOT_BYTES_PER_BLOCK = 4 + 8 + 4  # PoolSnapshot: ref_count, block_hash, num_tokens
-FULL_MEMORY_WARNING_BYTES = 4 << 30
 
 
 class ListenerHandle:
@@ -94,14 +92,6 @@ class Recorder:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
-        full_bytes = engine.block_manager.num_blocks * _SNAPSHOT_BYTES_PER_BLOCK * max_steps
-        if level == "full" and full_bytes > FULL_MEMORY_WARNING_BYTES:
-            warnings.warn(
-                f"level='full' copies the whole pool ({engine.block_manager.num_blocks} blocks) every "
-                f"step: up to {full_bytes / 2**30:.1f} GiB of host memory for max_steps={max_steps}. "
-                "level='blocks' rebuilds the same pool state from block events for far less; or lower max_steps.",
-                stacklevel=2,
-            )
         self.engine = engine
         self.level = level
         self.max_steps = max_steps
@@ -110,6 +100,7 @@ class Recorder:
         self.last_dropped_step: int | None = None
         self.lock = threading.Lock()
         self._blocks = level != "summary"
+        self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         self._requests: dict[str, _Request] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
         self._pending: list[BlockEvent] = []
@@ -250,8 +241,8 @@ class Recorder:
             rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
             rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
             rec.preempted = [info.request_ids[i] for i in out.preempted_seq_ids]
-        if self.level == "full":
-            rec.pool = _snapshot(self.engine)
+        if self._snapshots is not None:
+            rec.pool = self._snapshots.take(self.engine)
         self._append(rec)
         for key, fn in list(self._listeners.items()):
             try:
@@ -267,19 +258,10 @@ class Recorder:
                 old = self.records.popleft()
                 if self.baseline is not None:
                     self.baseline.apply(old)
+                if old.pool is not None:
+                    self.records[0].pool = merge_keyframe(old.pool, self.records[0].pool)
                 self.last_dropped_step = old.step
                 oldest = self.records[0].step
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
 
-
-def _snapshot(engine: "LLMEngine") -> PoolSnapshot:
-    bm = engine.block_manager
-    ref, hashes = bm.ref_count.copy(), bm.block_hash.copy()
-    counts = fill_counts(
-        ref, hashes, bm.block_size,
-        ((s.block_table, s.num_computed_tokens) for s in engine.scheduler.running),
-    )
-    for a in (ref, hashes, counts):
-        a.flags.writeable = False
-    return PoolSnapshot(ref, hashes, counts)

@@ -16,7 +16,7 @@ import pandas as pd
 
 from kvscope.trace.events import IDLE, POSTPROCESS, BlockEvent
 from kvscope.trace.pool import PoolState
-from kvscope.trace.record import STEP_COLUMNS, PoolSnapshot, Scheduled, StepRecord
+from kvscope.trace.record import STEP_COLUMNS, PoolDelta, Scheduled, StepRecord
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
 _LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
@@ -57,6 +57,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "tokens": {"token_id": _I, "text": _S},
     "baseline_tables": {"request_id": _S, "num_computed_tokens": _I, "block_table": _L},
+    # a saved ``full`` trace's PoolDelta per step: changed blocks, and each live table's last block
+    "pool_changes": {"step": _I, "block_id": _I, "ref_count": _I, "block_hash": _I},
+    "pool_fills": {"step": _I, "block_id": _I, "num_tokens": _I},
 }
 QUEUES = ("running", "waiting", "preempted", "finished")
 
@@ -92,6 +95,22 @@ def scheduled_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     })
 
 
+def pool_frames(records: Sequence[StepRecord]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ``full`` level's pool deltas as two long tables (``pool_changes``, ``pool_fills``)."""
+    def cat(field: str) -> np.ndarray:
+        return np.concatenate([getattr(r.pool, field) for r in records] or [np.zeros(0, np.int64)])
+
+    def steps(field: str) -> np.ndarray:
+        return np.repeat([r.step for r in records], [len(getattr(r.pool, field)) for r in records])
+
+    return (
+        frame("pool_changes", {"step": steps("block_ids"), "block_id": cat("block_ids"),
+                               "ref_count": cat("ref_count"), "block_hash": cat("block_hash")}),
+        frame("pool_fills", {"step": steps("last_blocks"), "block_id": cat("last_blocks"),
+                             "num_tokens": cat("last_counts")}),
+    )
+
+
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     return frame("block_events", (
         (rec.step, e.event, e.block_id, e.request_id, e.ref_count, e.block_hash, rec.event_phase(i))
@@ -110,7 +129,7 @@ def queues_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
 def records_from_frames(
     level: str, steps: pd.DataFrame, scheduled: pd.DataFrame | None = None,
     block_events: pd.DataFrame | None = None, queues: pd.DataFrame | None = None,
-    pool: tuple[np.ndarray, ...] | None = None,
+    pool: tuple[pd.DataFrame, pd.DataFrame] | None = None,
 ) -> list[StepRecord]:
     """Rebuild the records a saved trace was made of (the inverse of the ``*_frame`` functions)."""
     cols = [steps[c].tolist() for c in STEP_COLUMNS]
@@ -137,8 +156,12 @@ def records_from_frames(
         for name in QUEUES:
             setattr(rec, name, q["request_id"][q["queue"] == name].tolist())
     if pool is not None:
-        for i, rec in enumerate(records):
-            rec.pool = PoolSnapshot(*(_readonly(a[i]) for a in pool))
+        changes, fills = pool
+        for rec, c, f in zip(records, _split(changes, step_ids), _split(fills, step_ids)):
+            rec.pool = PoolDelta(
+                c["block_id"].to_numpy(np.int32), c["ref_count"].to_numpy(np.int32), c["block_hash"].to_numpy(np.int64),
+                f["block_id"].to_numpy(np.int32), f["num_tokens"].to_numpy(np.int32),
+            )
     return records
 
 
@@ -146,12 +169,6 @@ def _split(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[pd.DataFrame]:
     """Per recorded step, its rows of ``df`` (which is sorted by step)."""
     bounds = np.searchsorted(df["step"].to_numpy(), step_ids, side="left").tolist() + [len(df)]
     return (df.iloc[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]))
-
-
-def _readonly(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    a.flags.writeable = False
-    return a
 
 
 # ------------------------------------------------------------------- parquet

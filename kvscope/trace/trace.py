@@ -22,10 +22,11 @@ from kvscope.engine.block_manager import hash_block
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import StepRecord
+from kvscope.trace.snapshots import SnapshotCursor
 from kvscope.trace.tables import (
-    SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, queues_frame,
-    read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame, write_arrays,
-    write_frame,
+    SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, pool_frames,
+    queues_frame, read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame,
+    write_arrays, write_frame,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +76,7 @@ class Trace:
         self._cursor_step: int | None = None
         self._cursor_arrays: dict[str, np.ndarray] | None = None
         self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
+        self._snapshots = SnapshotCursor(self.num_blocks, self.block_size)  # full level's pool snapshots
 
     # ---------------------------------------------------------------- basics
     @property
@@ -145,9 +147,12 @@ class Trace:
         """``state`` (0 free, 1 used, 2 cached), ``ref_count``, ``block_hash`` (-1 none),
         ``num_tokens``: one entry per block after ``step``."""
         self._need_blocks("pool_arrays")
-        pool = self._record(step).pool
-        if pool is not None:
-            return {"state": block_states(pool.ref_count, pool.block_hash), **pool._asdict()}
+        if self.level == "full":
+            recs = self._records()
+            i = _index(recs, step)
+            with self._lock:
+                pool = self._snapshots.arrays(recs, i)
+            return {"state": block_states(pool["ref_count"], pool["block_hash"]), **pool}
         with self._lock:
             self._move(step)
             if self._cursor_arrays is None:
@@ -217,11 +222,8 @@ class Trace:
         write_frame(frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}),
                     path / "tokens.parquet")
         if self.level == "full":
-            write_arrays(path / "pool.parquet", {
-                "step": np.array([r.step for r in recs], dtype=np.int64),
-                **{k: np.asarray([getattr(r.pool, k) for r in recs]).reshape(len(recs), self.num_blocks)
-                   for k in ("ref_count", "block_hash", "num_tokens")},
-            })
+            for name, df in zip(("pool_changes", "pool_fills"), pool_frames(recs)):
+                write_frame(df, path / f"{name}.parquet")
         return path
 
     @classmethod
@@ -234,11 +236,8 @@ class Trace:
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
-        pool = None
-        if level == "full":
-            a = read_arrays(path / "pool.parquet")
-            pool = (a["ref_count"].astype(np.int32), a["block_hash"].astype(np.int64),
-                    a["num_tokens"].astype(np.int32))
+        pool = tuple(read_frame(n, path / f"{n}.parquet") for n in ("pool_changes", "pool_fills")) \
+            if level == "full" else None
         records = records_from_frames(
             level, steps, *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues")),
             pool=pool,
