@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -80,22 +81,24 @@ def hook_share(llm: LLM, prompts: list[list[int]], params: SamplingParams, level
     """
     llm.reset_prefix_cache()
     hooks = llm.llm_engine.hooks
-    fire, spent = hooks.fire, 0.0
+    spent = 0.0
 
-    def timed_fire(name: str, **payload: object) -> None:
-        nonlocal spent
-        t = time.perf_counter()
-        fire(name, **payload)
-        spent += time.perf_counter() - t
+    def timed(fn: Callable[..., None]) -> Callable[..., None]:
+        def wrapper(*args: object, **payload: object) -> None:
+            nonlocal spent
+            t = time.perf_counter()
+            fn(*args, **payload)
+            spent += time.perf_counter() - t
+        return wrapper
 
-    hooks.fire = timed_fire
+    hooks.fire, hooks.emit_block = timed(hooks.fire), timed(hooks.emit_block)  # hooks, and block sinks
     try:
         t = time.perf_counter()
         with llm.record(level=level):
             llm.generate(prompts, params, use_tqdm=False)
         return spent / (time.perf_counter() - t)
     finally:
-        del hooks.fire
+        del hooks.fire, hooks.emit_block
 
 
 def main() -> None:
