@@ -210,6 +210,31 @@ def test_recording_mid_run_and_reset_prefix_cache():
     assert set(idle.event) == {"block.evicted"} and (idle.step == cleared.step.iloc[0]).all()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_recording_started_with_requests_queued_and_running(async_scheduling):
+    """Requests that were waiting or running when recording began get their rows, and the
+    rows agree with the outputs they end with."""
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    prompts, params = _workload()
+    ids = [llm.llm_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outputs = {}
+    for _ in range(3):
+        outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    engine = llm.llm_engine
+    assert engine.scheduler.running and engine.scheduler.waiting
+    unfinished = set(ids) - set(outputs)
+    with llm.record("summary") as trace:
+        while llm.has_unfinished_requests():
+            outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    rows = trace.requests.set_index("request_id")
+    assert set(outputs) == set(ids) and set(rows.index) == unfinished
+    for rid in rows.index:
+        r, o = rows.loc[rid], outputs[rid]
+        assert (r.prompt_len, r.output_len, r.finish_reason) == \
+            (len(o.prompt_token_ids), len(o.outputs[0].token_ids), o.outputs[0].finish_reason)
+        assert r.num_cached_tokens == o.num_cached_tokens
+
+
 def test_ring_buffer_keeps_the_last_steps():
     llm = _tight_llm()
     with llm.record("summary") as everything:

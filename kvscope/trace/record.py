@@ -41,20 +41,17 @@ class Scheduled:
     token_ids: np.ndarray          # int32, all rows' tokens concatenated
 
     @classmethod
-    def from_output(cls, out: "SchedulerOutput", request_ids: dict[int, str], with_tokens: bool = True) -> "Scheduled":
+    def from_output(
+        cls, out: "SchedulerOutput", request_ids: dict[int, str], is_prefill: np.ndarray,
+        num_cached_tokens: np.ndarray,
+    ) -> "Scheduled":
         """Reuses the step's :attr:`SchedulerOutput.columns` (the runner built them to pack its
-        inputs). ``with_tokens=False`` leaves ``token_ids`` empty: ``summary`` never keeps them."""
-        reqs = out.requests
-        n = len(reqs)
+        inputs) and the two columns the recorder already read for the step's summary."""
         cols = out.columns
         return cls(
-            [request_ids[r.seq_id] for r in reqs],
-            cols.start.astype(np.int32),
-            cols.num_new_tokens.astype(np.int32),
-            np.fromiter((r.num_cached_tokens for r in reqs), dtype=np.int32, count=n),
-            np.fromiter((r.is_prefill for r in reqs), dtype=bool, count=n),
-            cols.sample,
-            cols.token_ids.astype(np.int32) if with_tokens else np.empty(0, dtype=np.int32),
+            [request_ids[r.seq_id] for r in out.requests],
+            cols.start.astype(np.int32), cols.num_new_tokens.astype(np.int32), num_cached_tokens,
+            is_prefill, cols.sample, cols.token_ids.astype(np.int32),
         )
 
     def __len__(self) -> int:

@@ -128,6 +128,9 @@ class Recorder:
         if self._started:
             raise RuntimeError("a Recorder records once; make a new one to record again")
         self._started = True
+        for rid, seq in self.engine.by_request_id.items():  # already queued or running: rows from the start
+            if not seq.is_finished:
+                self._touch(rid)
         hooks = self.engine.hooks
         if self._blocks:
             self.baseline = PoolState.capture(self.engine)
@@ -204,19 +207,15 @@ class Recorder:
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
         bm = self.engine.block_manager
-        sched = Scheduled.from_output(out, info.request_ids, with_tokens=self._blocks)
-        reqs = self._requests
-        known = self.engine.by_request_id
-        for rid in set(sched.request_ids).difference(reqs):  # running since before the recording
-            if rid in known:  # (not if aborted while its step was in flight, under async scheduling)
-                self._touch(rid)
-        lens, prefill = sched.num_new_tokens, sched.is_prefill
+        rows, cols = out.requests, out.columns
+        n = len(rows)
+        lens = cols.num_new_tokens
+        prefill = np.fromiter((r.is_prefill for r in rows), dtype=bool, count=n)
+        cached = np.fromiter((r.num_cached_tokens for r in rows), dtype=np.int32, count=n)
         prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
-        admitted = np.flatnonzero(sched.is_admission).tolist()
-        hits = int(sched.num_cached_tokens[admitted].sum())
-        queries = sum(  # the whole sequence is looked up: its prompt and what it generated so far
-            reqs[sched.request_ids[i]].prompt_len + out.requests[i].output_index for i in admitted
-        ) if bm.enable_prefix_caching else 0
+        admitted = np.flatnonzero(cols.start == cached).tolist()  # as Scheduled.is_admission
+        hits = int(cached[admitted].sum())
+        queries = self._queries(rows, admitted, info.request_ids) if bm.enable_prefix_caching else 0
         t = info.timings
         total = int(lens.sum())
         rec = StepRecord(
@@ -235,7 +234,7 @@ class Recorder:
             postprocess_s=t.get("postprocess_s", _NAN),
         )
         if self._blocks:
-            rec.scheduled = sched
+            rec.scheduled = Scheduled.from_output(out, info.request_ids, prefill, cached)
             rec.block_events = self._pending.copy()
             self._pending.clear()
             rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
@@ -250,6 +249,17 @@ class Recorder:
             except Exception:
                 warn_detached(fn, "trace listener")
                 self._listeners.pop(key, None)
+
+    def _queries(self, rows: list, admitted: list[int], request_ids: dict[int, str]) -> int:
+        """Tokens the step's admissions looked up: each whole sequence, its prompt and what it
+        generated so far (a request aborted before the recording, with a step in flight, is unknown)."""
+        reqs = self._requests
+        total = 0
+        for i in admitted:
+            req = reqs.get(request_ids[rows[i].seq_id])
+            if req is not None:
+                total += req.prompt_len + rows[i].output_index
+        return total
 
     def _append(self, rec: StepRecord) -> None:
         with self.lock:
