@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -34,9 +34,9 @@ def block_states(ref_count: np.ndarray, block_hash: np.ndarray) -> np.ndarray:
     return state
 
 
-def last_fills(tables: Iterable[tuple[Sequence[int], int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each table's last block and the tokens with K/V in it, from ``(block_table, num_computed_tokens)``."""
-    rows = [(t[-1], len(t), computed) for t, computed in tables if t]
+def last_fills(rows: list[tuple[int, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each live table's last block and the tokens with K/V in it, from one
+    ``(last block id, table length, num_computed_tokens)`` row per non-empty table."""
     a = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=3 * len(rows)).reshape(len(rows), 3)
     return a[:, 0].copy(), a[:, 2] - (a[:, 1] - 1) * block_size
 
@@ -145,7 +145,8 @@ class PoolState:
             self.tables.setdefault(rid, []).append(b)
 
     def num_tokens(self) -> np.ndarray:
-        last = last_fills(((t, self.computed.get(r, 0)) for r, t in self.tables.items()), self.block_size)
+        rows = [(t[-1], len(t), self.computed.get(r, 0)) for r, t in self.tables.items() if t]
+        last = last_fills(rows, self.block_size)
         return fill_counts(self.ref_count, self.block_hash, self.block_size, *last)
 
     def arrays(self) -> dict[str, np.ndarray]:

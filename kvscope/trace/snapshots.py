@@ -40,7 +40,9 @@ class SnapshotTaker:
         changed = np.flatnonzero((ref != self._ref) | (hashes != self._hash)).astype(np.int32)
         new_ref, new_hash = ref[changed], hashes[changed]
         self._ref[changed], self._hash[changed] = new_ref, new_hash
-        last = last_fills(((s.block_table, s.num_computed_tokens) for s in engine.scheduler.running), bm.block_size)
+        rows = [(s.block_table[-1], len(s.block_table), s.num_computed_tokens)
+                for s in engine.scheduler.running if s.block_table]
+        last = last_fills(rows, bm.block_size)
         return PoolDelta(changed, new_ref, new_hash, *last)
 
 
