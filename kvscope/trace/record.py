@@ -58,11 +58,6 @@ class Scheduled:
         return len(self.request_ids)
 
     @property
-    def is_admission(self) -> np.ndarray:
-        """Admitted from ``waiting`` this step: the row starts right after its cached prefix."""
-        return self.start == self.num_cached_tokens
-
-    @property
     def end(self) -> np.ndarray:
         return self.start + self.num_new_tokens
 

@@ -213,7 +213,7 @@ class Recorder:
         prefill = np.fromiter((r.is_prefill for r in rows), dtype=bool, count=n)
         cached = np.fromiter((r.num_cached_tokens for r in rows), dtype=np.int32, count=n)
         prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
-        admitted = np.flatnonzero(cols.start == cached).tolist()  # as Scheduled.is_admission
+        admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
         hits = int(cached[admitted].sum())
         queries = self._queries(rows, admitted, info.request_ids) if bm.enable_prefix_caching else 0
         t = info.timings

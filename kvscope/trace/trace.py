@@ -76,7 +76,8 @@ class Trace:
         self._cursor_step: int | None = None
         self._cursor_arrays: dict[str, np.ndarray] | None = None
         self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
-        self._snapshots = SnapshotCursor(self.num_blocks, self.block_size)  # full level's pool snapshots
+        self._snapshots = (SnapshotCursor(self.num_blocks, self.block_size)  # the full level's pool snapshots
+                           if self.level == "full" else None)
 
     # ---------------------------------------------------------------- basics
     @property
