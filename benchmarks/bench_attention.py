@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 from kvscope.kernels import triton_attention as ta
-from kvscope.runner.forward_context import AttentionMetadata
+from kvscope.kernels.base import AttentionMetadata
 
 HQ, HKV, D, DTYPE = 16, 8, 128, torch.bfloat16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -13,7 +13,7 @@ import time
 
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
-from kvscope.engine.null_executor import NullExecutor
+from kvscope.runner.null_executor import NullExecutor
 from kvscope.sampling_params import SamplingParams
 
 
@@ -45,8 +45,8 @@ def main() -> None:
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.steps + 32, ignore_eos=True)
     for _ in range(args.seqs):
-        engine.add_request([rng.randrange(1, 32000) for _ in range(args.prompt)], params)
-    engine._step()  # admit and prefill everyone
+        engine.add_request([rng.randrange(1, 32000) for _ in range(args.prompt)], params, final_only=True)
+    engine.step()  # admit and prefill everyone
     assert len(engine.scheduler.running) == args.seqs
     recorder = None
     if args.record:
@@ -56,7 +56,7 @@ def main() -> None:
         recorder.start()
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        engine._step()
+        engine.step()
     dt = (time.perf_counter() - t0) / args.steps
     if recorder is not None:
         recorder.stop()

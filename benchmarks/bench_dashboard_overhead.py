@@ -26,7 +26,7 @@ import json, statistics, time
 import torch
 import kvscope
 from kvscope import LLM, SamplingParams
-from kvscope.widgets import demo_prompts
+from kvscope.demo import demo_prompts
 from IPython.display import display
 
 args = json.loads({args!r})

@@ -147,9 +147,9 @@ def main() -> None:
     ap.add_argument("--unfused", action="store_true", help="torch code instead of the fused Triton norm/RoPE/SiLU kernels")
     args = ap.parse_args()
     if args.unfused:
-        from kvscope.layers import norm
+        from kvscope.kernels import fused
 
-        norm.USE_FUSED_KERNELS = False
+        fused.USE_FUSED_KERNELS = False
 
     prompts, outs = workload()
     cfg = json.loads(Path(args.config, "config.json").read_text())

@@ -38,10 +38,11 @@ def main() -> None:
                   enforce_eager=args.eager, async_scheduling=args.async_scheduling)
         prompts = [[rng.randrange(10000) for _ in range(args.prompt)] for _ in range(args.seqs)]
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000 // 10)
+        engine = llm.llm_engine
         for p in prompts:
-            llm.add_request(p, params)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in llm.llm_engine.seqs.values()):
-            llm.llm_engine._step()
+            engine.add_request(p, params, final_only=True)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+            engine.step()
         if args.async_scheduling:
             _profile_async(llm)
             return
@@ -49,12 +50,12 @@ def main() -> None:
         hook = llm.hooks.add("step.end", lambda info: timings.append(
             info.timings | {"dur": info.duration_s, "graph": info.cuda_graph}))
         for _ in range(10):
-            llm.llm_engine._step()
+            engine.step()
         hook.remove()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                llm.llm_engine._step()
+                engine.step()
             torch.cuda.synchronize()
         keys = ["schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "dur"]
         print(f"{args.seqs} seqs at context ~{args.prompt + 10}: per decode step (median of {len(timings)}), "
@@ -66,7 +67,7 @@ def main() -> None:
 
 
 def _profile_async(llm) -> None:
-    step = llm.llm_engine._step
+    step = llm.llm_engine.step
     for _ in range(5):
         step()
     torch.cuda.synchronize()

@@ -10,7 +10,7 @@ from kvscope.engine.llm_engine import LLMEngine, PromptType
 from kvscope.model_source import resolve_model_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
-from kvscope.trace.hooks import HookRegistry
+from kvscope.engine.hooks import HookRegistry
 
 if TYPE_CHECKING:
     from kvscope.trace.trace import Trace
@@ -115,7 +115,7 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp in zip(prompt_list, params_list):
-                ids.append(engine.add_request(p, sp))
+                ids.append(engine.add_request(p, sp, final_only=True))
             return self._run(ids, use_tqdm)
         finally:
             for rid in ids:
@@ -134,11 +134,10 @@ class LLM:
             while pending:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
-                for seq in engine._step():
-                    if seq.is_finished and seq.request_id in pending:
-                        done[seq.request_id] = engine.request_output(seq)
-                        engine.release(seq.request_id)
-                        pending.discard(seq.request_id)
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
                         if bar is not None:
                             bar.update(1)
         finally:
@@ -162,7 +161,7 @@ class LLM:
         return self.llm_engine.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.block_manager.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     # ---------------------------------------------------------- kvscope API
     @property
@@ -186,7 +185,7 @@ class LLM:
             yield trace
 
     def check_invariants(self) -> None:
-        """Raise if any control-plane invariant of DESIGN.md is broken right now."""
+        """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now."""
         self.llm_engine.check_invariants()
 
     def shutdown(self) -> None:

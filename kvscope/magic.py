@@ -38,7 +38,8 @@ class KvscopeMagics(Magics):
         args = parse_argstring(self.kvscope, line)
         options = dict(views=[v.strip() for v in args.views.split(",") if v.strip()], level=args.level,
                        max_steps=args.max_steps, interval=args.interval, max_load=args.max_load)
-        from kvscope.widgets import Dashboard, demo
+        from kvscope.demo import demo
+        from kvscope.widgets import Dashboard
 
         if cell is not None:
             dash = Dashboard(self._llm(args.target), **options)

@@ -60,9 +60,5 @@ class SamplingParams:
         self.stop_token_ids = ids
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
     def stop_strings(self) -> list[str]:
         return self._stop_list

@@ -1,21 +1,23 @@
 """Property tests of BlockManager + Scheduler with random arrivals, lengths, aborts and tiny pools.
 
 The model is replaced by NullExecutor (deterministic tokens) so thousands of steps run in
-seconds; the scheduler, block manager and engine loop are the real ones.
+seconds; the scheduler, block manager, engine loop and the runner's block tables are the real
+ones.
 """
 from __future__ import annotations
 
-
-import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
+from kvscope.distributed.step_message import decode_step, encode_step
 from kvscope.engine.llm_engine import LLMEngine
-from kvscope.engine.null_executor import NullExecutor
-from kvscope.engine.sequence import Sequence
+from kvscope.engine.request import Request
+from kvscope.engine.validator import check_pool
 from kvscope.outputs import RequestMetrics
+from kvscope.runner.inputs import BlockTables
+from kvscope.runner.null_executor import NullExecutor
 from kvscope.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -82,11 +84,13 @@ def test_every_request_finishes_exactly_once_without_leaks(
     )
     name = "execute_async" if async_scheduling else "execute"
     launch, launches = getattr(engine.executor, name), [0]
+    worker = BlockTables(capacity=1)  # a tensor-parallel worker's copy, fed through the step message
 
     def failing_once(out):
         launches[0] += 1
         if launches[0] == fail_at:
             raise RuntimeError("injected launch failure")
+        worker.update(decode_step(encode_step(out)))
         return launch(out)
 
     setattr(engine.executor, name, failing_once)
@@ -122,6 +126,7 @@ def test_every_request_finishes_exactly_once_without_leaks(
         for out in outputs:
             if out.finished:
                 on_finished(out.request_id, out.outputs[0].finish_reason)
+        _check_runner_tables(engine, worker)
         step += 1
     assert not engine.has_unfinished_requests(), "engine did not drain"
     assert not twice, f"finished more than once: {twice}"
@@ -130,6 +135,20 @@ def test_every_request_finishes_exactly_once_without_leaks(
         assert (reason == "abort") == (rid in aborted)
     bm = engine.block_manager
     assert bm.num_free_blocks == num_blocks and not bm.used and not bm.ref_count.any()
+    unreported = set(engine.scheduler._finished_seq_ids)  # the runner hears of these next step
+    assert set(engine.executor.block_tables.rows) <= unreported and set(worker.rows) <= unreported
+
+
+def _check_runner_tables(engine: LLMEngine, worker: BlockTables) -> None:
+    """Each running request's block table, as the runner and a worker rebuilt it from the
+    scheduler's deltas, equals the scheduler's; they hold no rows beyond the requests the
+    scheduler still has to tell them about."""
+    sched = engine.scheduler
+    for tables in (engine.executor.block_tables, worker):
+        for req in sched.running:
+            assert tables.get(req.seq_id) == req.block_table, f"request {req.request_id}"
+        known = {r.seq_id for r in sched.running} | {r.seq_id for r in sched.waiting} | set(sched._finished_seq_ids)
+        assert set(tables.rows) <= known
 
 
 @settings(max_examples=80, deadline=None)
@@ -141,14 +160,12 @@ def test_every_request_finishes_exactly_once_without_leaks(
 )
 def test_block_manager_refcounts_match_tables(ops, block_size, num_blocks):
     """Direct BlockManager ops: refcounts always equal table membership; nothing leaks."""
-    from kvscope.engine.validator import check_invariants
-
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-    seqs: dict[int, Sequence] = {}
+    seqs: dict[int, Request] = {}
     for op, slot, tokens in ops:
         seq = seqs.get(slot)
         if op == "alloc" and seq is None:
-            seq = Sequence(slot, str(slot), None, list(tokens), SamplingParams(), RequestMetrics(0.0))
+            seq = Request(slot, str(slot), None, list(tokens), SamplingParams(), RequestMetrics(0.0))
             cached = bm.find_cached_prefix(seq)
             if bm.allocate(seq, seq.num_tokens, cached):
                 seq.num_computed_tokens = seq.num_tokens
@@ -160,44 +177,12 @@ def test_block_manager_refcounts_match_tables(ops, block_size, num_blocks):
             else:
                 del seq.token_ids[seq.num_computed_tokens:]
         elif op == "free" and seq is not None:
-            bm.free_sequence(seq)
+            bm.free_request(seq)
             del seqs[slot]
         elif op == "hash" and seq is not None:
             bm.hash_computed_blocks(seq)
-        check_invariants(bm, seqs.values(), [])
+        check_pool(bm, list(seqs.values()))
     for seq in list(seqs.values()):
-        bm.free_sequence(seq)
-    check_invariants(bm, [], [])
+        bm.free_request(seq)
+    check_pool(bm, [])
     assert bm.num_free_blocks == num_blocks
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    steps=st.lists(st.lists(st.tuples(st.integers(0, 9), st.sampled_from(["same", "grow", "reset"]),
-                                      st.integers(0, 40)), min_size=1, max_size=8), min_size=1, max_size=30),
-    capacity=st.integers(1, 12),
-)
-def test_block_table_cache_packs_what_the_tables_hold(steps, capacity):
-    """The runner's incremental packing equals packing every table from scratch, while tables
-    grow in place, are replaced (a sequence freed and re-admitted), and the cache overflows."""
-    from kvscope.engine.scheduler_output import ScheduledRequest
-    from kvscope.runner.inputs import BlockTableCache
-
-    cache = BlockTableCache(capacity=capacity, width=2)
-    tables: dict[int, list[int]] = {}
-    for step in steps:
-        reqs = []
-        for seq_id, op, n in dict((s, (s, op, n)) for s, op, n in step).values():  # one row per sequence
-            table = tables.setdefault(seq_id, [])
-            if op == "reset" or not table:
-                table = tables[seq_id] = [7 * seq_id + k for k in range(n + 1)]  # a new list object
-            elif op == "grow":
-                table.extend(100 + k for k in range(n))
-            reqs.append(ScheduledRequest(seq_id=seq_id, token_ids=[1], start=0, block_table=table,
-                                         is_prefill=False, sample=True))
-        packed = cache.pack(reqs)
-        widest = max(len(r.block_table) for r in reqs)
-        expected = np.full((len(reqs), widest), -1, dtype=np.int32)
-        for i, r in enumerate(reqs):
-            expected[i, : len(r.block_table)] = r.block_table
-        assert np.array_equal(packed, expected)

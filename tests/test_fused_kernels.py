@@ -18,6 +18,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kvscope.kernels import fused as fused_switch
 from kvscope.kernels import triton_fused as tf
 from kvscope.layers import norm as norm_module
 from kvscope.layers.activation import SiluAndMul
@@ -165,7 +166,7 @@ def tiny_model(arch: str, dtype: torch.dtype, device: str, **overrides):
 
 def run_model(model, seqs) -> torch.Tensor:
     """Hidden states of one packed step (``pack_metadata`` triples, block size 16)."""
-    from kvscope.runner.forward_context import forward_context
+    from kvscope.forward_context import forward_context
     from tiny_models import pack_metadata
 
     meta, positions = pack_metadata(seqs, 16, device=next(model.parameters()).device)
@@ -287,12 +288,12 @@ def test_gpu_cuda_graph_replay() -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
 def test_gpu_model_fused_matches_torch(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole model, bf16, one packed prefill: fused kernels on vs off."""
-    monkeypatch.setattr(norm_module, "USE_FUSED_KERNELS", True)
+    monkeypatch.setattr(fused_switch, "USE_FUSED_KERNELS", True)
     model = tiny_model(arch, torch.bfloat16, "cuda")
     seqs = [(0, 37, None), (0, 21, None)]
-    assert norm_module.fused_kernels(next(model.parameters())) is not None
+    assert fused_switch.fused_kernels(next(model.parameters())) is not None
     fused = run_model(model, seqs)
-    monkeypatch.setattr(norm_module, "USE_FUSED_KERNELS", False)
+    monkeypatch.setattr(fused_switch, "USE_FUSED_KERNELS", False)
     assert rel_err(fused.float(), run_model(model, seqs).float()) <= 1e-2
 
 
@@ -300,7 +301,7 @@ def cuda_kernel_names(model, seqs, fused: bool, monkeypatch: pytest.MonkeyPatch)
     """Names of the CUDA kernels one step launches (after a warm-up step that compiles)."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(norm_module, "USE_FUSED_KERNELS", fused)
+    monkeypatch.setattr(fused_switch, "USE_FUSED_KERNELS", fused)
     run_model(model, seqs)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

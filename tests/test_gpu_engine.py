@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvscope import LLM, SamplingParams
-from kvscope.runner.forward_context import forward_context
+from kvscope.forward_context import forward_context
 from tiny_models import make_tiny_checkpoint, pack_metadata
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import SamplingParams
-from kvscope.engine.scheduler import PLACEHOLDER
+from kvscope.engine.scheduler_output import PLACEHOLDER
 
 VOCAB = 320
 

@@ -19,7 +19,7 @@ from kvscope.distributed.parallel_state import destroy_tp, init_tp
 from kvscope.layers.rotary import RotaryEmbedding, rope_config_from_hf
 from kvscope.models import build_model, spec_for
 from kvscope.models.loader import CheckpointMismatchError, load_weights
-from kvscope.runner.forward_context import forward_context
+from kvscope.forward_context import forward_context
 from tiny_models import load_hf_model, pack_metadata, tiny_checkpoint, tiny_config
 
 CASES = {

@@ -10,7 +10,7 @@ from kvscope.kernels.torch_attention import (
     TorchAttentionBackend, paged_attention_reference, store_kv, varlen_attention_no_cache,
 )
 from kvscope.layers.attention import Attention
-from kvscope.runner.forward_context import forward_context
+from kvscope.forward_context import forward_context
 from tiny_models import pack_metadata
 
 HKV, D = 2, 8

@@ -20,10 +20,9 @@ from pandas.testing import assert_frame_equal
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
-from kvscope.trace.events import BLOCK_EVENTS
-from kvscope.trace.hooks import HOOK_POINTS
+from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
 from kvscope.engine.block_manager import hash_block
-from kvscope.engine.scheduler import PLACEHOLDER
+from kvscope.engine.scheduler_output import PLACEHOLDER
 
 VOCAB = 320
 POOL = ("state", "ref_count", "block_hash", "num_tokens")
@@ -54,11 +53,13 @@ class Run:
 def _record(llm: LLM, max_steps: int = 10_000) -> Run:
     engine, runner = llm.llm_engine, {}
 
-    def witness(step, scheduler_output):
-        runner[step] = {engine.seqs[r.seq_id].request_id: list(r.block_table) for r in scheduler_output.requests}
+    def witness(info):  # after the step ran: the runner's own copy of each scheduled table
+        tables = engine.executor.block_tables
+        runner[info.step] = {info.request_ids[r.seq_id]: tables.get(r.seq_id)
+                             for r in info.scheduler_output.requests}
 
     prompts, params = _workload()
-    with llm.hooks({"step.scheduled": witness}), llm.record("full", max_steps) as full, \
+    with llm.hooks({"step.end": witness}), llm.record("full", max_steps) as full, \
             llm.record("blocks", max_steps) as blocks:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     return Run(llm, full, blocks, outputs, runner)

@@ -18,7 +18,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvscope.kernels import triton_attention as ta
-from kvscope.runner.forward_context import AttentionMetadata
+from kvscope.kernels.base import AttentionMetadata
 from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
                             needs_cuda, rel_err, run_interpreted_tests)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvscope.runner.forward_context import AttentionMetadata
+from kvscope.kernels.base import AttentionMetadata
 
 if TYPE_CHECKING:  # at run time transformers is imported inside the helpers that need it:
     import transformers  # it costs seconds, and pack_metadata users should not pay for it

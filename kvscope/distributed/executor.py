@@ -1,9 +1,10 @@
 """Tensor parallelism on one host: rank 0 in the caller's process, ranks 1..N-1 spawned.
 
 Each step, rank 0 encodes the ``SchedulerOutput`` as a ``StepMessage`` (this step's tokens,
-block-table deltas), publishes it on the shared-memory channel, runs its own shard of the
+the scheduler's block-table deltas), publishes it on the shared-memory channel, runs its own shard of the
 forward pass, samples from the logits the LM head gathered to it, and waits for every worker's
-``done``. The scheduler and block manager exist only here; workers just mirror block tables.
+``done``. The scheduler and block manager exist only here; each worker's runner applies the same
+block-table deltas as rank 0's.
 
 Failure is never a hang. A worker that raises reports its traceback and exits; a worker that
 dies closes its sockets, which fails rank 0's pending gloo collective at once (NCCL kernels
@@ -35,9 +36,9 @@ from kvscope.config import EngineConfig
 from kvscope.distributed.channel import ChannelWriter
 from kvscope.distributed.group import backend_for, make_group, make_store, release_group
 from kvscope.distributed.parallel_state import tp_scope
-from kvscope.distributed.step_message import StepEncoder
+from kvscope.distributed.step_message import encode_step
 from kvscope.distributed.worker import WorkerArgs, worker_main
-from kvscope.engine.executor import StepResult
+from kvscope.engine.executor import DoneStep, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.models import spec_for
 from kvscope.models.decoder import check_supported
@@ -251,7 +252,6 @@ class TensorParallelExecutor:
         snapshot = types.SimpleNamespace(**hf_config.to_dict())
         self._ranks = ranks = _Ranks(tp, devices[0])
         self._finalizer = weakref.finalize(self, ranks.close)
-        self._encoder = StepEncoder(max_tracked=2 * config.max_num_seqs)
         try:
             ranks.start([
                 WorkerArgs(rank=r, tp_size=tp, device=str(devices[r]), store_port=ranks.store.port,
@@ -279,13 +279,17 @@ class TensorParallelExecutor:
         if ranks.closed:
             raise TensorParallelError("the tensor-parallel engine was shut down")
         try:
-            ranks.channel.send(("execute", self._encoder.encode(out)))
+            ranks.channel.send(("execute", encode_step(out)))
             with tp_scope(0, self.tp_size, ranks.group):
                 result = ranks.runner.execute(out)
             ranks.collect("done")
         except BaseException as exc:
             self._raise_failure(exc)
         return result
+
+    def execute_async(self, out: SchedulerOutput) -> DoneStep:
+        """The protocol's launch; tensor-parallel steps run synchronously, so it returns done."""
+        return DoneStep(self.execute(out))
 
     def _raise_failure(self, exc: BaseException) -> None:
         """Tear everything down after ``exc``, then raise the worker's failure when one caused

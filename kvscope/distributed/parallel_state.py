@@ -72,10 +72,6 @@ def get_tp_size() -> int:
     return _LOCAL.state.size
 
 
-def get_tp_group() -> dist.ProcessGroup | None:
-    return _LOCAL.state.group
-
-
 def _require_dist() -> _TPState:
     state = _LOCAL.state
     if state.group is None and not (dist.is_available() and dist.is_initialized()):
@@ -95,17 +91,6 @@ def tp_all_reduce(x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.S
     state = _require_dist()
     dist.all_reduce(x, op=op, group=state.group)
     return x
-
-
-def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim``, in rank order; identity at size 1."""
-    if _LOCAL.state.size == 1:
-        return x
-    state = _require_dist()
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.size)]
-    dist.all_gather(parts, x, group=state.group)
-    return torch.cat(parts, dim=dim)
 
 
 def tp_gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ from kvscope.config import EngineConfig
 from kvscope.distributed.channel import ChannelReader
 from kvscope.distributed.group import make_group, make_store, release_group
 from kvscope.distributed.parallel_state import init_tp
-from kvscope.distributed.step_message import StepDecoder
+from kvscope.distributed.step_message import decode_step
 from kvscope.runner.model_runner import ModelRunner
 
 _IDLE_POLL_S = 1.0  # how often an idle worker checks that rank 0's process still exists
@@ -78,7 +78,6 @@ def _serve(args: WorkerArgs, doorbell: Semaphore, reply: Connection) -> None:
     (shard,) = runner.kv_shards()
     reader = ChannelReader(args.channel_name, doorbell)
     reply.send(("ready", shard))
-    decoder = StepDecoder()
     parent = mp.parent_process()
     try:
         while True:
@@ -91,7 +90,7 @@ def _serve(args: WorkerArgs, doorbell: Semaphore, reply: Connection) -> None:
                 return
             if command[0] != "execute":
                 raise ValueError(f"unknown command {command[0]!r}")
-            runner.execute(decoder.decode(command[1]))
+            runner.execute(decode_step(command[1]))
             reply.send(("done",))
     finally:
         reader.close()

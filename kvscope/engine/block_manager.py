@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from kvscope.engine.sequence import Sequence
+from kvscope.engine.request import Request
 
 if TYPE_CHECKING:
-    from kvscope.trace.hooks import HookRegistry
+    from kvscope.engine.hooks import HookRegistry
 
 NO_HASH = -1
 _HASH_MASK = (1 << 63) - 1
@@ -62,24 +62,16 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
-    @property
-    def usage(self) -> float:
-        return len(self.used) / self.num_blocks
+    def _block_hash_of(self, req: Request, i: int) -> int:
+        """Hash of ``request``'s full block ``i``, computed once and kept on the request."""
+        while len(req.block_hashes) <= i:
+            j = len(req.block_hashes)
+            prev = req.block_hashes[j - 1] if j else NO_HASH
+            req.block_hashes.append(hash_block(req.block_tokens(j, self.block_size), prev))
+        return req.block_hashes[i]
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks ``seq`` needs so its table covers ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-
-    def _seq_block_hash(self, seq: Sequence, i: int) -> int:
-        """Hash of ``seq``'s full block ``i``, computed once and kept on the sequence."""
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            prev = seq.block_hashes[j - 1] if j else NO_HASH
-            seq.block_hashes.append(hash_block(seq.block_tokens(j, self.block_size), prev))
-        return seq.block_hashes[i]
-
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding ``seq``'s longest cached prefix of full blocks.
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Block ids holding ``request``'s longest cached prefix of full blocks.
 
         The last token is never covered: at least one token must be computed so the step
         produces logits for the next one.
@@ -87,11 +79,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = (req.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            b = self.hash_to_block.get(self._seq_block_hash(seq, i))
+            b = self.hash_to_block.get(self._block_hash_of(req, i))
             if b is None or not np.array_equal(
-                self.block_tokens[b], seq.block_tokens(i, self.block_size)
+                self.block_tokens[b], req.block_tokens(i, self.block_size)
             ):
                 break
             hits.append(b)
@@ -104,12 +96,12 @@ class BlockManager:
             self.prefix_cache_hits += num_cached_tokens
 
     # --------------------------------------------------------------- mutation
-    def _emit(self, event: str, block_id: int, seq: Sequence | None) -> None:
+    def _emit(self, event: str, block_id: int, req: Request | None) -> None:
         hooks = self.hooks
         if hooks is not None and (hooks.block_sinks or hooks.active(event)):
             h = self.block_hash.item(block_id)
             hooks.emit_block(
-                event, self.step, block_id, seq.request_id if seq is not None else None,
+                event, self.step, block_id, req.request_id if req is not None else None,
                 self.ref_count.item(block_id), None if h == NO_HASH else h,
             )
 
@@ -122,71 +114,71 @@ class BlockManager:
                 del self.hash_to_block[h]
             self.block_hash[block_id] = NO_HASH
 
-    def _take_free(self, seq: Sequence) -> int:
+    def _take_free(self, req: Request) -> int:
         block_id, _ = self.free.popitem(last=False)
         self._uncache(block_id)
         self.ref_count[block_id] = 1
         self.used.add(block_id)
-        self._emit("block.allocated", block_id, seq)
+        self._emit("block.allocated", block_id, req)
         return block_id
 
-    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] = ()) -> bool:
-        """Extend ``seq``'s table to cover ``num_tokens`` tokens, first claiming ``cached``.
+    def allocate(self, req: Request, num_tokens: int, cached: list[int] = ()) -> bool:
+        """Extend ``request``'s table to cover ``num_tokens`` tokens, first claiming ``cached``.
 
         All or nothing: returns False, changing nothing, when the free pool is too small.
         """
-        if not cached and num_tokens <= len(seq.block_table) * self.block_size:
+        if not cached and num_tokens <= len(req.block_table) * self.block_size:
             return True  # the common decode step: the last block still has room
         new_from_free = sum(1 for b in cached if self.ref_count[b] == 0)
-        remaining = max(0, -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached))
+        remaining = max(0, -(-num_tokens // self.block_size) - len(req.block_table) - len(cached))
         if new_from_free + remaining > len(self.free):
             return False
         for b in cached:
             if self.ref_count[b] > 0:
                 self.ref_count[b] += 1
-                self._emit("block.shared", b, seq)
+                self._emit("block.shared", b, req)
             else:
                 del self.free[b]
                 self.num_cached_blocks -= 1
                 self.ref_count[b] = 1
                 self.used.add(b)
-                self._emit("block.reused", b, seq)
-            seq.block_table.append(b)
-            seq.num_hashed_blocks += 1
+                self._emit("block.reused", b, req)
+            req.block_table.append(b)
+            req.num_hashed_blocks += 1
         for _ in range(remaining):
-            seq.block_table.append(self._take_free(seq))
+            req.block_table.append(self._take_free(req))
         return True
 
-    def free_sequence(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks, last block first, so a prefix's head outlives its tail in the cache."""
-        for b in reversed(seq.block_table):
+    def free_request(self, req: Request) -> None:
+        """Release ``request``'s blocks, last block first, so a prefix's head outlives its tail in the cache."""
+        for b in reversed(req.block_table):
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 self.used.discard(b)
                 self.free[b] = None
                 self.num_cached_blocks += int(self.block_hash[b] != NO_HASH)
-            self._emit("block.freed", b, seq)
-        seq.block_table = []
-        seq.num_hashed_blocks = 0
+            self._emit("block.freed", b, req)
+        req.block_table = []
+        req.num_hashed_blocks = 0
 
-    def hash_computed_blocks(self, seq: Sequence) -> None:
-        """Register every newly full, computed block of ``seq`` in the prefix cache."""
+    def hash_computed_blocks(self, req: Request) -> None:
+        """Register every newly full, computed block of ``request`` in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, seq.num_tokens) // bs  # never past a token still in flight
-        for i in range(seq.num_hashed_blocks, full):
-            b = seq.block_table[i]
-            seq.num_hashed_blocks = i + 1
+        full = min(req.num_computed_tokens, req.num_tokens) // bs  # never past a token still in flight
+        for i in range(req.num_hashed_blocks, full):
+            b = req.block_table[i]
+            req.num_hashed_blocks = i + 1
             if self.block_hash[b] != NO_HASH:
                 continue
-            h = self._seq_block_hash(seq, i)
+            h = self._block_hash_of(req, i)
             if h in self.hash_to_block:
                 continue  # the same content was computed twice in one step; keep the first copy
             self.block_hash[b] = h
-            self.block_tokens[b] = seq.block_tokens(i, bs)
+            self.block_tokens[b] = req.block_tokens(i, bs)
             self.hash_to_block[h] = b
-            self._emit("block.hashed", b, seq)
+            self._emit("block.hashed", b, req)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""

@@ -1,5 +1,7 @@
 """The engine loop: validate and admit requests, schedule, execute, post-process, report.
 
+The scheduler owns every request transition; the engine keeps what needs a tokenizer
+(tokenization, detokenization, stop strings), builds the outputs and fires the hooks.
 The engine is torch-free: it drives an :class:`~kvscope.engine.executor.Executor` through
 :class:`SchedulerOutput` and receives sampled token ids back.
 
@@ -22,14 +24,14 @@ from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
+from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.scheduler import Scheduler
+from kvscope.engine.request import Request
 from kvscope.engine.scheduler_output import SchedulerOutput
-from kvscope.engine.sequence import Sequence, SequenceStatus
 from kvscope.engine.step_info import StepInfo
 from kvscope.engine.validator import check_invariants
 from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvscope.sampling_params import SamplingParams
-from kvscope.trace.hooks import HookRegistry
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -53,10 +55,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             executor.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.hooks
         )
-        self.scheduler = Scheduler(config, self.block_manager, self.hooks)
-        self.scheduler.on_preempt = self._on_preempt
-        self.seqs: dict[int, Sequence] = {}
-        self.by_request_id: dict[str, Sequence] = {}
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, Request] = {}  # every request whose last output is not delivered yet
+        self._final_only: set[str] = set()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.validate_every_step = False
@@ -71,8 +72,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> str:
-        """Validate and queue one request; bad input raises here, never inside a step."""
+        """Validate and queue one request; bad input raises here, never inside a step.
+
+        ``final_only`` (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM.generate`` uses):
+        :meth:`step` reports the request only when it finishes, so it is never detokenized
+        incrementally.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -102,9 +109,9 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = str(next(self._request_ids))
-        elif request_id in self.by_request_id:
+        elif request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(
+        req = Request(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt=text,
@@ -114,13 +121,14 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             max_total_tokens=n + max_tokens,
         )
-        self.seqs[seq.seq_id] = seq
-        self.by_request_id[request_id] = seq
-        self.scheduler.add(seq)
+        self.requests[request_id] = req
+        if final_only:
+            self._final_only.add(request_id)
+        self.scheduler.add_request(req)
         if self.hooks.active("request.added"):
             self.hooks.fire(
                 "request.added", step=self.scheduler.step_count, request_id=request_id,
-                prompt_token_ids=list(token_ids), params=params, time_s=seq.metrics.arrival_time,
+                prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
             )
         return request_id
 
@@ -139,36 +147,56 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; returns False if it is unknown or already finished."""
-        seq = self.by_request_id.get(request_id)
-        if seq is None or seq.is_finished:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
             return False
-        self.scheduler.remove(seq)
-        self._finish(seq, "abort")
-        self.release(request_id)
+        self.scheduler.finish_request(req, "abort")
+        self._finished(req)
+        self._release(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached free block (vLLM's ``reset_prefix_cache``)."""
+        return self.block_manager.reset_prefix_cache()
+
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one step; return a RequestOutput for every request that progressed or finished.
+        """Run one step; return a RequestOutput for every request that progressed or finished
+        (a ``final_only`` request only when it finished).
 
         Finished requests are forgotten once reported, as in vLLM.
         """
-        outputs = [self.request_output(s) for s in self._step()]
-        for o in outputs:
-            if o.finished:
-                self.release(o.request_id)
+        outputs = []
+        for req in self._step():
+            if req.is_finished:
+                outputs.append(self._output(req))
+                self._release(req.request_id)
+            elif req.request_id not in self._final_only:
+                outputs.append(self._output(req))
         return outputs
 
-    def _step(self) -> list[Sequence]:
+    def _step(self) -> list[Request]:
         exact = self.hooks.active("step.scheduled") or self.hooks.wants_block_events()
         if self.async_scheduling and not exact:
             return self._step_async()
         if self._in_flight is not None:  # a block-level hook was attached: finish the launched step
             return self._resolve(self._in_flight)
         return self._step_sync()
+
+    def _schedule(self) -> tuple[SchedulerOutput, float, float]:
+        """Schedule one step; report its preemptions. Returns the output, its start and its duration."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.preempted_seq_ids and self.hooks.active("request.preempted"):
+            for seq_id in out.preempted_seq_ids:
+                req = self.scheduler.requests[seq_id]
+                self.hooks.fire("request.preempted", step=out.step, request_id=req.request_id,
+                                num_computed_tokens_lost=req.num_tokens)
+        return out, t0, t1 - t0
 
     def _no_progress(self) -> None:
         if self.scheduler.has_unfinished():
@@ -178,11 +206,9 @@ class LLMEngine:
                 f"free blocks={self.block_manager.num_free_blocks})"
             )
 
-    def _step_async(self) -> list[Sequence]:
+    def _step_async(self) -> list[Request]:
         """Schedule and launch step n, then read back and post-process step n-1."""
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        t1 = time.perf_counter()
+        out, t0, schedule_s = self._schedule()
         launched = None
         if out.requests or out.preempted_seq_ids:  # (a step of preemptions alone is reported too)
             try:
@@ -190,7 +216,7 @@ class LLMEngine:
             except BaseException:
                 self._rollback_in_flight(self._in_flight.out if self._in_flight else None, out)
                 raise
-            launched = _InFlight(out, handle, t0, t1 - t0, self._step_request_ids(out))
+            launched = _InFlight(out, handle, t0, schedule_s, self._step_request_ids(out))
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             if launched is None:
@@ -198,7 +224,7 @@ class LLMEngine:
             return []
         return self._resolve(previous, launched=out)
 
-    def _resolve(self, step: "_InFlight", launched: SchedulerOutput | None = None) -> list[Sequence]:
+    def _resolve(self, step: "_InFlight", launched: SchedulerOutput | None = None) -> list[Request]:
         if launched is None:
             self._in_flight = None
         try:
@@ -208,20 +234,51 @@ class LLMEngine:
             raise
         return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids)
 
+    def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
+        """A launched step failed: roll back every step in flight."""
+        self._in_flight = None
+        self.scheduler.rollback(*outs, forget_prefix_cache=True)
+
     def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions, taken while all are known
         (only when a ``step.end`` hook will want them)."""
         if not self.hooks.active("step.end"):
             return None
-        ids = {r.seq_id: self.seqs[r.seq_id].request_id for r in out.requests}
-        ids.update({i: self.seqs[i].request_id for i in out.preempted_seq_ids})
+        live = self.scheduler.requests
+        ids = {r.seq_id: live[r.seq_id].request_id for r in out.requests}
+        ids.update({i: live[i].request_id for i in out.preempted_seq_ids})
         return ids
 
+    def _step_sync(self) -> list[Request]:
+        out, t0, schedule_s = self._schedule()
+        if out.is_empty and not out.preempted_seq_ids:
+            self._no_progress()
+            return []
+        if self.hooks.active("step.scheduled"):
+            self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
+        try:
+            result = self.executor.execute(out) if out.requests else StepResult(tokens={})
+        except BaseException:
+            self.scheduler.rollback(out)
+            raise
+        return self._end_step(out, result, t0, schedule_s, None)
+
     def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
-                  request_ids: dict[int, str] | None) -> list[Sequence]:
+                  request_ids: dict[int, str] | None) -> list[Request]:
         """Post-process a step whose tokens are back, check invariants, fire ``step.end``."""
         t2 = time.perf_counter()
-        progressed, finished = self._postprocess(out, result, t2)
+        request_ids = request_ids if request_ids is not None else self._step_request_ids(out)
+        progressed = self.scheduler.update_from_output(out, result, t2)
+        for req in progressed:
+            # A stop string beats "length" (the token that completes it may also be the last).
+            if (req.params.stop_strings and req.finish_reason in (None, "length")
+                    and req.num_output_tokens >= req.params.min_tokens and self._hit_stop_string(req)):
+                if req.finish_reason is None:
+                    self.scheduler.finish_request(req, "stop")
+                req.finish_reason = "stop"
+        finished = [r for r in progressed if r.is_finished]
+        for req in finished:
+            self._finished(req)
         t3 = time.perf_counter()
         if self.validate_every_step:
             self.check_invariants()
@@ -232,178 +289,80 @@ class LLMEngine:
             timings = {"schedule_s": schedule_s, **result.timings, "postprocess_s": t3 - t2}
             self.hooks.fire("step.end", info=StepInfo(
                 step=out.step, time_s=start, duration_s=t3 - start, scheduler_output=out,
-                request_ids=request_ids if request_ids is not None else self._step_request_ids(out),
-                sampled=result.tokens, finished=[s.request_id for s in finished],
-                waiting=[s.request_id for s in self.scheduler.waiting],
-                running=[s.request_id for s in self.scheduler.running],
+                request_ids=request_ids, sampled=result.tokens, finished=[r.request_id for r in finished],
+                waiting=[r.request_id for r in self.scheduler.waiting],
+                running=[r.request_id for r in self.scheduler.running],
                 timings=timings, cuda_graph=result.cuda_graph,
             ))
         return progressed
 
-    def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
-        """A launched step failed: roll back every step in flight, and forget the prefix cache,
-        which may already have registered blocks those steps were still writing."""
-        self._in_flight = None
-        for out in outs:
-            if out is not None:
-                self._rollback(out)
-        self.block_manager.reset_prefix_cache()
-
-    def _step_sync(self) -> list[Sequence]:
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        if out.is_empty and not out.preempted_seq_ids:
-            self._no_progress()
-            return []
-        if self.hooks.active("step.scheduled"):
-            self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
-        try:
-            result = self.executor.execute(out) if out.requests else StepResult(tokens={})
-        except BaseException:
-            self._rollback(out)
-            raise
-        return self._end_step(out, result, t0, t1 - t0, None)
-
-    def _rollback(self, out: SchedulerOutput) -> None:
-        """The executor failed: put this step's sequences back to waiting with no blocks."""
-        for r in reversed(out.requests):
-            seq = self.seqs.get(r.seq_id)
-            if seq is None or seq.is_finished:
-                continue
-            if seq.status is SequenceStatus.RUNNING:
-                self.scheduler.running.remove(seq)
-                self.block_manager.free_sequence(seq)
-                seq.status = SequenceStatus.WAITING
-                self.scheduler.waiting.appendleft(seq)
-            seq.num_computed_tokens = 0
-            seq.num_pending = 0
-
-    def _postprocess(
-        self, out: SchedulerOutput, result: StepResult, now: float
-    ) -> tuple[list[Sequence], list[Sequence]]:
-        progressed, finished = [], []
-        bm = self.block_manager
-        for r in out.requests:
-            seq = self.seqs.get(r.seq_id)
-            if seq is None or seq.is_finished:
-                continue  # finished or aborted while this step was in flight: its work is dropped
-            if seq.status is SequenceStatus.RUNNING:
-                bm.hash_computed_blocks(seq)
-            m = seq.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
-                m.num_cached_tokens = r.num_cached_tokens
-            if not r.sample:
-                continue
-            token = result.tokens[r.seq_id]
-            seq.token_ids.append(token)
-            seq.num_pending -= 1
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            if seq.output_logprobs is not None:
-                lp = result.logprobs.get(r.seq_id, {})
-                seq.output_logprobs.append(lp)
-                seq.cumulative_logprob += lp.get(token, 0.0)
-            progressed.append(seq)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
-        return progressed, finished
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in seq.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop_strings and self._hit_stop_string(seq):
-                return "stop"
-        if seq.num_tokens >= seq.max_total_tokens:
-            return "length"
-        return None
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
+    # ------------------------------------------------------------ text
+    def _hit_stop_string(self, req: Request) -> bool:
         """Search only the text added since the last check (and the stop strings' reach back
         into it); on a hit, cut the exact full decode at the earliest stop string."""
-        stops = seq.params.stop_strings
-        checked = len(seq.streamed_text)
-        text = self._stream_text(seq)
+        stops = req.params.stop_strings
+        checked = len(req.streamed_text)
+        text = self._stream_text(req)
         start = max(0, checked - max(map(len, stops)) + 1)
         if not any(text.find(s, start) >= 0 for s in stops):
             return False
-        full = self._decode(seq)
+        full = self._decode(req)
         found = ([(i, s, full) for s in stops if (i := full.find(s)) >= 0]
                  or [(i, s, text) for s in stops if (i := text.find(s, start)) >= 0])
         i, s, source = min(found)
-        seq.text = source[: i + len(s)] if seq.params.include_stop_str_in_output else source[:i]
-        seq.stop_reason = s
+        req.text = source[: i + len(s)] if req.params.include_stop_str_in_output else source[:i]
+        req.stop_reason = s
         return True
 
-    def _stream_text(self, seq: Sequence) -> str:
-        """``seq``'s output text so far, decoded incrementally (an incomplete last character is held back)."""
-        if seq.detokenizer is None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
-        return seq.detokenizer.update(seq.output_token_ids)
+    def _stream_text(self, req: Request) -> str:
+        """``req``'s output text so far, decoded incrementally (an incomplete last character is held back)."""
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.params.skip_special_tokens)
+        return req.detokenizer.update(req.output_token_ids)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.metrics.finished_time = time.perf_counter()
-        if not (reason == "stop" and isinstance(seq.stop_reason, str)):
-            seq.text = self._decode(seq)
+    def _finished(self, req: Request) -> None:
+        """The scheduler finished ``req``: its final text, and the ``request.finished`` hook."""
+        if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
+            req.text = self._decode(req)
         if self.hooks.active("request.finished"):
             self.hooks.fire(
-                "request.finished", step=self.scheduler.step_count, request_id=seq.request_id,
-                finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
-                output_token_ids=list(seq.output_token_ids), metrics=seq.metrics,
+                "request.finished", step=self.scheduler.step_count, request_id=req.request_id,
+                finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                output_token_ids=list(req.output_token_ids), metrics=req.metrics,
             )
 
-    def _on_preempt(self, seq: Sequence) -> None:
-        if self.hooks.active("request.preempted"):
-            self.hooks.fire(
-                "request.preempted", step=self.scheduler.step_count, request_id=seq.request_id,
-                num_computed_tokens_lost=seq.num_tokens,
-            )
-
-    def _decode(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    def _decode(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     # -------------------------------------------------------------- outputs
-    def request_output(self, seq: Sequence) -> RequestOutput:
-        text = seq.text if seq.is_finished else self._stream_text(seq)
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.text if req.is_finished else self._stream_text(req)
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=None if seq.output_logprobs is None else list(seq.output_logprobs),
-            cumulative_logprob=None if seq.output_logprobs is None else seq.cumulative_logprob,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
+            cumulative_logprob=None if req.output_logprobs is None else req.cumulative_logprob,
         )
         return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
             outputs=[completion],
-            finished=seq.is_finished,
-            metrics=seq.metrics,
-            num_cached_tokens=seq.metrics.num_cached_tokens,
+            finished=req.is_finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.metrics.num_cached_tokens,
         )
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished request (``LLM.generate`` calls this once it has the output)."""
-        seq = self.by_request_id.pop(request_id, None)
-        if seq is not None:
-            self.seqs.pop(seq.seq_id, None)
+    def _release(self, request_id: str) -> None:
+        """Forget a finished request once its last output is out."""
+        self.requests.pop(request_id, None)
+        self._final_only.discard(request_id)
 
     def check_invariants(self) -> None:
-        check_invariants(self.block_manager, self.scheduler.running, self.scheduler.waiting)
+        check_invariants(self.scheduler)
 
 
 @dataclass(slots=True)

@@ -1,65 +1,70 @@
-"""Spends a token budget and KV blocks on sequences, one step at a time.
+"""Owns every request transition: admission, scheduling, preemption, post-processing of sampled
+tokens, finishing, aborting, and the rollback of a step whose launch failed.
 
-Two policies (DESIGN.md, "Scheduling policies"):
+Two policies (docs/ARCHITECTURE.md, "Scheduling policies"):
 
-* ``unified`` (vLLM V1): no phases. Running sequences first, each asking for the tokens it
+* ``unified`` (vLLM V1): no phases. Running requests first, each asking for the tokens it
   has not computed yet (one for decode, the rest of a prompt for a chunked prefill), clamped
-  to the remaining budget; then waiting sequences with what is left. Prefill chunks and decode
+  to the remaining budget; then waiting requests with what is left. Prefill chunks and decode
   rows share one packed forward pass.
 * ``prefill_first`` (nano-vLLM): a step is all prefill (chunks of running prompts, then new
   admissions) when there is prefill work that fits, otherwise all decode.
 
-When blocks run out for a running sequence, the scheduler preempts from the tail of
+When blocks run out for a running request, the scheduler preempts from the tail of
 ``running`` (LIFO) by recompute: the victim's blocks are freed, its computed tokens reset, and
 it goes to the head of ``waiting``.
 
 Scheduling a chunk advances ``num_computed_tokens`` at once, and a chunk that samples adds a
 pending token, so under async scheduling the next step can be planned while this one runs: a
 decode row whose input token is still on the device carries ``PLACEHOLDER`` instead of its id.
+
+The engine keeps what needs a tokenizer (stop strings, text) and the hooks; it asks the
+scheduler for every change of a request's state (vLLM's split between
+``Scheduler.update_from_output`` and the ``OutputProcessor``).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import TYPE_CHECKING, Callable
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvscope.engine.sequence import Sequence, SequenceStatus
-
-PLACEHOLDER = -1  # a token id sampled by the step in flight; the runner reads it on the device
-
-if TYPE_CHECKING:
-    from kvscope.trace.hooks import HookRegistry
+from kvscope.engine.executor import StepResult
+from kvscope.engine.request import Request, RequestStatus
+from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, hooks: "HookRegistry | None" = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.hooks = hooks
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.requests: dict[int, Request] = {}  # seq_id -> every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.step_count = 0
-        self.num_preemptions = 0
-        self.on_preempt: Callable[[Sequence], None] | None = None
+        self._finished_seq_ids: list[int] = []  # for the runner, in the next step that has rows
 
     # ----------------------------------------------------------------- queues
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add_request(self, request: Request) -> None:
+        self.requests[request.seq_id] = request
+        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take ``seq`` out of whichever queue holds it and release its blocks."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.block_manager.free_sequence(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+    def finish_request(self, request: Request, reason: str) -> None:
+        """End ``request`` ("stop", "length" or "abort"): out of its queue, its blocks released."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.block_manager.free_request(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_time = time.perf_counter()
+        del self.requests[request.seq_id]
+        if request.num_sent_blocks or request.resumed:  # the runner holds a table for it
+            self._finished_seq_ids.append(request.seq_id)
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -70,6 +75,8 @@ class Scheduler:
             self._schedule_prefill_first(out)
         else:
             self._schedule_unified(out)
+        if out.requests:  # a step without rows never reaches the runner: keep them for the next
+            out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
     def _schedule_unified(self, out: SchedulerOutput) -> None:
@@ -81,7 +88,7 @@ class Scheduler:
         budget = self._schedule_running(out, out.token_budget, prefill_only=True)
         # After a preemption, admit nothing this step: a prefill that preempted itself for want
         # of blocks would be re-admitted into the blocks it just gave up, step after step,
-        # while the decoding sequences that hold the rest of the pool never ran (a livelock
+        # while the decoding requests that hold the rest of the pool never ran (a livelock
         # the property test found). The step then falls through to decode.
         if not out.preempted_seq_ids:
             self._admit_waiting(out, budget)
@@ -91,20 +98,20 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_only: bool) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            start = seq.num_computed_tokens
-            known = seq.num_known_tokens
-            if (prefill_only and start >= seq.prefill_len) or known >= seq.max_total_tokens:
-                i += 1  # (the second case: its last token is in flight; the sequence ends then)
+            req = self.running[i]
+            start = req.num_computed_tokens
+            known = req.num_known_tokens
+            if (prefill_only and start >= req.prefill_len) or known >= req.max_total_tokens:
+                i += 1  # (the second case: its last token is in flight; the request ends then)
                 continue
             n = min(known - start, budget)
-            while not self.block_manager.allocate(seq, start + n):
+            while not self.block_manager.allocate(req, start + n):
                 victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
+                self.preempt(victim, out)
+                if victim is req:
                     break
             else:
-                out.requests.append(self._scheduled(seq, n))
+                out.requests.append(self._scheduled(req, n))
                 budget -= n
                 i += 1
                 continue
@@ -115,60 +122,137 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending:
+            req = self.waiting[0]
+            if req.num_pending:
                 break  # preempted with a token in flight: re-admit once its tokens are all known
-            cached = self.block_manager.find_cached_prefix(seq)
+            cached = self.block_manager.find_cached_prefix(req)
             num_cached = len(cached) * self.block_manager.block_size
-            n = seq.num_tokens - num_cached
+            n = req.num_tokens - num_cached
             if n > budget and not chunked:
                 break
             n = min(n, budget)
-            if not self.block_manager.allocate(seq, num_cached + n, cached):
+            if not self.block_manager.allocate(req, num_cached + n, cached):
                 break
             self.waiting.popleft()
-            self.block_manager.count_admission(seq.num_tokens, num_cached)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
-            seq.prefill_len = seq.num_tokens
-            self.running.append(seq)
-            out.requests.append(self._scheduled(seq, n, num_cached))
+            self.block_manager.count_admission(req.num_tokens, num_cached)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            req.prefill_len = req.num_tokens
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.num_cached_tokens = num_cached
+            self.running.append(req)
+            out.requests.append(self._scheduled(req, n, num_cached))
             budget -= n
 
-    def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledRequest:
-        """The step's share of ``seq``; marks those tokens computed and the sample pending."""
-        start = seq.num_computed_tokens
+    def _scheduled(self, req: Request, n: int, num_cached: int = 0) -> ScheduledRequest:
+        """The step's share of ``req``; marks those tokens computed and the sample pending."""
+        start = req.num_computed_tokens
         end = start + n
-        known = seq.num_known_tokens
-        sample = end == known
-        token_ids = seq.token_ids[start:end]
-        if end > len(seq.token_ids):  # only a decode row's one input token can be in flight
+        sample = end == req.num_known_tokens
+        token_ids = req.token_ids[start:end]
+        if end > len(req.token_ids):  # only a decode row's one input token can be in flight
             token_ids.append(PLACEHOLDER)
+        table = req.block_table
         row = ScheduledRequest(
-            seq_id=seq.seq_id,
+            seq_id=req.seq_id,
             token_ids=token_ids,
             start=start,
-            block_table=seq.block_table,
-            is_prefill=start < seq.prefill_len,
+            new_block_ids=table[req.num_sent_blocks:],
+            resumed_from_preemption=req.resumed,
+            is_prefill=start < req.prefill_len,
             sample=sample,
             num_cached_tokens=num_cached,
-            params=seq.params if sample else None,
-            output_index=seq.num_output_tokens + seq.num_pending,
+            params=req.params if sample else None,
+            output_index=req.num_output_tokens + req.num_pending,
         )
-        seq.num_computed_tokens = end
-        seq.num_pending += sample
+        req.num_sent_blocks = len(table)
+        req.resumed = False
+        req.num_computed_tokens = end
+        req.num_pending += sample
         return row
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
-        self.block_manager.free_sequence(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        seq.metrics.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        out.preempted_seq_ids.append(seq.seq_id)
-        if self.on_preempt is not None:
-            self.on_preempt(seq)
+    def preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Preempt a running request by recompute: its blocks go, it waits at the head again."""
+        self._back_to_waiting(request)
+        request.metrics.num_preemptions += 1
+        out.preempted_seq_ids.append(request.seq_id)
+
+    def _back_to_waiting(self, request: Request) -> None:
+        self.running.remove(request)
+        self.block_manager.free_request(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_sent_blocks = 0
+        request.resumed = True
+        self.waiting.appendleft(request)
+
+    # ----------------------------------------------------------- post-process
+    def update_from_output(self, out: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+        """Apply a step's sampled tokens: append them, hash the blocks they completed, and finish
+        requests that hit a token-level stop (EOS, ``stop_token_ids``, length).
+
+        Returns the requests that got a token, in row order. Stop strings need text, so the
+        engine checks those and calls :meth:`finish_request` itself.
+        """
+        progressed = []
+        bm = self.block_manager
+        for r in out.requests:
+            req = self.requests.get(r.seq_id)
+            if req is None:
+                continue  # finished or aborted while this step was in flight: its work is dropped
+            if req.status is RequestStatus.RUNNING:
+                bm.hash_computed_blocks(req)
+            m = req.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+            if not r.sample:
+                continue
+            token = result.tokens[r.seq_id]
+            req.token_ids.append(token)
+            req.num_pending -= 1
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            if req.output_logprobs is not None:
+                lp = result.logprobs.get(r.seq_id, {})
+                req.output_logprobs.append(lp)
+                req.cumulative_logprob += lp.get(token, 0.0)
+            progressed.append(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.finish_request(req, reason)
+        return progressed
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> str | None:
+        p = req.params
+        if req.num_output_tokens >= p.min_tokens:
+            if token in req.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return "stop"
+        if req.num_tokens >= req.max_total_tokens:
+            return "length"
+        return None
+
+    def rollback(self, *outs: SchedulerOutput | None, forget_prefix_cache: bool = False) -> None:
+        """Launched steps failed: their requests go back to waiting with no blocks (their tokens
+        in flight are lost). Under async scheduling the prefix cache is forgotten too
+        (``forget_prefix_cache``): it may already have registered blocks that a failed step
+        was still writing."""
+        for out in outs:
+            if out is None:
+                continue
+            # The runner may never have seen this step: tell it again which tables to drop.
+            self._finished_seq_ids += out.finished_seq_ids
+            for r in reversed(out.requests):
+                req = self.requests.get(r.seq_id)
+                if req is None:
+                    continue
+                if req.status is RequestStatus.RUNNING:
+                    self._back_to_waiting(req)
+                req.num_computed_tokens = 0
+                req.num_pending = 0
+        if forget_prefix_cache:
+            self.block_manager.reset_prefix_cache()

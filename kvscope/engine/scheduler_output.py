@@ -1,8 +1,10 @@
 """What the scheduler decided for one step: the contract between control plane and runner.
 
 The runner receives only this (plus the sampling parameters of rows it must sample); it never
-reads scheduler or block-manager state. Everything is plain Python so it can be pickled to
-tensor-parallel workers.
+reads scheduler or block-manager state. Block tables travel as deltas: each row carries the
+block ids appended to its request's table since the runner last saw it, and the runner keeps
+the tables (one owner on each side: the scheduler's requests, the runner's persistent batch).
+Everything is plain Python so it can be pickled to tensor-parallel workers.
 """
 from __future__ import annotations
 
@@ -14,16 +16,22 @@ import numpy as np
 
 from kvscope.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # an input token sampled by the step in flight; the runner reads it on the device
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One sequence's share of a step: ``num_new_tokens`` tokens starting at ``start``."""
+    """One request's share of a step: ``num_new_tokens`` tokens starting at ``start``.
+
+    After applying ``new_block_ids`` the request's table covers positions ``[0, start + n)``.
+    """
 
     seq_id: int
-    token_ids: list[int]        # the tokens computed this step: seq.token_ids[start:start+n]
+    token_ids: list[int]        # the tokens computed this step: request.token_ids[start:start+n]
     start: int                  # num_computed_tokens before this step (first position)
-    block_table: list[int]      # physical block ids covering positions [0, start + n)
-    is_prefill: bool            # False only for a one-token decode row of a running sequence
+    new_block_ids: list[int]    # block ids appended to the table since the runner last saw it
+    resumed_from_preemption: bool  # the table starts over: new_block_ids is all of it
+    is_prefill: bool            # False only for a one-token decode row of a running request
     sample: bool                # True when this chunk reaches the sequence's last token
     num_cached_tokens: int = 0  # prefix-cache hit on admission (0 on later steps)
     params: SamplingParams | None = None  # set when ``sample``
@@ -46,14 +54,13 @@ class StepColumns:
 
 @dataclass
 class SchedulerOutput:
+    """One step's rows, plus the requests whose tables the runner must drop (preempted, finished)."""
+
     step: int
     requests: list[ScheduledRequest] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # finished or aborted since the last step
     token_budget: int = 0
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
 
     @property
     def is_empty(self) -> bool:

@@ -1,22 +1,53 @@
-"""Checks DESIGN.md's invariants against live control-plane state (tests run it after every step)."""
+"""Checks the control plane's invariants against live state (tests run it after every step).
+
+The invariants are listed in docs/ARCHITECTURE.md, "Invariants".
+"""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvscope.engine.block_manager import NO_HASH, BlockManager, hash_block
-from kvscope.engine.sequence import Sequence
+from kvscope.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvscope.engine.scheduler import Scheduler
 
 
 class InvariantError(AssertionError):
     pass
 
 
-def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Iterable[Sequence]) -> None:
+def check_invariants(scheduler: "Scheduler") -> None:
     """Raise :class:`InvariantError` naming the first broken invariant."""
-    running, waiting = list(running), list(waiting)
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    _check_queues(scheduler.requests, running, waiting)
+    check_pool(scheduler.block_manager, running)
+    for r in waiting:
+        if r.block_table or r.num_computed_tokens:
+            raise InvariantError(f"waiting request {r.request_id} holds blocks or computed tokens")
+
+
+def _check_queues(requests: dict[int, Request], running: list[Request], waiting: list[Request]) -> None:
+    """Every unfinished request is in exactly one queue, with the status of that queue."""
+    for queue, status in ((running, RequestStatus.RUNNING), (waiting, RequestStatus.WAITING)):
+        for r in queue:
+            if r.status is not status:
+                raise InvariantError(f"request {r.request_id} is {r.status.value} but queued as {status.value}")
+    queued = Counter(r.seq_id for r in running + waiting)
+    twice = [i for i, c in queued.items() if c > 1]
+    if twice:
+        raise InvariantError(f"requests queued more than once: seq ids {twice[:10]}")
+    if set(queued) != set(requests):
+        lost = sorted(set(requests) - set(queued))[:10]
+        stray = sorted(set(queued) - set(requests))[:10]
+        raise InvariantError(f"queues and tracked requests differ: in no queue {lost}, untracked {stray}")
+
+
+def check_pool(bm: BlockManager, running: list[Request]) -> None:
+    """The block pool agrees with the block tables of the running requests."""
     n = bm.num_blocks
     free, used = set(bm.free), bm.used
     if len(free) != len(bm.free):
@@ -26,7 +57,7 @@ def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Ite
     if len(free) + len(used) != n:
         raise InvariantError(f"free ({len(free)}) + used ({len(used)}) != num_blocks ({n})")
 
-    refs = Counter(b for s in running for b in s.block_table)
+    refs = Counter(b for r in running for b in r.block_table)
     expected = np.zeros(n, dtype=np.int64)
     for b, c in refs.items():
         expected[b] = c
@@ -37,7 +68,7 @@ def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Ite
             f"stored {bm.ref_count[bad].tolist()}, live {expected[bad].tolist()}"
         )
     if used != set(refs):
-        raise InvariantError("the used set differs from the blocks live sequences hold")
+        raise InvariantError("the used set differs from the blocks live requests hold")
 
     for h, b in bm.hash_to_block.items():
         if bm.block_hash[b] != h:
@@ -50,22 +81,19 @@ def check_invariants(bm: BlockManager, running: Iterable[Sequence], waiting: Ite
         raise InvariantError(f"num_cached_blocks is {bm.num_cached_blocks}, the pool holds {cached} cached blocks")
 
     bs = bm.block_size
-    for s in running:
-        need = -(-s.num_computed_tokens // bs)
-        if len(s.block_table) != need:
+    for r in running:
+        need = -(-r.num_computed_tokens // bs)
+        if len(r.block_table) != need:
             raise InvariantError(
-                f"request {s.request_id}: block table has {len(s.block_table)} blocks, "
-                f"{s.num_computed_tokens} computed tokens need {need}"
+                f"request {r.request_id}: block table has {len(r.block_table)} blocks, "
+                f"{r.num_computed_tokens} computed tokens need {need}"
             )
         prev = NO_HASH
-        for i in range(min(s.num_computed_tokens, s.num_tokens) // bs):
-            tokens = s.block_tokens(i, bs)
+        for i in range(min(r.num_computed_tokens, r.num_tokens) // bs):
+            tokens = r.block_tokens(i, bs)
             prev = hash_block(tokens, prev)
-            b = s.block_table[i]
+            b = r.block_table[i]
             if bm.block_hash[b] != NO_HASH and (
                 bm.block_hash[b] != prev or not np.array_equal(bm.block_tokens[b], tokens)
             ):
-                raise InvariantError(f"request {s.request_id}: block {b} is cached under another content")
-    for s in waiting:
-        if s.block_table or s.num_computed_tokens:
-            raise InvariantError(f"waiting request {s.request_id} holds blocks or computed tokens")
+                raise InvariantError(f"request {r.request_id}: block {b} is cached under another content")

@@ -2,5 +2,5 @@
 
 Every backend implements :class:`AttentionBackend`: write this step's K/V into the pool by
 ``slot_mapping``, then attend each packed query row to its sequence's whole history read
-through ``block_tables`` (see :mod:`kvscope.runner.forward_context`).
+through ``block_tables`` (see :mod:`kvscope.forward_context`).
 """

@@ -1,11 +1,37 @@
-"""The interface every attention backend implements."""
+"""The contract between the runner and every attention backend: the packed step layout
+(:class:`AttentionMetadata`) and the backend interface (:class:`AttentionBackend`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from kvscope.runner.forward_context import AttentionMetadata
+
+@dataclass
+class AttentionMetadata:
+    """Packed, variable-length description of one forward pass.
+
+    Sequences are packed back to back: sequence ``i`` owns query rows
+    ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; its whole KV history (cached prefix + this step's
+    tokens) has length ``context_lens[i]`` and lives in the pages ``block_tables[i, :]``.
+    The query rows of sequence ``i`` sit at the *end* of its history, so query row ``j`` of
+    it has absolute position ``context_lens[i] - q_len_i + j`` and attends causally to
+    positions ``<= `` that.
+    """
+
+    slot_mapping: torch.Tensor      # int64 [T]; KV slot for each packed token, -1 = skip the write
+    cu_seqlens_q: torch.Tensor      # int32 [B+1]
+    cu_seqlens_k: torch.Tensor      # int32 [B+1]; cumulative context_lens
+    context_lens: torch.Tensor      # int32 [B]; KV length per sequence after this step's writes
+    block_tables: torch.Tensor      # int32 [B, W]; padded with -1 beyond a sequence's blocks
+    max_seqlen_q: int               # host int: max query rows of one sequence
+    max_seqlen_k: int               # host int: max context_lens
+    num_seqs: int                   # host int: B
+    num_tokens: int                 # host int: T
+    block_size: int
+    decode_only: bool               # every sequence has exactly one query row
+    no_prefix: bool = False         # every sequence computes its whole history this step
 
 
 class AttentionBackend(Protocol):

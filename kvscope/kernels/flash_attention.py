@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvscope.runner.forward_context import AttentionMetadata
+from kvscope.kernels.base import AttentionMetadata
 
 PAGE_MULTIPLE = 256
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscope.runner.forward_context import AttentionMetadata
+from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

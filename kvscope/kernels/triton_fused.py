@@ -9,7 +9,7 @@ also run correctly in the Triton interpreter for fp32/fp16). Nothing reads devic
 host, so every launch can be captured in a CUDA graph.
 
 The torch code in :mod:`kvscope.layers` stays the reference and the CPU path; the layers call
-these only for CUDA tensors (see :func:`kvscope.layers.norm.fused_kernels`).
+these only for CUDA tensors (see :func:`kvscope.kernels.fused.fused_kernels`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvscope.layers.norm import fused_kernels
+from kvscope.kernels.fused import fused_kernels
 
 
 class SiluAndMul(nn.Module):

@@ -11,7 +11,7 @@ from torch import nn
 
 from kvscope.kernels.base import AttentionBackend
 from kvscope.kernels.torch_attention import TorchAttentionBackend, varlen_attention_no_cache
-from kvscope.runner.forward_context import get_forward_context
+from kvscope.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
@@ -37,7 +37,7 @@ class Attention(nn.Module):
         """``q`` ``[T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` (after RoPE) -> ``[T, Hq*D]``."""
         meta = get_forward_context().attn
         if meta is None:
-            raise RuntimeError("Attention called outside kvscope.runner.forward_context(...)")
+            raise RuntimeError("Attention called outside kvscope.forward_context(...)")
         t = q.shape[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)

@@ -1,34 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block.
-
-Also home of :func:`fused_kernels`, the one switch every layer asks before taking its Triton
-fused kernel on CUDA instead of its torch code.
-"""
+"""RMSNorm, optionally fused with the residual add that precedes it in a pre-norm block."""
 from __future__ import annotations
-
-import functools
-from types import ModuleType
 
 import torch
 from torch import nn
 
-# Set False to run the torch code on CUDA too (A/B comparisons, debugging a kernel); the
-# fused kernels roughly double decode throughput on an H200 (benchmarks/RESULTS.md).
-USE_FUSED_KERNELS = True
-
-
-@functools.cache
-def _triton_fused() -> ModuleType | None:
-    try:
-        from kvscope.kernels import triton_fused
-    except Exception:  # no triton, or one that fails to load (built for another torch / CUDA)
-        return None
-    return triton_fused
-
-
-def fused_kernels(x: torch.Tensor) -> ModuleType | None:
-    """:mod:`kvscope.kernels.triton_fused` when ``x`` is on CUDA, Triton loads and
-    ``USE_FUSED_KERNELS`` is set; else ``None``, meaning: use the torch code (always on CPU)."""
-    return _triton_fused() if x.is_cuda and USE_FUSED_KERNELS else None
+from kvscope.kernels.fused import fused_kernels
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvscope.layers.norm import RMSNorm, fused_kernels
+from kvscope.kernels.fused import fused_kernels
+from kvscope.layers.norm import RMSNorm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 

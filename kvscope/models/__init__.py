@@ -32,22 +32,6 @@ def spec_for(hf_config: Any) -> ArchSpec:
                      f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def resolve_dtype(dtype: torch.dtype | str, hf_config: Any) -> torch.dtype:
-    """A torch dtype from a dtype, a name (``"bfloat16"``) or ``"auto"`` (the checkpoint's;
-    transformers 5 calls the config field ``dtype``, earlier versions ``torch_dtype``)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) \
-            or torch.float32
-        if isinstance(dtype, torch.dtype):
-            return dtype
-    resolved = getattr(torch, str(dtype), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"not a floating-point dtype: {dtype!r}")
-    return resolved
-
-
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -58,7 +42,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(hf_config: Any, *, dtype: torch.dtype | str,
+def build_model(hf_config: Any, *, dtype: torch.dtype,
                 device: torch.device | str) -> DecoderForCausalLM:
     """Build the (uninitialised) model for this TP rank directly on ``device`` in ``dtype``.
 
@@ -66,6 +50,6 @@ def build_model(hf_config: Any, *, dtype: torch.dtype | str,
     The RoPE table stays float32.
     """
     spec = spec_for(hf_config)
-    with torch.device(device), _default_dtype(resolve_dtype(dtype, hf_config)):
+    with torch.device(device), _default_dtype(dtype):
         model = DecoderForCausalLM(hf_config, spec)
     return model.eval()

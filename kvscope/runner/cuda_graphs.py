@@ -10,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from kvscope.runner.forward_context import AttentionMetadata, forward_context
+from kvscope.forward_context import forward_context
+from kvscope.kernels.base import AttentionMetadata
 from kvscope.runner.inputs import DeviceInputs, StepInputs
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -49,52 +50,76 @@ class DeviceInputs:
     block_tables: torch.Tensor
 
 
-class BlockTableCache:
-    """Each sequence's block table kept as a numpy row between steps, so packing a step copies
-    only the block ids appended since the sequence's last step (for decode, usually none)
-    instead of every id of every table.
+class BlockTables:
+    """The runner's copy of every scheduled request's block table: one numpy row per request,
+    kept between steps and updated only from each step's deltas (``new_block_ids``), as vLLM's
+    persistent batch is. Packing a step then copies whole rows, never walks a list.
 
-    While a sequence runs its table list only grows; freeing it replaces the list object
-    (``BlockManager.free_sequence``). So a row is trusted only while the cached list *is* the
-    scheduled one; the cache holds that list, so its ``id`` cannot be reused meanwhile.
+    A row is made when a request is first scheduled or starts over
+    (``resumed_from_preemption``), extended by the ids appended since, and dropped when the
+    scheduler reports the request preempted or finished.
     """
 
-    def __init__(self, capacity: int = 512, width: int = 64) -> None:
+    def __init__(self, capacity: int = 256, width: int = 64) -> None:
         self.table = np.full((capacity, width), -1, dtype=np.int32)
-        self.rows: dict[int, tuple[int, list[int], int]] = {}  # seq_id -> (row, list, cached length)
+        self.lengths = np.zeros(capacity, dtype=np.int64)
+        self.rows: dict[int, int] = {}  # seq_id -> row
+        self._free_rows = list(range(capacity - 1, -1, -1))
 
-    def pack(self, reqs: list) -> np.ndarray:
-        """The step's tables, ``[len(reqs), widest]`` int32, -1 past each table's end."""
-        capacity = self.table.shape[0]
-        if len(self.rows) + len(reqs) > capacity:  # forget finished sequences: start over
-            self.rows.clear()
-            if len(reqs) > capacity:
-                self.table = np.full((2 * len(reqs), self.table.shape[1]), -1, dtype=np.int32)
-        widest = max(len(r.block_table) for r in reqs)
-        if widest > self.table.shape[1]:
-            grown = np.full((self.table.shape[0], 2 * widest), -1, dtype=np.int32)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        rows = self.rows
-        slots = np.empty(len(reqs), dtype=np.int64)
-        for i, r in enumerate(reqs):
-            table, n = r.block_table, len(r.block_table)
-            entry = rows.get(r.seq_id)
-            if entry is not None and entry[1] is table:
-                row, _, cached = entry
-            else:
-                row = entry[0] if entry is not None else len(rows)
+    def update(self, out: SchedulerOutput) -> np.ndarray:
+        """Apply ``out``'s deltas; returns each scheduled request's row, in step order."""
+        for seq_id in chain(out.finished_seq_ids, out.preempted_seq_ids):
+            self._drop(seq_id)
+        rows = np.empty(len(out.requests), dtype=np.int64)
+        for i, r in enumerate(out.requests):
+            row = self.rows.get(r.seq_id)
+            if row is None or r.resumed_from_preemption:
+                if row is None:
+                    row = self.rows[r.seq_id] = self._take_row()
                 self.table[row] = -1
-                cached = 0
-            if n > cached:
-                self.table[row, cached:n] = table[cached:]
-            rows[r.seq_id] = (row, table, n)
-            slots[i] = row
-        return self.table[slots, :widest]
+                self.lengths[row] = 0
+            new = r.new_block_ids
+            if new:
+                start = int(self.lengths[row])
+                end = start + len(new)
+                if end > self.table.shape[1]:
+                    self._widen(end)
+                self.table[row, start:end] = new
+                self.lengths[row] = end
+            rows[i] = row
+        return rows
+
+    def get(self, seq_id: int) -> list[int]:
+        """One request's table as the runner holds it (tests compare it with the scheduler's)."""
+        row = self.rows[seq_id]
+        return self.table[row, : self.lengths[row]].tolist()
+
+    def pack(self, rows: np.ndarray) -> np.ndarray:
+        """The tables of ``rows``, ``[len(rows), widest]`` int32, -1 past each table's end."""
+        return self.table[rows, : int(self.lengths[rows].max())]
+
+    def _drop(self, seq_id: int) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            n = self.table.shape[0]
+            self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
+            self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        return self._free_rows.pop()
+
+    def _widen(self, width: int) -> None:
+        grown = np.full((self.table.shape[0], max(width, 2 * self.table.shape[1])), -1, dtype=np.int32)
+        grown[:, : self.table.shape[1]] = self.table
+        self.table = grown
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTableCache) -> StepInputs:
-    """Pack ``out``; ``tables`` is the caller's cache, kept across its steps."""
+def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables) -> StepInputs:
+    """Apply ``out``'s block-table deltas to ``tables`` (the caller's, kept across its steps),
+    then pack the step."""
     reqs = out.requests
     b = len(reqs)
     cols = out.columns
@@ -106,7 +131,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTableC
     cu_k = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(ctx, out=cu_k[1:])
 
-    block_tables = tables.pack(reqs)
+    block_tables = tables.pack(tables.update(out))
 
     row = np.repeat(np.arange(b), q_lens)
     positions = np.arange(t, dtype=np.int64) - cu_q[:-1][row] + starts[row]

@@ -18,14 +18,16 @@ import torch.distributed as dist
 from kvscope.config import EngineConfig
 from kvscope.distributed.parallel_state import tp_all_reduce
 from kvscope.engine.executor import DoneStep, StepHandle, StepResult
-from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
+from kvscope.forward_context import forward_context
+from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.select import select_backend
 from kvscope.layers.attention import Attention
 from kvscope.models import build_model
+from kvscope.models.decoder import head_dim_of
 from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
-from kvscope.runner.forward_context import AttentionMetadata, forward_context
-from kvscope.runner.inputs import BlockTableCache, DeviceInputs, StepInputs, build_step_inputs
+from kvscope.runner.inputs import BlockTables, DeviceInputs, StepInputs, build_step_inputs
 from kvscope.runner.sampler import DeviceSample, Sampler
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -66,10 +68,8 @@ def resolve_cpu_threads(config: EngineConfig, hf_config: Any) -> int:
 
 def kv_geometry(hf_config: Any, tp_size: int) -> tuple[int, int, int]:
     """(layers, KV heads per rank, head_dim) of the pool."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    return hf_config.num_hidden_layers, kv_heads // tp_size, head_dim
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return hf_config.num_hidden_layers, kv_heads // tp_size, head_dim_of(hf_config)
 
 
 class ModelRunner:
@@ -101,7 +101,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.backend = select_backend(config.attention_backend, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
@@ -116,7 +116,7 @@ class ModelRunner:
         self._staging: list[torch.Tensor | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
-        self._tables = BlockTableCache(capacity=2 * config.max_num_seqs)
+        self.block_tables = BlockTables(capacity=config.max_num_seqs)
         # The last step's sampled tokens on the device, and each sampling sequence's row in them:
         # async scheduling's placeholder tokens are read from here.
         self._last_sample: torch.Tensor | None = None
@@ -251,8 +251,8 @@ class ModelRunner:
     def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
         t0 = time.perf_counter()
-        x = build_step_inputs(out, self.block_size, self._tables)
-        fill = np.flatnonzero(x.input_ids < 0)  # PLACEHOLDER: sampled by the previous step
+        x = build_step_inputs(out, self.block_size, self.block_tables)
+        fill = np.flatnonzero(x.input_ids == PLACEHOLDER)  # sampled by the previous step
         rows = np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
         src = np.fromiter((self._last_rows[out.requests[i].seq_id] for i in rows.tolist()),
                           dtype=np.int64, count=fill.size)

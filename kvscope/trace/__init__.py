@@ -3,7 +3,7 @@
 Hooks need nothing beyond the standard library (the engine always imports them); the records
 and DataFrames need pandas and pyarrow (the notebook extra), so they load on first use.
 """
-from kvscope.trace.hooks import HOOK_POINTS, HookRegistry
+from kvscope.engine.hooks import HOOK_POINTS, HookRegistry
 
 __all__ = ["Trace", "Recorder", "StepRecord", "HookRegistry", "HOOK_POINTS", "LEVELS"]
 

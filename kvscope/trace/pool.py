@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from kvscope.trace.events import BlockEvent
+from kvscope.engine.block_manager import NO_HASH
+from kvscope.engine.hooks import BlockEvent
 from kvscope.trace.record import Scheduled, StepRecord
 
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
 
-NO_HASH = -1
 FREE, USED, CACHED = 0, 1, 2  # pool_arrays()["state"]
 STATE_NAMES = ("free", "used", "cached")
 

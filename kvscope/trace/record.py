@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from kvscope.trace.events import IDLE, POSTPROCESS, SCHEDULE, BlockEvent
+from kvscope.engine.hooks import BlockEvent
+from kvscope.trace.events import IDLE, POSTPROCESS, SCHEDULE
 
 if TYPE_CHECKING:
     from kvscope.engine.scheduler_output import SchedulerOutput

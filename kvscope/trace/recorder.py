@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
-from kvscope.trace.events import BlockEvent
-from kvscope.trace.hooks import HookHandle, warn_detached
+from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
@@ -29,7 +28,7 @@ from kvscope.trace.trace import Trace
 
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
-    from kvscope.engine.sequence import Sequence
+    from kvscope.engine.request import Request
     from kvscope.engine.step_info import StepInfo
     from kvscope.outputs import RequestMetrics
 
@@ -48,21 +47,21 @@ class ListenerHandle:
         self._listeners.pop(self._key, None)
 
 
-class _Request:
-    """One request's row of ``trace.requests``: live fields read from its sequence until it ends."""
+class _RequestRow:
+    """One request's row of ``trace.requests``: live fields read from its request until it ends."""
 
     __slots__ = ("request_id", "prompt_len", "seq", "metrics", "output_len", "finish_reason")
 
-    def __init__(self, seq: "Sequence") -> None:
-        self.request_id = seq.request_id
-        self.prompt_len = seq.num_prompt_tokens
-        self.seq: Sequence | None = seq
-        self.metrics: RequestMetrics = seq.metrics
+    def __init__(self, req: "Request") -> None:
+        self.request_id = req.request_id
+        self.prompt_len = req.num_prompt_tokens
+        self.seq: Request | None = req
+        self.metrics: RequestMetrics = req.metrics
         self.output_len = 0
         self.finish_reason: str | None = None
 
     def freeze(self) -> None:
-        """Stop following a sequence that is still running (the recording ended)."""
+        """Stop following a request that is still running (the recording ended)."""
         if self.seq is not None:
             self.output_len = len(self.seq.token_ids) - self.prompt_len
             self.seq, self.metrics = None, dataclasses.replace(self.metrics)
@@ -101,7 +100,7 @@ class Recorder:
         self.lock = threading.Lock()
         self._blocks = level != "summary"
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
         self._pending: list[BlockEvent] = []
         self._pre_forward = 0
@@ -128,8 +127,8 @@ class Recorder:
         if self._started:
             raise RuntimeError("a Recorder records once; make a new one to record again")
         self._started = True
-        for rid, seq in self.engine.by_request_id.items():  # already queued or running: rows from the start
-            if not seq.is_finished:
+        for rid, req in self.engine.requests.items():  # already queued or running: rows from the start
+            if not req.is_finished:
                 self._touch(rid)
         hooks = self.engine.hooks
         if self._blocks:
@@ -185,10 +184,10 @@ class Recorder:
         return frame("requests", [r.row() for r in list(self._requests.values())])
 
     # ---------------------------------------------------------------- hooks
-    def _touch(self, request_id: str) -> _Request:
+    def _touch(self, request_id: str) -> _RequestRow:
         req = self._requests.get(request_id)
         if req is None:
-            req = self._requests[request_id] = _Request(self.engine.by_request_id[request_id])
+            req = self._requests[request_id] = _RequestRow(self.engine.requests[request_id])
         return req
 
     def _on_added(self, request_id: str, **_: Any) -> None:

@@ -14,7 +14,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from kvscope.trace.events import IDLE, POSTPROCESS, BlockEvent
+from kvscope.engine.hooks import BlockEvent
+from kvscope.trace.events import IDLE, POSTPROCESS
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import STEP_COLUMNS, PoolDelta, Scheduled, StepRecord
 

@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from kvscope.engine.block_manager import hash_block
-from kvscope.trace.events import IDLE, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from kvscope.engine.hooks import BlockEvent
+from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import StepRecord
 from kvscope.trace.snapshots import SnapshotCursor

@@ -4,7 +4,6 @@ Each view works alone (``BlockPoolView(trace, step)``); :class:`Dashboard` compo
 ``export_html(trace, path)`` writes a static page that opens without a kernel.
 """
 from kvscope.widgets.dashboard import Dashboard, dashboard
-from kvscope.widgets.demo import demo, demo_prompts
 from kvscope.widgets.export import export_html
 from kvscope.widgets.views import (
     BlockPoolView,
@@ -15,6 +14,6 @@ from kvscope.widgets.views import (
 )
 
 __all__ = [
-    "Dashboard", "dashboard", "demo", "demo_prompts", "export_html",
+    "Dashboard", "dashboard", "export_html",
     "BlockPoolView", "BlockTablesView", "QueuesView", "SlotMappingView", "TimelineView",
 ]

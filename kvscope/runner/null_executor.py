@@ -1,7 +1,8 @@
 """An executor with no model: it returns a deterministic pseudo-random token per sampled row.
 
 It exists to exercise and time the control plane alone (property tests, the scheduler
-benchmark); it still packs each step's inputs exactly as the real runner does.
+benchmark); it still applies each step's block-table deltas and packs its inputs exactly as
+the real runner does.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 from kvscope.engine.executor import DoneStep, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.runner.inputs import BlockTables, build_step_inputs
 
 
 class NullExecutor:
@@ -17,15 +19,11 @@ class NullExecutor:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.eos_every = eos_every  # when > 0, token 0 (an EOS) comes out about once per eos_every draws
-        self._tables = None
+        self.block_tables = BlockTables()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        from kvscope.runner.inputs import BlockTableCache, build_step_inputs
-
         t0 = time.perf_counter()
-        if self._tables is None:
-            self._tables = BlockTableCache()
-        build_step_inputs(out, self.block_size, self._tables)
+        build_step_inputs(out, self.block_size, self.block_tables)
         tokens = {}
         for r in out.requests:
             if r.sample:

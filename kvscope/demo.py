@@ -1,5 +1,6 @@
 """A small workload that exercises what the dashboard shows: shared prefixes, chunked prefill,
-a full KV pool and preemption. Used by ``%kvscope demo`` and the notebooks."""
+a full KV pool and preemption. Used by ``%kvscope demo``, ``python -m kvscope demo`` and the
+notebooks. It builds an engine, so it sits at the API layer, above the widgets."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

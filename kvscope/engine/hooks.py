@@ -6,7 +6,7 @@ detached; the engine goes on.
 
 Block events are the busiest hook points (a prefill step of a large batch fires thousands), so
 besides hooks they go to *block sinks*: plain lists that receive each event as a
-:class:`~kvscope.trace.events.BlockEvent` with no Python call per event. The recorder uses one.
+:class:`BlockEvent` with no Python call per event. The recorder uses one.
 """
 from __future__ import annotations
 
@@ -14,19 +14,31 @@ import contextlib
 import itertools
 import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
-from kvscope.trace.events import BlockEvent
+BLOCK_EVENTS: tuple[str, ...] = (
+    "block.allocated",  # a free block taken (its old cached content, if any, evicted first)
+    "block.shared",     # a prefix-cache hit on a live block: ref_count + 1
+    "block.reused",     # a prefix-cache hit on a cached free block: back in use
+    "block.freed",      # one owner let go: ref_count - 1 (free at 0, cached if hashed)
+    "block.evicted",    # a cached block's hash dropped (reallocation or reset_prefix_cache)
+    "block.hashed",     # a full, computed block registered in the prefix cache
+)
+
+
+class BlockEvent(NamedTuple):
+    event: str
+    block_id: int
+    request_id: str | None
+    ref_count: int          # after the event
+    block_hash: int | None  # None for evicted blocks (the engine clears the hash first)
+    engine_step: int        # the engine's step counter when it fired (< the record's step: idle)
+
 
 HOOK_POINTS: tuple[str, ...] = (
     "step.scheduled",
     "step.end",
-    "block.allocated",
-    "block.shared",
-    "block.reused",
-    "block.freed",
-    "block.evicted",
-    "block.hashed",
+    *BLOCK_EVENTS,
     "request.added",
     "request.preempted",
     "request.finished",

@@ -1,4 +1,6 @@
-"""A request inside the engine: its tokens, how many have KV in the cache, and its pages."""
+"""A request inside the engine: its tokens, how many have KV in the cache, and its pages.
+
+vLLM V1 calls this ``Request``; the scheduler owns every change of its ``status``."""
 from __future__ import annotations
 
 import enum
@@ -9,14 +11,14 @@ from kvscope.outputs import RequestMetrics
 from kvscope.sampling_params import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
+class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass(eq=False)
-class Sequence:
+class Request:
     """One request's state. ``token_ids`` is prompt + generated tokens.
 
     ``num_computed_tokens`` counts tokens whose K/V are in the pool or being written by a
@@ -37,16 +39,16 @@ class Sequence:
     max_total_tokens: int = 0
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
     prefill_len: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_sent_blocks: int = 0  # block_table entries the runner already holds (SchedulerOutput deltas)
+    resumed: bool = False     # its next scheduled row starts a new block table (after preemption or rollback)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     num_pending: int = 0
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_preemptions: int = 0
     output_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""  # the final text, set when the request finishes
@@ -80,7 +82,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

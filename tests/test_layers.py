@@ -1,0 +1,128 @@
+"""The package's import graph points one way, down the layers of docs/ARCHITECTURE.md.
+
+The imports are read with ``ast`` and never executed, so imports inside functions and under
+``TYPE_CHECKING`` count as much as top-level ones.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvscope"
+
+# Each module belongs to the first layer whose prefix names it (longest prefix first).
+LAYER_OF: dict[str, str] = {
+    "kvscope": "api",                       # __init__, llm, magic, demo, __main__, model_source
+    "kvscope.widgets": "widgets",
+    "kvscope.trace": "trace",
+    "kvscope.engine": "engine",
+    "kvscope.engine.scheduler_output": "contract",
+    "kvscope.engine.executor": "contract",
+    "kvscope.config": "data",
+    "kvscope.sampling_params": "data",
+    "kvscope.outputs": "data",
+    "kvscope.distributed": "distributed",
+    "kvscope.distributed.parallel_state": "parallel_state",
+    "kvscope.runner": "runner",
+    "kvscope.models": "models",
+    "kvscope.layers": "layers",
+    "kvscope.forward_context": "forward_context",
+    "kvscope.kernels": "kernels",
+}
+
+# The layers each layer may import directly, besides its own. Written once; see
+# docs/ARCHITECTURE.md, "Layers". "contract" is the engine's side of the runner's interface
+# (SchedulerOutput, the Executor protocol): the runner sees the engine only through it.
+ALLOWED: dict[str, set[str]] = {
+    "api": {"widgets", "trace", "engine", "contract", "data", "distributed", "runner", "models"},
+    "widgets": {"trace", "data"},
+    "trace": {"engine", "contract", "data"},
+    "engine": {"contract", "data"},
+    "contract": {"data"},
+    "data": set(),
+    "distributed": {"runner", "models", "parallel_state", "contract", "data"},
+    "runner": {"models", "layers", "kernels", "forward_context", "parallel_state", "contract", "data"},
+    "models": {"layers", "parallel_state"},
+    "layers": {"kernels", "forward_context", "parallel_state"},
+    "forward_context": {"kernels"},
+    "kernels": set(),
+    "parallel_state": set(),
+}
+
+
+def layer_of(module: str) -> str:
+    best = max((p for p in LAYER_OF if module == p or module.startswith(p + ".")), key=len)
+    return LAYER_OF[best]
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, root: Path) -> list[tuple[int, str]]:
+    """Every kvscope module ``path`` imports, anywhere in the file, with its line."""
+    module = module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from kvscope.kernels import fused`` imports a module: judge by the deeper name.
+            found += [(node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", root) else base)
+                      for a in node.names]
+    return [(line, m) for line, m in found if m == "kvscope" or m.startswith("kvscope.")]
+
+
+def _is_module(name: str, root: Path) -> bool:
+    path = root.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def violations(root: Path = PACKAGE) -> list[str]:
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        here = layer_of(module_name(path, root))
+        for line, target in imports_of(path, root):
+            there = layer_of(target)
+            if there != here and there not in ALLOWED[here]:
+                bad.append(f"{path.relative_to(root.parent)}:{line}: {here} -> {there} ({target})")
+    return bad
+
+
+def test_every_module_has_a_layer() -> None:
+    assert set(ALLOWED) == set(LAYER_OF.values())
+    for path in PACKAGE.rglob("*.py"):
+        assert layer_of(module_name(path, PACKAGE)) in ALLOWED
+
+
+def test_imports_point_down_the_layers() -> None:
+    assert violations() == []
+
+
+@pytest.mark.parametrize("source, where", [
+    ("from kvscope.trace.trace import Trace", "engine/upward.py"),                 # engine -> trace
+    ("def f():\n    from kvscope.runner import inputs\n", "engine/upward.py"),      # inside a function
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvscope.runner.model_runner import ModelRunner\n",
+     "kernels/upward.py"),                                                          # under TYPE_CHECKING
+    ("from kvscope.engine.llm_engine import LLMEngine", "widgets/upward.py"),       # widgets -> engine internals
+    ("from ..runner import inputs", "layers/upward.py"),                            # relative
+])
+def test_an_upward_import_is_caught(tmp_path: Path, source: str, where: str) -> None:
+    """The checker itself: a planted upward import, in each form, is reported."""
+    import shutil
+
+    copy = tmp_path / "kvscope"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "static"))
+    (copy / where).write_text(source)
+    found = violations(copy)
+    assert len(found) == 1 and found[0].startswith(f"kvscope/{where}:")
