@@ -57,7 +57,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}  # every request whose last output is not delivered yet
-        self._final_only: set[str] = set()
+        self._num_streaming = 0  # of those, the ones step() reports while they run
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.validate_every_step = False
@@ -120,10 +120,10 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             max_total_tokens=n + max_tokens,
+            final_only=final_only,
         )
         self.requests[request_id] = req
-        if final_only:
-            self._final_only.add(request_id)
+        self._num_streaming += not final_only
         self.scheduler.add_request(req)
         if self.hooks.active("request.added"):
             self.hooks.fire(
@@ -152,7 +152,7 @@ class LLMEngine:
             return False
         self.scheduler.finish_request(req, "abort")
         self._finished(req)
-        self._release(request_id)
+        self._release(req)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -169,16 +169,17 @@ class LLMEngine:
 
         Finished requests are forgotten once reported, as in vLLM.
         """
-        outputs = []
-        for req in self._step():
-            if req.is_finished:
-                outputs.append(self._output(req))
-                self._release(req.request_id)
-            elif req.request_id not in self._final_only:
-                outputs.append(self._output(req))
+        progressed, finished = self._step()
+        if self._num_streaming:
+            outputs = [self._output(r) for r in progressed if r.is_finished or not r.final_only]
+        else:
+            outputs = [self._output(r) for r in finished]
+        for req in finished:
+            self._release(req)
         return outputs
 
-    def _step(self) -> list[Request]:
+    def _step(self) -> tuple[list[Request], list[Request]]:
+        """One step; returns the requests that got a token and those that finished."""
         exact = self.hooks.active("step.scheduled") or self.hooks.wants_block_events()
         if self.async_scheduling and not exact:
             return self._step_async()
@@ -206,7 +207,7 @@ class LLMEngine:
                 f"free blocks={self.block_manager.num_free_blocks})"
             )
 
-    def _step_async(self) -> list[Request]:
+    def _step_async(self) -> tuple[list[Request], list[Request]]:
         """Schedule and launch step n, then read back and post-process step n-1."""
         out, t0, schedule_s = self._schedule()
         launched = None
@@ -221,10 +222,11 @@ class LLMEngine:
         if previous is None:
             if launched is None:
                 self._no_progress()
-            return []
+            return [], []
         return self._resolve(previous, launched=out)
 
-    def _resolve(self, step: "_InFlight", launched: SchedulerOutput | None = None) -> list[Request]:
+    def _resolve(self, step: "_InFlight", launched: SchedulerOutput | None = None
+                 ) -> tuple[list[Request], list[Request]]:
         if launched is None:
             self._in_flight = None
         try:
@@ -249,11 +251,11 @@ class LLMEngine:
         ids.update({i: live[i].request_id for i in out.preempted_seq_ids})
         return ids
 
-    def _step_sync(self) -> list[Request]:
+    def _step_sync(self) -> tuple[list[Request], list[Request]]:
         out, t0, schedule_s = self._schedule()
         if out.is_empty and not out.preempted_seq_ids:
             self._no_progress()
-            return []
+            return [], []
         if self.hooks.active("step.scheduled"):
             self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
         try:
@@ -264,19 +266,19 @@ class LLMEngine:
         return self._end_step(out, result, t0, schedule_s, None)
 
     def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
-                  request_ids: dict[int, str] | None) -> list[Request]:
+                  request_ids: dict[int, str] | None) -> tuple[list[Request], list[Request]]:
         """Post-process a step whose tokens are back, check invariants, fire ``step.end``."""
         t2 = time.perf_counter()
         request_ids = request_ids if request_ids is not None else self._step_request_ids(out)
-        progressed = self.scheduler.update_from_output(out, result, t2)
+        progressed, finished = self.scheduler.update_from_output(out, result, t2)
         for req in progressed:
             # A stop string beats "length" (the token that completes it may also be the last).
-            if (req.params.stop_strings and req.finish_reason in (None, "length")
+            if (req.stop_strings and req.finish_reason in (None, "length")
                     and req.num_output_tokens >= req.params.min_tokens and self._hit_stop_string(req)):
                 if req.finish_reason is None:
                     self.scheduler.finish_request(req, "stop")
+                    finished.append(req)
                 req.finish_reason = "stop"
-        finished = [r for r in progressed if r.is_finished]
         for req in finished:
             self._finished(req)
         t3 = time.perf_counter()
@@ -294,13 +296,13 @@ class LLMEngine:
                 running=[r.request_id for r in self.scheduler.running],
                 timings=timings, cuda_graph=result.cuda_graph,
             ))
-        return progressed
+        return progressed, finished
 
     # ------------------------------------------------------------ text
     def _hit_stop_string(self, req: Request) -> bool:
         """Search only the text added since the last check (and the stop strings' reach back
         into it); on a hit, cut the exact full decode at the earliest stop string."""
-        stops = req.params.stop_strings
+        stops = req.stop_strings
         checked = len(req.streamed_text)
         text = self._stream_text(req)
         start = max(0, checked - max(map(len, stops)) + 1)
@@ -356,10 +358,10 @@ class LLMEngine:
             num_cached_tokens=req.metrics.num_cached_tokens,
         )
 
-    def _release(self, request_id: str) -> None:
+    def _release(self, req: Request) -> None:
         """Forget a finished request once its last output is out."""
-        self.requests.pop(request_id, None)
-        self._final_only.discard(request_id)
+        if self.requests.pop(req.request_id, None) is not None:
+            self._num_streaming -= not req.final_only
 
     def check_invariants(self) -> None:
         check_invariants(self.scheduler)

@@ -49,6 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    final_only: bool = False  # report it only when it finishes (LLM.generate's requests)
+    stop_strings: list[str] = field(init=False, default_factory=list)  # params'; read per token
     output_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""  # the final text, set when the request finishes
@@ -56,6 +58,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.stop_strings = self.params.stop_strings
         if self.params.logprobs is not None:
             self.output_logprobs = []
 

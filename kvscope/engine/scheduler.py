@@ -33,6 +33,8 @@ from kvscope.engine.executor import StepResult
 from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
+_NONE: tuple[int, ...] = ()  # the usual decode row's new block ids (shared, never mutated)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
@@ -157,7 +159,7 @@ class Scheduler:
             seq_id=req.seq_id,
             token_ids=token_ids,
             start=start,
-            new_block_ids=table[req.num_sent_blocks:],
+            new_block_ids=table[req.num_sent_blocks:] if len(table) > req.num_sent_blocks else _NONE,
             resumed_from_preemption=req.resumed,
             is_prefill=start < req.prefill_len,
             sample=sample,
@@ -187,14 +189,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # ----------------------------------------------------------- post-process
-    def update_from_output(self, out: SchedulerOutput, result: StepResult, now: float) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, result: StepResult, now: float
+                           ) -> tuple[list[Request], list[Request]]:
         """Apply a step's sampled tokens: append them, hash the blocks they completed, and finish
         requests that hit a token-level stop (EOS, ``stop_token_ids``, length).
 
-        Returns the requests that got a token, in row order. Stop strings need text, so the
-        engine checks those and calls :meth:`finish_request` itself.
+        Returns the requests that got a token and those among them that finished. Stop strings
+        need text, so the engine checks those and calls :meth:`finish_request` itself.
         """
-        progressed = []
+        progressed, finished = [], []
         bm = self.block_manager
         for r in out.requests:
             req = self.requests.get(r.seq_id)
@@ -221,7 +224,8 @@ class Scheduler:
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self.finish_request(req, reason)
-        return progressed
+                finished.append(req)
+        return progressed, finished
 
     @staticmethod
     def _stop_reason(req: Request, token: int) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Sequence
 
 import numpy as np
 
@@ -29,7 +30,7 @@ class ScheduledRequest:
     seq_id: int
     token_ids: list[int]        # the tokens computed this step: request.token_ids[start:start+n]
     start: int                  # num_computed_tokens before this step (first position)
-    new_block_ids: list[int]    # block ids appended to the table since the runner last saw it
+    new_block_ids: Sequence[int]  # block ids appended to the table since the runner last saw it
     resumed_from_preemption: bool  # the table starts over: new_block_ids is all of it
     is_prefill: bool            # False only for a one-token decode row of a running request
     sample: bool                # True when this chunk reaches the sequence's last token
