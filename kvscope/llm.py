@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
@@ -11,6 +12,7 @@ from kvscope.model_source import resolve_model_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
 from kvscope.engine.hooks import HookRegistry
+from kvscope.engine.interrupts import deferred_interrupts
 
 if TYPE_CHECKING:
     from kvscope.trace.trace import Trace
@@ -89,6 +91,10 @@ class LLM:
         self.llm_engine = LLMEngine(
             self.config, executor, tokenizer, max_model_len, sorted(_eos_ids(model_dir, tokenizer))
         )
+        # One caller at a time (calls from other threads wait; a hook re-enters on its thread),
+        # and outputs of streamed requests that finished while generate() stepped the engine.
+        self._lock = threading.RLock()
+        self._undelivered: dict[str, RequestOutput] = {}
 
     # ------------------------------------------------------------ vLLM API
     def get_tokenizer(self) -> Any:
@@ -100,7 +106,12 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+        """Run prompts to completion; outputs come back in input order.
+
+        Calls from several threads run one after another. Requests added with
+        :meth:`add_request` keep running meanwhile; their outputs come from the next
+        :meth:`step`. Ctrl-C aborts this call's requests (their blocks are freed) and re-raises.
+        """
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -111,15 +122,22 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        engine = self.llm_engine
-        ids: list[str] = []
-        try:
-            for p, sp in zip(prompt_list, params_list):
-                ids.append(engine.add_request(p, sp, final_only=True))
-            return self._run(ids, use_tqdm)
-        finally:
-            for rid in ids:
-                engine.abort_request(rid)
+        with self._lock:
+            engine = self.llm_engine
+            if engine.in_step:
+                raise RuntimeError(
+                    "LLM.generate was called from inside a kvscope hook while the engine was in a "
+                    "step; only step.end hooks may call it (or add_request / abort_request from any hook)")
+            ids: list[str] = []
+            try:
+                with deferred_interrupts():  # a Ctrl-C lands once every added id is in ids
+                    for p, sp in zip(prompt_list, params_list):
+                        ids.append(engine.add_request(p, sp, final_only=True))
+                return self._run(ids, use_tqdm)
+            finally:
+                with deferred_interrupts():
+                    for rid in ids:
+                        engine.abort_request(rid, report=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -131,15 +149,20 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="kvscope generate", unit="req")
         try:
-            while pending:
+            while True:
+                # Outputs land in _undelivered first: a step.end hook's own generate() may have
+                # stepped the engine and collected this call's finished requests there.
+                for rid in [rid for rid, o in self._undelivered.items() if rid in pending and o.finished]:
+                    done[rid] = self._undelivered.pop(rid)
+                    pending.discard(rid)
+                    if bar is not None:
+                        bar.update(1)
+                if not pending:
+                    break
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
                 for out in engine.step():
-                    if out.finished and out.request_id in pending:
-                        done[out.request_id] = out
-                        pending.discard(out.request_id)
-                        if bar is not None:
-                            bar.update(1)
+                    self._undelivered[out.request_id] = out
         finally:
             if bar is not None:
                 bar.close()
@@ -148,20 +171,35 @@ class LLM:
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        return self.llm_engine.add_request(prompt, params, request_id)
+        """Queue a request for :meth:`step` (streaming); safe from inside any hook."""
+        with self._lock:
+            return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
-        return self.llm_engine.step()
+        """One engine step: an output for every streamed request that progressed or finished
+        (and, first, those that progressed while :meth:`generate` ran the engine)."""
+        with self._lock:
+            outputs = self.llm_engine.step()
+            if self._undelivered:
+                newer = {o.request_id for o in outputs}
+                outputs = [o for rid, o in self._undelivered.items() if rid not in newer] + outputs
+                self._undelivered.clear()
+            return outputs
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            self.llm_engine.abort_request(rid)
+        """Abort requests wherever they are (the next :meth:`step` reports each with
+        ``finish_reason="abort"``); safe from inside any hook."""
+        with self._lock:
+            for rid in [request_id] if isinstance(request_id, str) else request_id:
+                self.llm_engine.abort_request(rid)
+                self._undelivered.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.llm_engine.has_unfinished_requests()
+        return self.llm_engine.has_unfinished_requests() or bool(self._undelivered)
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+        with self._lock:
+            return self.llm_engine.reset_prefix_cache()
 
     # ---------------------------------------------------------- kvscope API
     @property

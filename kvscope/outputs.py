@@ -38,6 +38,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    error: str | None = None  # why a request that failed alone inside a step ended ("abort")
 
     def finished(self) -> bool:
         return self.finish_reason is not None

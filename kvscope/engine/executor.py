@@ -14,6 +14,7 @@ class StepResult:
     tokens: dict[int, int]
     logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # prepare_s, forward_s, sample_s
+    errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its row could not be sampled
     cuda_graph: bool = False
 
 

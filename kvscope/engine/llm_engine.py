@@ -15,16 +15,19 @@ synchronously.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence as Seq
+from itertools import chain
+from typing import Any, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
+from kvscope.engine.interrupts import atomic
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.request import Request
 from kvscope.engine.scheduler_output import SchedulerOutput
@@ -64,8 +67,17 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._in_flight: _InFlight | None = None
         self._last_step_end = 0.0
+        # Re-entry from hooks: while the scheduler is inside a transition (``_busy``), an abort
+        # or a prefix-cache reset a hook asks for waits until the transition ends.
+        self._busy = 0
+        self._pending_aborts: list[str] = []
+        self._pending_reset = False
+        self._num_aborts = 0
+        self._stepping = False               # inside step(), before its step.end hooks
+        self._aborted: list[Request] = []    # aborted requests the next step() reports
 
     # ------------------------------------------------------------- requests
+    @atomic
     def add_request(
         self,
         prompt: PromptType,
@@ -124,12 +136,13 @@ class LLMEngine:
         )
         self.requests[request_id] = req
         self._num_streaming += not final_only
-        self.scheduler.add_request(req)
-        if self.hooks.active("request.added"):
-            self.hooks.fire(
-                "request.added", step=self.scheduler.step_count, request_id=request_id,
-                prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
-            )
+        with self._transition():
+            self.scheduler.add_request(req)
+            if self.hooks.active("request.added"):
+                self.hooks.fire(
+                    "request.added", step=self.scheduler.step_count, request_id=request_id,
+                    prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
+                )
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -145,35 +158,112 @@ class LLMEngine:
             return None, list(prompt)
         raise TypeError(f"prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; returns False if it is unknown or already finished."""
+    @atomic
+    def abort_request(self, request_id: str, report: bool = True) -> bool:
+        """Stop a request wherever it is; returns False if it is unknown or already finished.
+
+        The next :meth:`step` reports it (``finish_reason="abort"``) unless ``report`` is
+        False. Safe from any hook: inside a scheduler transition the abort is applied as soon
+        as the transition ends (and the request's row, if it was just scheduled, never runs).
+        """
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             return False
-        self.scheduler.finish_request(req, "abort")
-        self._finished(req)
-        self._release(req)
+        if self._busy:
+            if request_id not in self._pending_aborts:
+                self._pending_aborts.append(request_id)
+            return True
+        self._abort(req, report)
+        self._settle()
         return True
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+    def _abort(self, req: Request, report: bool = True) -> None:
+        with self._transition():
+            self.scheduler.finish_request(req, "abort")
+        self._num_aborts += 1
+        self._finished(req)
+        self._release(req)
+        if report:
+            self._aborted.append(req)
 
+    def _settle(self) -> None:
+        """Nothing left to run but a launched step (async scheduling, everything aborted): read
+        it back, so ``has_unfinished_requests()`` is false again."""
+        if self._in_flight is not None and not (self._busy or self._stepping or self.scheduler.has_unfinished()):
+            self._resolve(self._in_flight)
+
+    @contextlib.contextmanager
+    def _transition(self) -> Iterator[None]:
+        """Mark a scheduler transition; apply what hooks asked for meanwhile once it ends."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+        if not self._busy:
+            self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        while self._pending_aborts:
+            req = self.requests.get(self._pending_aborts.pop(0))
+            if req is not None and not req.is_finished:
+                self._abort(req)
+        if self._pending_reset:
+            self._pending_reset = False
+            with self._transition():
+                self.block_manager.reset_prefix_cache()
+
+    @property
+    def in_step(self) -> bool:
+        """True while a step or a scheduler transition is under way (hooks run then): a nested
+        ``step()`` or ``LLM.generate`` would corrupt it. ``step.end`` hooks run after it."""
+        return self._stepping or self._busy > 0
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether :meth:`step` has anything to do: requests to run, a step in flight, or
+        aborted requests to report."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
+
+    @atomic
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached free block (vLLM's ``reset_prefix_cache``)."""
-        return self.block_manager.reset_prefix_cache()
+        """Forget every cached free block (vLLM's ``reset_prefix_cache``); from a hook inside a
+        scheduler transition it happens when the transition ends."""
+        if self._busy:
+            self._pending_reset = True
+            return True
+        with self._transition():
+            return self.block_manager.reset_prefix_cache()
 
     # ----------------------------------------------------------------- step
+    @atomic
     def step(self) -> list[RequestOutput]:
         """Run one step; return a RequestOutput for every request that progressed or finished
-        (a ``final_only`` request only when it finished).
+        (a ``final_only`` request only when it finished; a request a hook aborted during the
+        step, too).
 
-        Finished requests are forgotten once reported, as in vLLM.
+        Finished requests are forgotten once reported, as in vLLM. Ctrl-C is held until the
+        step is done, so it never lands inside a transition.
         """
-        progressed, finished = self._step()
+        if self.in_step:
+            raise RuntimeError(
+                "the engine was stepped (step() or LLM.generate) from inside a kvscope hook while a "
+                "step was under way; only step.end hooks may do that")
+        self._stepping = True
+        try:
+            self._apply_pending()
+            progressed, finished = self._step()
+        finally:
+            self._stepping = False
+        if self._aborted:
+            aborted, self._aborted = self._aborted, []
+            seen = {id(r) for r in finished}
+            finished += [r for r in aborted if id(r) not in seen]
+        reported = finished
         if self._num_streaming:
-            outputs = [self._output(r) for r in progressed if r.is_finished or not r.final_only]
-        else:
-            outputs = [self._output(r) for r in finished]
+            reported = [r for r in progressed if not r.final_only or r.is_finished]
+            seen = {id(r) for r in reported}
+            reported += [r for r in finished if id(r) not in seen]  # ended without a token
+        outputs = [self._output(r) for r in reported]
         for req in finished:
             self._release(req)
         return outputs
@@ -187,17 +277,23 @@ class LLMEngine:
             return self._resolve(self._in_flight)
         return self._step_sync()
 
-    def _schedule(self) -> tuple[SchedulerOutput, float, float]:
-        """Schedule one step; report its preemptions. Returns the output, its start and its duration."""
+    def _schedule(self) -> tuple[SchedulerOutput, float, float, dict[int, str] | None]:
+        """Schedule one step and report its preemptions. Returns the output, its start, its
+        duration, and (for ``step.end`` hooks) the request ids of its rows."""
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        if out.preempted_seq_ids and self.hooks.active("request.preempted"):
-            for seq_id in out.preempted_seq_ids:
-                req = self.scheduler.requests[seq_id]
-                self.hooks.fire("request.preempted", step=out.step, request_id=req.request_id,
-                                num_computed_tokens_lost=req.num_tokens)
-        return out, t0, t1 - t0
+        aborts = self._num_aborts
+        with self._transition():
+            out = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            if out.preempted_seq_ids and self.hooks.active("request.preempted"):
+                for seq_id in out.preempted_seq_ids:
+                    req = self.scheduler.requests[seq_id]
+                    self.hooks.fire("request.preempted", step=out.step, request_id=req.request_id,
+                                    num_computed_tokens_lost=req.num_tokens)
+            request_ids = self._step_request_ids(out)
+        if self._num_aborts != aborts:  # a hook aborted requests while this step was scheduled
+            self.scheduler.discard_finished_rows(out)
+        return out, t0, t1 - t0, request_ids
 
     def _no_progress(self) -> None:
         if self.scheduler.has_unfinished():
@@ -209,7 +305,7 @@ class LLMEngine:
 
     def _step_async(self) -> tuple[list[Request], list[Request]]:
         """Schedule and launch step n, then read back and post-process step n-1."""
-        out, t0, schedule_s = self._schedule()
+        out, t0, schedule_s, request_ids = self._schedule()
         launched = None
         if out.requests or out.preempted_seq_ids:  # (a step of preemptions alone is reported too)
             try:
@@ -217,7 +313,7 @@ class LLMEngine:
             except BaseException:
                 self._rollback_in_flight(self._in_flight.out if self._in_flight else None, out)
                 raise
-            launched = _InFlight(out, handle, t0, schedule_s, self._step_request_ids(out))
+            launched = _InFlight(out, handle, t0, schedule_s, request_ids)
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             if launched is None:
@@ -239,7 +335,8 @@ class LLMEngine:
     def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
         """A launched step failed: roll back every step in flight."""
         self._in_flight = None
-        self.scheduler.rollback(*outs, forget_prefix_cache=True)
+        with self._transition():
+            self.scheduler.rollback(*outs, forget_prefix_cache=True)
 
     def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions, taken while all are known
@@ -247,12 +344,11 @@ class LLMEngine:
         if not self.hooks.active("step.end"):
             return None
         live = self.scheduler.requests
-        ids = {r.seq_id: live[r.seq_id].request_id for r in out.requests}
-        ids.update({i: live[i].request_id for i in out.preempted_seq_ids})
-        return ids
+        return {i: live[i].request_id for i in chain((r.seq_id for r in out.requests), out.preempted_seq_ids)
+                if i in live}
 
     def _step_sync(self) -> tuple[list[Request], list[Request]]:
-        out, t0, schedule_s = self._schedule()
+        out, t0, schedule_s, request_ids = self._schedule()
         if out.is_empty and not out.preempted_seq_ids:
             self._no_progress()
             return [], []
@@ -261,24 +357,27 @@ class LLMEngine:
         try:
             result = self.executor.execute(out) if out.requests else StepResult(tokens={})
         except BaseException:
-            self.scheduler.rollback(out)
+            with self._transition():
+                self.scheduler.rollback(out)
             raise
-        return self._end_step(out, result, t0, schedule_s, None)
+        return self._end_step(out, result, t0, schedule_s, request_ids)
 
     def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
                   request_ids: dict[int, str] | None) -> tuple[list[Request], list[Request]]:
         """Post-process a step whose tokens are back, check invariants, fire ``step.end``."""
         t2 = time.perf_counter()
-        request_ids = request_ids if request_ids is not None else self._step_request_ids(out)
-        progressed, finished = self.scheduler.update_from_output(out, result, t2)
-        for req in progressed:
-            # A stop string beats "length" (the token that completes it may also be the last).
-            if (req.stop_strings and req.finish_reason in (None, "length")
-                    and req.num_output_tokens >= req.params.min_tokens and self._hit_stop_string(req)):
-                if req.finish_reason is None:
-                    self.scheduler.finish_request(req, "stop")
-                    finished.append(req)
-                req.finish_reason = "stop"
+        if request_ids is None:  # launched before a step.end hook was attached
+            request_ids = self._step_request_ids(out)
+        with self._transition():
+            progressed, finished = self.scheduler.update_from_output(out, result, t2)
+            for req in progressed:
+                # A stop string beats "length" (the token that completes it may also be the last).
+                if (req.stop_strings and req.finish_reason in (None, "length") and not req.error
+                        and req.num_output_tokens >= req.params.min_tokens and self._hit_stop_string(req)):
+                    if req.finish_reason is None:
+                        self.scheduler.finish_request(req, "stop")
+                        finished.append(req)
+                    req.finish_reason = "stop"
         for req in finished:
             self._finished(req)
         t3 = time.perf_counter()
@@ -287,6 +386,7 @@ class LLMEngine:
         # Under async scheduling a step starts before the previous one ends; starting the
         # clock at the later of the two makes durations add up to wall time, as in sync mode.
         start, self._last_step_end = max(t0, self._last_step_end), t3
+        self._stepping = False  # step.end hooks may step the engine again (e.g. LLM.generate)
         if self.hooks.active("step.end"):
             timings = {"schedule_s": schedule_s, **result.timings, "postprocess_s": t3 - t2}
             self.hooks.fire("step.end", info=StepInfo(
@@ -327,11 +427,12 @@ class LLMEngine:
         if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
             req.text = self._decode(req)
         if self.hooks.active("request.finished"):
-            self.hooks.fire(
-                "request.finished", step=self.scheduler.step_count, request_id=req.request_id,
-                finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
-                output_token_ids=list(req.output_token_ids), metrics=req.metrics,
-            )
+            with self._transition():
+                self.hooks.fire(
+                    "request.finished", step=self.scheduler.step_count, request_id=req.request_id,
+                    finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+                    output_token_ids=list(req.output_token_ids), metrics=req.metrics,
+                )
 
     def _decode(self, req: Request) -> str:
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
@@ -347,6 +448,7 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
             cumulative_logprob=None if req.output_logprobs is None else req.cumulative_logprob,
+            error=req.error,
         )
         return RequestOutput(
             request_id=req.request_id,

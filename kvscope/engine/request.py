@@ -49,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # set when the request failed alone inside a step
     final_only: bool = False  # report it only when it finishes (LLM.generate's requests)
     stop_strings: list[str] = field(init=False, default_factory=list)  # params'; read per token
     output_logprobs: list[dict[int, float]] | None = None

@@ -81,6 +81,14 @@ class Scheduler:
             out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
 
+    def discard_finished_rows(self, out: SchedulerOutput) -> None:
+        """Drop the rows of requests finished after they were scheduled, before the step runs
+        (a hook aborted them while the step was being scheduled)."""
+        out.requests = [r for r in out.requests if r.seq_id in self.requests]
+        if not out.requests:  # the step will not reach the runner: keep its news for the next
+            self._finished_seq_ids += out.finished_seq_ids
+            out.finished_seq_ids = []
+
     def _schedule_unified(self, out: SchedulerOutput) -> None:
         budget = self._schedule_running(out, out.token_budget, prefill_only=False)
         if not out.preempted_seq_ids:
@@ -209,6 +217,12 @@ class Scheduler:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
             if not r.sample:
+                continue
+            if result.errors and r.seq_id in result.errors:  # this request failed alone
+                req.num_pending -= 1
+                req.error = result.errors[r.seq_id]
+                self.finish_request(req, "abort")
+                finished.append(req)
                 continue
             token = result.tokens[r.seq_id]
             req.token_ids.append(token)

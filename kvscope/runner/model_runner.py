@@ -18,7 +18,7 @@ import torch.distributed as dist
 from kvscope.config import EngineConfig
 from kvscope.distributed.parallel_state import tp_all_reduce
 from kvscope.engine.executor import DoneStep, StepHandle, StepResult
-from kvscope.engine.scheduler_output import PLACEHOLDER, SchedulerOutput
+from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.select import select_backend
@@ -29,8 +29,10 @@ from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.inputs import BlockTables, DeviceInputs, StepInputs, build_step_inputs
 from kvscope.runner.sampler import DeviceSample, Sampler
+from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FALLBACK = SamplingParams(temperature=0)  # stands in for a row whose own parameters fail
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -286,12 +288,34 @@ class ModelRunner:
             if logits is None:
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
-            s = self.sampler.sample(logits, [r.params for r in sampled], [r.output_index for r in sampled])
+            s, errors = self._sample(logits, sampled)
         self._last_sample = s.tokens
         self._last_rows = {r.seq_id: i for i, r in enumerate(sampled)}
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        step = _LaunchedStep(s, [r.seq_id for r in sampled], timings, use_graph)
+        step = _LaunchedStep(s, [r.seq_id for r in sampled], timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
+
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[DeviceSample, dict[int, str]]:
+        """Sample every row; a row whose own parameters make sampling fail fails alone.
+
+        Such a row is found by sampling each row by itself, then sampled greedily in the batch
+        so the other rows keep their places; its error goes back to the scheduler, which ends
+        the request with ``finish_reason="abort"``.
+        """
+        params, index = [r.params for r in rows], [r.output_index for r in rows]
+        try:
+            return self.sampler.sample(logits, params, index), {}
+        except Exception:
+            errors: dict[int, str] = {}
+            for i, r in enumerate(rows):
+                try:
+                    self.sampler.sample(logits[i:i + 1], [r.params], [r.output_index])
+                except Exception as exc:
+                    errors[r.seq_id] = f"{type(exc).__name__}: {exc}"
+                    params[i] = _FALLBACK
+            if not errors:
+                raise  # not one row's fault
+            return self.sampler.sample(logits, params, index), errors
 
     def kv_shards(self) -> list[dict[str, int]]:
         """This rank's share of the KV heads and of the pool's bytes (see docs/TRACE_API.md)."""
@@ -319,8 +343,9 @@ class _LaunchedStep:
     """A step whose tokens are still being copied back from the device."""
 
     def __init__(self, sample: DeviceSample, seq_ids: list[int], timings: dict[str, float],
-                 cuda_graph: bool) -> None:
+                 cuda_graph: bool, errors: dict[int, str]) -> None:
         self._sample, self._seq_ids, self._timings, self._graph = sample, seq_ids, timings, cuda_graph
+        self._errors = errors
 
     def result(self) -> StepResult:
         t0 = time.perf_counter()
@@ -328,4 +353,4 @@ class _LaunchedStep:
         timings = {**self._timings, "sample_s": self._timings["sample_s"] + time.perf_counter() - t0}
         logprobs = {} if s.logprobs is None else dict(zip(self._seq_ids, s.logprobs))
         return StepResult(tokens=dict(zip(self._seq_ids, s.tokens)), logprobs=logprobs,
-                          timings=timings, cuda_graph=self._graph)
+                          timings=timings, cuda_graph=self._graph, errors=self._errors)

@@ -1,0 +1,218 @@
+"""Nothing a caller does from a hook, a thread or the keyboard breaks the engine (issue #14).
+
+Every test ends by checking the engine is healthy: nothing unfinished, the invariant validator
+passes, and greedy tokens equal a fresh engine's.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope.engine.hooks import HOOK_POINTS
+from kvscope.engine.validator import InvariantError
+
+# Two requests reuse and share the first one's prefix block, the pool is small enough to evict
+# and preempt, and prompts are chunked: every hook point fires during PROMPTS.
+PREFIX = [3, 4, 5, 6]
+PROMPTS = [PREFIX + [7, 8], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], PREFIX + [9], PREFIX + [30, 31, 32, 33]]
+CONFIG = dict(block_size=4, num_kv_blocks=8, max_num_batched_tokens=12, max_num_seqs=3)
+_FRESH: dict[str, list[list[int]]] = {}
+
+
+def fresh_tokens(prompts: list[list[int]], n: int = 6) -> list[list[int]]:
+    """Greedy tokens from an engine nothing happened to (greedy tokens do not depend on batching)."""
+    key = repr((prompts, n))
+    if key not in _FRESH:
+        _FRESH[key] = token_ids(make_llm(**CONFIG).generate(prompts, greedy(n), use_tqdm=False))
+    return _FRESH[key]
+
+
+def assert_healthy(llm) -> None:
+    engine = llm.llm_engine
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+
+
+def drain(llm) -> dict[str, object]:
+    """Step until idle; the final output of every request, by id."""
+    final = {}
+    for _ in range(500):
+        if not llm.has_unfinished_requests():
+            return final
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    raise AssertionError("the engine did not drain")
+
+
+# ------------------------------------------------------------------ case 2
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_whose_sampling_fails_fails_alone(async_scheduling: bool) -> None:
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+    bad = llm.llm_engine.requests[ids[1]]
+    bad.params = greedy(6, logprobs=llm.llm_engine.vocab_size + 5)  # slipped past validation
+    final = drain(llm)
+    assert set(final) == set(ids)
+    out = final[ids[1]].outputs[0]
+    assert out.finish_reason == "abort" and "out of range" in out.error
+    good = [p for i, p in enumerate(PROMPTS) if i != 1]
+    assert [final[i].outputs[0].token_ids for i in ids if i != ids[1]] == fresh_tokens(good)
+    assert all(final[i].outputs[0].error is None for i in ids if i != ids[1])
+    assert_healthy(llm)
+
+
+# ------------------------------------------------------------------ case 3
+def test_validator_catches_an_aborted_request_still_running_and_one_in_no_queue() -> None:
+    llm = make_llm(validate=False, **CONFIG)
+    engine = llm.llm_engine
+    ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+    llm.step()
+    running, waiting = engine.scheduler.running[0], engine.scheduler.waiting[0]
+    running.status, status = type(running.status).FINISHED, running.status
+    with pytest.raises(InvariantError, match="finished but queued as running"):
+        llm.check_invariants()
+    running.status = status
+    engine.scheduler.waiting.remove(waiting)
+    with pytest.raises(InvariantError, match="in no queue"):
+        llm.check_invariants()
+    engine.scheduler.waiting.appendleft(waiting)
+    llm.check_invariants()
+    assert set(drain(llm)) == set(ids)
+
+
+@pytest.mark.parametrize("point", [p for p in HOOK_POINTS if p != "step.end"] + ["step.end"])
+def test_abort_add_and_reset_from_every_hook_point(point: str) -> None:
+    """At the first firing of ``point`` a hook aborts the request the event is about (or the
+    first one), adds a new request and resets the prefix cache. Every request still finishes
+    exactly once, the others with a fresh engine's tokens."""
+    llm = make_llm(**CONFIG)
+    ids: list[str] = []
+    added: list[str] = []
+
+    def hook(**payload) -> None:
+        if added or not ids:
+            return
+        added.append(None)  # (the abort fires hooks itself: act once)
+        candidates = [payload.get("request_id")] + ids  # the event's request, else the first unfinished
+        added[0] = next(r for r in candidates if r in ids and llm.llm_engine.abort_request(r))
+        added.append(llm.add_request([22, 23, 24], greedy(6)))
+        llm.reset_prefix_cache()
+
+    with llm.hooks({point: hook}):
+        for p in PROMPTS:
+            ids.append(llm.add_request(p, greedy(6)))
+        final = drain(llm)
+    assert added, f"{point} never fired"
+    victim, new = added
+    assert set(final) == set(ids) | {new}
+    assert final[victim].outputs[0].finish_reason == "abort"
+    for i, p in zip(ids, PROMPTS):
+        if i != victim:
+            assert final[i].outputs[0].token_ids == fresh_tokens([p])[0]
+    assert final[new].outputs[0].token_ids == fresh_tokens([[22, 23, 24]])[0]
+    assert_healthy(llm)
+
+
+# ------------------------------------------------------------------ case 4
+@pytest.mark.parametrize("point", [p for p in HOOK_POINTS if p != "step.end"])
+def test_generate_from_inside_a_hook_is_refused_and_touches_nothing(point: str) -> None:
+    llm = make_llm(**CONFIG)
+    refused: list[Exception] = []
+
+    def hook(**_) -> None:
+        try:
+            llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    with llm.hooks({point: hook}):
+        outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert refused and all("inside a kvscope hook" in str(e) for e in refused)
+    assert token_ids(outs) == fresh_tokens(PROMPTS)
+    assert_healthy(llm)
+
+
+def test_generate_from_step_end_works() -> None:
+    llm = make_llm(**CONFIG)
+    nested = []
+
+    def hook(info) -> None:
+        if not nested:
+            nested.append(None)
+            nested[0] = llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+
+    with llm.hooks({"step.end": hook}):
+        outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert token_ids(outs) == fresh_tokens(PROMPTS)
+    assert token_ids(nested[0]) == fresh_tokens([[5, 6, 7]], 3)
+    assert_healthy(llm)
+
+
+# ------------------------------------------------------------------ case 5
+def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
+    llm = make_llm(**CONFIG)
+    barrier, results, errors = threading.Barrier(4), {}, []
+
+    def run(k: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                prompts = PROMPTS[k:] + PROMPTS[:k]
+                results.setdefault(k, []).append(token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)))
+                llm.add_request([5, 6, 7], greedy(2))
+                llm.abort_request(llm.add_request([8, 9], greedy(2)))
+        except BaseException as exc:  # any internal error fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for k, runs in results.items():
+        assert runs == [fresh_tokens(PROMPTS[k:] + PROMPTS[:k])] * 3
+    drain(llm)
+    assert_healthy(llm)
+
+
+# ------------------------------------------------------------------ case 6
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("point", HOOK_POINTS)
+def test_ctrl_c_at_every_transition_aborts_the_call_and_the_engine_serves_on(point: str, async_scheduling: bool) -> None:
+    """A real SIGINT raised at the 1st, 2nd, 5th and 9th firing of each hook point (every
+    scheduler and block-manager transition fires one) during generate()."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    for k in (1, 2, 5, 9):
+        calls = [0]
+
+        def hook(**_) -> None:
+            calls[0] += 1
+            if calls[0] == k:
+                signal.raise_signal(signal.SIGINT)
+
+        interrupted = False
+        with llm.hooks({point: hook}):
+            try:
+                llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+            except KeyboardInterrupt:
+                interrupted = True
+        assert interrupted == (calls[0] >= k)
+        assert_healthy(llm)
+
+
+# ------------------------------------------------------------------ case 7
+def test_a_streamed_request_that_finishes_inside_generate_arrives_from_the_next_step() -> None:
+    llm = make_llm(**CONFIG)
+    rid = llm.add_request([10, 11, 12], greedy(2))
+    outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert token_ids(outs) == fresh_tokens(PROMPTS)
+    assert llm.has_unfinished_requests()  # its output has not been delivered yet
+    delivered = [o for o in llm.step() if o.request_id == rid]
+    assert len(delivered) == 1 and delivered[0].finished
+    assert delivered[0].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
+    assert_healthy(llm)
