@@ -191,8 +191,7 @@ class LLM:
         ``finish_reason="abort"``); safe from inside any hook."""
         with self._lock:
             for rid in [request_id] if isinstance(request_id, str) else request_id:
-                self.llm_engine.abort_request(rid)
-                self._undelivered.pop(rid, None)
+                self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
     def has_unfinished_requests(self) -> bool:
         return self.llm_engine.has_unfinished_requests() or bool(self._undelivered)

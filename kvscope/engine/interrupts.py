@@ -47,6 +47,11 @@ def deferred_interrupts() -> Iterator[None]:
             _deliver(previous)
 
 
+def interrupt_pending() -> bool:
+    """Whether a Ctrl-C is being held (an operation can then undo itself before it lands)."""
+    return bool(_held)
+
+
 def _deliver(handler: object) -> None:
     """Run the handler that was in place for the SIGINT that arrived meanwhile."""
     if callable(handler):

@@ -27,7 +27,7 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
-from kvscope.engine.interrupts import atomic
+from kvscope.engine.interrupts import atomic, interrupt_pending
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.request import Request
 from kvscope.engine.scheduler_output import SchedulerOutput
@@ -70,7 +70,7 @@ class LLMEngine:
         # Re-entry from hooks: while the scheduler is inside a transition (``_busy``), an abort
         # or a prefix-cache reset a hook asks for waits until the transition ends.
         self._busy = 0
-        self._pending_aborts: list[str] = []
+        self._pending_aborts: list[tuple[str, bool]] = []  # (request id, report)
         self._pending_reset = False
         self._num_aborts = 0
         self._stepping = False               # inside step(), before its step.end hooks
@@ -143,6 +143,8 @@ class LLMEngine:
                     "request.added", step=self.scheduler.step_count, request_id=request_id,
                     prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
                 )
+        if interrupt_pending():  # Ctrl-C while adding: the caller never gets the id, so undo it
+            self.abort_request(request_id, report=False)
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -170,8 +172,7 @@ class LLMEngine:
         if req is None or req.is_finished:
             return False
         if self._busy:
-            if request_id not in self._pending_aborts:
-                self._pending_aborts.append(request_id)
+            self._pending_aborts.append((request_id, report))
             return True
         self._abort(req, report)
         self._settle()
@@ -205,9 +206,10 @@ class LLMEngine:
 
     def _apply_pending(self) -> None:
         while self._pending_aborts:
-            req = self.requests.get(self._pending_aborts.pop(0))
+            request_id, report = self._pending_aborts.pop(0)
+            req = self.requests.get(request_id)
             if req is not None and not req.is_finished:
-                self._abort(req)
+                self._abort(req, report)
         if self._pending_reset:
             self._pending_reset = False
             with self._transition():
