@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine, PromptType
-from kvscope.model_source import resolve_model_dir
+from kvscope.inputs_validation import check_prompt
+from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
 from kvscope.trace.hooks import HookRegistry
@@ -64,12 +65,15 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        from kvscope.kv_pool_check import check_num_kv_blocks
+
+        self._shut_down = False
         model_dir = resolve_model_dir(model)
         self.config = EngineConfig.from_kwargs(model=str(model) if model is not None else None, **kwargs)
         hf_config = AutoConfig.from_pretrained(model_dir)
         tokenizer = (
             _NoTokenizer() if self.config.skip_tokenizer_init
-            else AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+            else AutoTokenizer.from_pretrained(resolve_tokenizer_dir(self.config.tokenizer, model_dir))
         )
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.config.max_model_len or max_pos
@@ -83,6 +87,7 @@ class LLM:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}), "
                 "or a long prompt could never be scheduled"
             )
+        check_num_kv_blocks(self.config, hf_config)
         self.model_dir = model_dir
         self.hf_config = hf_config
         executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
@@ -101,7 +106,15 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order."""
+        self._check_open()
         prompt_list = _as_prompt_list(prompts)
+        for p in prompt_list:
+            check_prompt(p)
+        if not isinstance(sampling_params, (SamplingParams, list, tuple, type(None))):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}; build one with SamplingParams(...)"
+            )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -149,13 +162,21 @@ class LLM:
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
+        self._check_open()
+        check_prompt(prompt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
         return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         return self.llm_engine.step()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) if isinstance(request_id, Iterable) else None
+        if ids is None or not all(isinstance(rid, str) for rid in ids):
+            raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
+        for rid in ids:
             self.llm_engine.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
@@ -189,7 +210,12 @@ class LLM:
         """Raise if any control-plane invariant of DESIGN.md is broken right now."""
         self.llm_engine.check_invariants()
 
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new LLM(...) to generate again")
+
     def shutdown(self) -> None:
+        self._shut_down = True
         executor = getattr(getattr(self, "llm_engine", None), "executor", None)
         if executor is not None:
             executor.shutdown()
@@ -205,7 +231,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if prompts and all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]
         return list(prompts)
     raise TypeError(f"prompts must be a str, a dict, or a list of them, got {type(prompts).__name__}")

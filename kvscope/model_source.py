@@ -43,3 +43,26 @@ def _cached_hub_snapshot(repo_id: str) -> str:
         ) from exc
     except Exception as exc:  # invalid repo id and similar
         raise FileNotFoundError(f"model={repo_id!r} is not a local directory and not a cached hub id: {exc}") from exc
+
+
+# Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
+
+def resolve_tokenizer_dir(tokenizer: str | None, model_dir: str) -> str:
+    """The directory (or cached hub id) to load the tokenizer from.
+
+    transformers loads a directory without vocabulary files as an empty tokenizer, and every
+    text prompt then tokenizes to nothing; refuse it here instead, naming the fix.
+    """
+    source = tokenizer or model_dir
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return source
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        which = f"tokenizer={tokenizer!r}" if tokenizer else f"the model directory {model_dir}"
+        raise FileNotFoundError(
+            f"{which} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass "
+            "tokenizer=<a directory with them>, or skip_tokenizer_init=True to give and get token ids only"
+        )
+    return str(path)

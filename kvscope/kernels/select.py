@@ -7,6 +7,9 @@ import torch
 
 from kvscope.kernels.base import AttentionBackend
 
+# The packages a backend imports when it runs (flash stores K/V with the Triton kernel).
+_REQUIRES = {"triton": ("triton",), "flash": ("flash_attn", "triton")}
+
 
 def _importable(module: str) -> bool:
     """Really import it: an installed package built for another torch or CUDA fails here."""
@@ -38,6 +41,10 @@ def select_backend(name: str, device: torch.device | str,
         from kvscope.kernels.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    missing = [m for m in _REQUIRES.get(name, ()) if not _importable(m)]
+    if missing:
+        raise ImportError(f"attention_backend={name!r} needs {' and '.join(missing)}, which does not import "
+                          "here; install it, or pick attention_backend='torch' (or 'auto')")
     if name == "triton":
         from kvscope.kernels.triton_attention import TritonAttentionBackend
 
