@@ -7,15 +7,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "kvscope-demo"
+_PACKAGE = Path(__file__).resolve().parent
+# An installed wheel carries the demo model inside the package (pyproject.toml maps it there);
+# a source checkout or an editable install reads it from its home in the repository, assets/.
+BUNDLED_MODEL_LOCATIONS = (_PACKAGE / "_demo_model", _PACKAGE.parent / "assets" / "kvscope-demo")
+BUNDLED_MODEL = next((p for p in BUNDLED_MODEL_LOCATIONS if (p / "config.json").exists()),
+                     BUNDLED_MODEL_LOCATIONS[0])
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled demo model is missing at {BUNDLED_MODEL}; reinstall kvscope from its "
-                "source tree (pip install -e .) or pass model=<local HF directory>"
+                f"the bundled demo model is missing (looked in {', '.join(map(str, BUNDLED_MODEL_LOCATIONS))}); "
+                "reinstall kvscope (pip install kvscope, or pip install -e . in its source tree) "
+                "or pass model=<local HF directory>"
             )
         return str(BUNDLED_MODEL)
     path = Path(model).expanduser()
