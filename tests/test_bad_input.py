@@ -52,6 +52,8 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                               TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),
     "SamplingParams as a dict": (lambda llm: llm.generate([[5, 6]], {"max_tokens": 3}, use_tqdm=False),
                                  TypeError, r"sampling_params must be a SamplingParams .* got dict"),
+    "one bad prompt among good ones": (lambda llm: llm.generate([[5, 6], [5, VOCAB]], use_tqdm=False),
+                                       ValueError, rf"prompt_token_ids contains {VOCAB}, outside the vocabulary"),
     "float id": (lambda llm: llm.generate([[5.0, 6]], use_tqdm=False), TypeError,
                  r"prompt_token_ids\[0\] is 5.0 \(float\); token ids must be integers"),
     "bool id": (lambda llm: llm.generate({"prompt_token_ids": [5, True]}, use_tqdm=False), TypeError,
@@ -73,13 +75,13 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
 def test_bad_request_input_is_refused_by_name_and_the_engine_stays_healthy(
         case: str, llm: LLM, fresh_tokens: list[list[int]]) -> None:
     feed, error, pattern = REQUEST_CASES[case]
-    llm.add_request([9, 10, 11], greedy(3))  # another request in flight, which must survive
+    llm.add_request(PROMPTS[0], greedy(3))  # another request in flight, which must be untouched
     with pytest.raises(error, match=pattern):
         feed(llm)
     outs = []
     while llm.has_unfinished_requests():
         outs += [o for o in llm.step() if o.finished]
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3]
+    assert token_ids(outs) == [fresh_tokens[0][:3]]
     assert_healthy(llm, fresh_tokens)
 
 
