@@ -1,4 +1,5 @@
-"""Refuses an explicit ``num_kv_blocks`` that the device's memory could never hold.
+"""Refuses an explicit KV pool size (``num_kv_blocks``, or ``kv_cache_memory_bytes`` on CPU) that
+the device's memory could never hold.
 
 The pool is allocated in one piece after the weights load; a size beyond the machine's memory
 used to surface as the allocator's raw error (or, on a CPU host, as the OOM killer), with no
@@ -15,25 +16,32 @@ from kvscope.config import EngineConfig
 from kvscope.runner.model_runner import kv_geometry, resolve_device, resolve_dtype
 
 
-def check_num_kv_blocks(config: EngineConfig, hf_config: Any) -> None:
-    """Raise ValueError naming ``num_kv_blocks`` if its pool exceeds the device's total memory."""
-    if config.num_kv_blocks is None:
-        return
+def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
+    """Raise ValueError naming the setting if the pool it asks for exceeds the device's total memory.
+
+    (On CUDA an unset ``num_kv_blocks`` is sized from free memory, so only an explicit one is checked.)
+    """
     device = resolve_device(config)
+    if config.num_kv_blocks is None and device.type == "cuda":
+        return
     layers, kv_heads, head_dim = kv_geometry(hf_config, config.tensor_parallel_size)
     block_bytes = 2 * layers * config.block_size * kv_heads * head_dim \
         * resolve_dtype(config, hf_config, device).itemsize
+    if config.num_kv_blocks is not None:
+        setting, num_blocks = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks
+    else:  # the CPU pool: as many blocks as the byte budget holds (at least one)
+        setting = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
+        num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
     if device.type == "cuda":  # one shard per GPU
-        need, total, where = config.num_kv_blocks * block_bytes, torch.cuda.mem_get_info(device)[1], f"{device}"
+        need, total, where = num_blocks * block_bytes, torch.cuda.mem_get_info(device)[1], f"{device}"
     else:  # every rank's shard lives in this host's memory
-        need = config.num_kv_blocks * block_bytes * config.tensor_parallel_size
+        need = num_blocks * block_bytes * config.tensor_parallel_size
         total, where = _host_memory_bytes(), "this host's memory"
     if total is not None and need > total:
         raise ValueError(
-            f"num_kv_blocks={config.num_kv_blocks} needs {need / 2**30:.1f} GiB of KV cache "
-            f"({block_bytes} bytes per {config.block_size}-token block), more than the "
-            f"{total / 2**30:.1f} GiB of {where}; lower num_kv_blocks or leave it unset to size "
-            "the pool from memory"
+            f"{setting} needs {need / 2**30:.1f} GiB of KV cache ({block_bytes} bytes per "
+            f"{config.block_size}-token block), more than the {total / 2**30:.1f} GiB of {where}; "
+            f"lower {setting.split('=')[0]}"
         )
 
 

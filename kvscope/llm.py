@@ -65,7 +65,7 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from kvscope.kv_pool_check import check_num_kv_blocks
+        from kvscope.kv_pool_check import check_kv_pool_fits
 
         self._shut_down = False
         model_dir = resolve_model_dir(model)
@@ -87,7 +87,7 @@ class LLM:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}), "
                 "or a long prompt could never be scheduled"
             )
-        check_num_kv_blocks(self.config, hf_config)
+        check_kv_pool_fits(self.config, hf_config)
         self.model_dir = model_dir
         self.hf_config = hf_config
         executor = _make_executor(self.config, hf_config, model_dir, max_model_len)

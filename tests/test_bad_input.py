@@ -108,6 +108,8 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "seed=10**30": (dict(seed=10**30), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
     "num_kv_blocks=10**9": (dict(num_kv_blocks=10**9), ValueError,
                             r"num_kv_blocks=1000000000 needs .* GiB of KV cache .* more than"),
+    "kv_cache_memory_bytes=2**60": (dict(kv_cache_memory_bytes=2**60, device="cpu"), ValueError,
+                                    rf"kv_cache_memory_bytes={2**60} needs .* GiB of KV cache .* more than"),
     "gpu_memory_utilization='abc'": (dict(gpu_memory_utilization="abc"), ValueError,
                                      r"gpu_memory_utilization must be a number in \(0, 1\], got 'abc'"),
     "gpu_memory_utilization=NaN": (dict(gpu_memory_utilization=float("nan")), ValueError,
