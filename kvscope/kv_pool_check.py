@@ -24,18 +24,19 @@ def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
     device = resolve_device(config)
     if config.num_kv_blocks is None and device.type == "cuda":
         return
-    layers, kv_heads, head_dim = kv_geometry(hf_config, config.tensor_parallel_size)
+    # Over all ranks' shards together (a rank count that does not divide the KV heads is the
+    # model's to refuse, by name, when it is built).
+    layers, kv_heads, head_dim = kv_geometry(hf_config, 1)
     block_bytes = 2 * layers * config.block_size * kv_heads * head_dim \
         * resolve_dtype(config, hf_config, device).itemsize
+    tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
-        setting, num_blocks = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks
-    else:  # the CPU pool: as many blocks as the byte budget holds (at least one)
-        setting = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}"
-        num_blocks = max(1, config.kv_cache_memory_bytes // block_bytes)
+        setting, need = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks * block_bytes
+    else:  # the CPU pool: each rank fills this byte budget
+        setting, need = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}", config.kv_cache_memory_bytes * tp
     if device.type == "cuda":  # one shard per GPU
-        need, total, where = num_blocks * block_bytes, torch.cuda.mem_get_info(device)[1], f"{device}"
+        need, total, where = need // tp, torch.cuda.mem_get_info(device)[1], f"{device}"
     else:  # every rank's shard lives in this host's memory
-        need = num_blocks * block_bytes * config.tensor_parallel_size
         total, where = _host_memory_bytes(), "this host's memory"
     if total is not None and need > total:
         raise ValueError(

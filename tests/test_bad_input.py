@@ -126,7 +126,7 @@ def test_bad_engine_config_is_refused_by_name(case: str) -> None:
 
 def test_triton_backend_without_triton_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    with pytest.raises(ImportError, match=r"attention_backend='triton' needs triton, which does not import"):
+    with pytest.raises(ImportError, match=r"attention_backend='triton' needs triton, not importable here: pip install triton"):
         make_llm(attention_backend="triton")
 
 
