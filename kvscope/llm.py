@@ -173,8 +173,9 @@ class LLM:
         return self.llm_engine.step()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id) if isinstance(request_id, Iterable) else None
-        if ids is None or not all(isinstance(rid, str) for rid in ids):
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
+            if isinstance(request_id, Iterable) else [request_id]
+        if not all(isinstance(rid, str) for rid in ids):
             raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
         for rid in ids:
             self.llm_engine.abort_request(rid)
@@ -211,6 +212,7 @@ class LLM:
         self.llm_engine.check_invariants()
 
     def _check_open(self) -> None:
+        """After ``shutdown()`` the weights and KV pool are gone: say so instead of failing inside."""
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new LLM(...) to generate again")
 
