@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 # Help-page headers in the bundled model's format; several share a module line, so their
@@ -26,8 +27,14 @@ def demo(args: argparse.Namespace) -> None:
     print(f"loaded {llm.model_dir} on {llm.llm_engine.executor.device} in {time.perf_counter() - t0:.1f}s; "
           f"{llm.llm_engine.block_manager.num_blocks} KV blocks of {args.block_size} tokens")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    steps: list[int] = []
+    llm.hooks.add("step.end", lambda info: steps.append(info.step))
     t0 = time.perf_counter()
-    with llm.record(level="blocks") as trace:
+    with contextlib.ExitStack() as stack:
+        try:  # the per-step table needs pandas (the notebook extra); a bare install runs without it
+            trace = stack.enter_context(llm.record(level="blocks"))
+        except ImportError:
+            trace = None
         outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     for o in outs:
@@ -35,12 +42,14 @@ def demo(args: argparse.Namespace) -> None:
         print(f"\n[{o.request_id}] {o.prompt!r} -> ({c.finish_reason}, {len(c.token_ids)} tokens, "
               f"{o.num_cached_tokens} cached)\n    {c.text.strip()!r}")
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    steps = trace.steps
     print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f}s ({n_tok / dt:.0f} tok/s), {len(steps)} steps")
-    print("\nfirst steps (trace.steps):")
-    cols = ["step", "num_prefill_tokens", "num_decode_tokens", "num_requests_running",
-            "num_requests_waiting", "num_used_blocks", "prefix_cache_hits"]
-    print(steps[cols].head(6).to_string(index=False))
+    if trace is None:
+        print("\n(the per-step table needs pandas: pip install 'kvscope[notebook]')")
+    else:
+        print("\nfirst steps (trace.steps):")
+        cols = ["step", "num_prefill_tokens", "num_decode_tokens", "num_requests_running",
+                "num_requests_waiting", "num_used_blocks", "prefix_cache_hits"]
+        print(trace.steps[cols].head(6).to_string(index=False))
     again = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
     cached = sum(o.num_cached_tokens for o in again)
     total = sum(len(o.prompt_token_ids) for o in again)

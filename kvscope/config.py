@@ -71,10 +71,11 @@ class EngineConfig:
         positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.cpu_threads is not None:
             positive_int("cpu_threads", self.cpu_threads)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not (0.0 < float(self.gpu_memory_utilization) <= 1.0):
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generator range), got {self.seed!r}")
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         for name, value, allowed in (
             ("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
             ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),

@@ -7,12 +7,13 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
+from kvscope.engine.hooks import HookRegistry
+from kvscope.engine.input_checks import check_prompt
+from kvscope.engine.interrupts import deferred_interrupts
 from kvscope.engine.llm_engine import LLMEngine, PromptType
-from kvscope.model_source import resolve_model_dir
+from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
-from kvscope.engine.hooks import HookRegistry
-from kvscope.engine.interrupts import deferred_interrupts
 
 if TYPE_CHECKING:
     from kvscope.trace.trace import Trace
@@ -66,12 +67,15 @@ class LLM:
     def __init__(self, model: str | os.PathLike | None = None, **kwargs: Any) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
+        from kvscope.kv_pool_check import check_kv_pool_fits
+
+        self._shut_down = False
         model_dir = resolve_model_dir(model)
         self.config = EngineConfig.from_kwargs(model=str(model) if model is not None else None, **kwargs)
         hf_config = AutoConfig.from_pretrained(model_dir)
         tokenizer = (
             _NoTokenizer() if self.config.skip_tokenizer_init
-            else AutoTokenizer.from_pretrained(self.config.tokenizer or model_dir)
+            else AutoTokenizer.from_pretrained(resolve_tokenizer_dir(self.config.tokenizer, model_dir))
         )
         max_pos = getattr(hf_config, "max_position_embeddings", None) or 2048
         max_model_len = self.config.max_model_len or max_pos
@@ -85,6 +89,7 @@ class LLM:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}), "
                 "or a long prompt could never be scheduled"
             )
+        check_kv_pool_fits(self.config, hf_config)
         self.model_dir = model_dir
         self.hf_config = hf_config
         executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
@@ -112,7 +117,15 @@ class LLM:
         :meth:`add_request` keep running meanwhile; their outputs come from the next
         :meth:`step`. Ctrl-C aborts this call's requests (their blocks are freed) and re-raises.
         """
+        self._check_open()
         prompt_list = _as_prompt_list(prompts)
+        for p in prompt_list:
+            check_prompt(p)
+        if not isinstance(sampling_params, (SamplingParams, list, tuple, type(None))):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}; build one with SamplingParams(...)"
+            )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -172,12 +185,17 @@ class LLM:
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         """Queue a request for :meth:`step` (streaming); safe from inside any hook."""
+        self._check_open()
+        check_prompt(prompt)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
         with self._lock:
             return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: an output for every streamed request that progressed or finished
         (and, first, those that progressed while :meth:`generate` ran the engine)."""
+        self._check_open()
         with self._lock:
             outputs = self.llm_engine.step()
             if self._undelivered:
@@ -189,8 +207,12 @@ class LLM:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests wherever they are (the next :meth:`step` reports each with
         ``finish_reason="abort"``); safe from inside any hook."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id) \
+            if isinstance(request_id, Iterable) else [request_id]
+        if not all(isinstance(rid, str) for rid in ids):
+            raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
         with self._lock:
-            for rid in [request_id] if isinstance(request_id, str) else request_id:
+            for rid in ids:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
     def has_unfinished_requests(self) -> bool:
@@ -225,7 +247,13 @@ class LLM:
         """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now."""
         self.llm_engine.check_invariants()
 
+    def _check_open(self) -> None:
+        """After ``shutdown()`` the weights and KV pool are gone: say so instead of failing inside."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new LLM(...) to generate again")
+
     def shutdown(self) -> None:
+        self._shut_down = True
         executor = getattr(getattr(self, "llm_engine", None), "executor", None)
         if executor is not None:
             executor.shutdown()
@@ -241,7 +269,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if prompts and all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]
         return list(prompts)
     raise TypeError(f"prompts must be a str, a dict, or a list of them, got {type(prompts).__name__}")

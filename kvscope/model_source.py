@@ -7,15 +7,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "kvscope-demo"
+_PACKAGE = Path(__file__).resolve().parent
+# An installed wheel carries the demo model inside the package (pyproject.toml maps it there);
+# a source checkout or an editable install reads it from its home in the repository, assets/.
+BUNDLED_MODEL_LOCATIONS = (_PACKAGE / "_demo_model", _PACKAGE.parent / "assets" / "kvscope-demo")
+BUNDLED_MODEL = next((p for p in BUNDLED_MODEL_LOCATIONS if (p / "config.json").exists()),
+                     BUNDLED_MODEL_LOCATIONS[0])
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> str:
     if model is None:
         if not (BUNDLED_MODEL / "config.json").exists():
             raise FileNotFoundError(
-                f"the bundled demo model is missing at {BUNDLED_MODEL}; reinstall kvscope from its "
-                "source tree (pip install -e .) or pass model=<local HF directory>"
+                f"the bundled demo model is missing (looked in {', '.join(map(str, BUNDLED_MODEL_LOCATIONS))}); "
+                "reinstall kvscope (pip install kvscope, or pip install -e . in its source tree) "
+                "or pass model=<local HF directory>"
             )
         return str(BUNDLED_MODEL)
     path = Path(model).expanduser()
@@ -43,3 +49,26 @@ def _cached_hub_snapshot(repo_id: str) -> str:
         ) from exc
     except Exception as exc:  # invalid repo id and similar
         raise FileNotFoundError(f"model={repo_id!r} is not a local directory and not a cached hub id: {exc}") from exc
+
+
+# Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "*.tiktoken")
+
+
+def resolve_tokenizer_dir(tokenizer: str | None, model_dir: str) -> str:
+    """The directory (or cached hub id) to load the tokenizer from.
+
+    transformers loads a directory without vocabulary files as an empty tokenizer, and every
+    text prompt then tokenizes to nothing; refuse it here instead, naming the fix.
+    """
+    source = tokenizer or model_dir
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return source
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        which = f"tokenizer={tokenizer!r}" if tokenizer else f"the model directory {model_dir}"
+        raise FileNotFoundError(
+            f"{which} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass "
+            "tokenizer=<a directory with them>, or skip_tokenizer_init=True to give and get token ids only"
+        )
+    return str(path)

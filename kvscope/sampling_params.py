@@ -1,6 +1,7 @@
 """vLLM-compatible sampling parameters, validated when constructed."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -30,9 +31,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
+        if not _is_finite_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
@@ -50,15 +52,30 @@ class SamplingParams:
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
+        self._stop_list = _as_list("stop", self.stop, str)
+        if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self._stop_list = stops
-        ids = list(self.stop_token_ids or [])
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        ids = _as_list("stop_token_ids", self.stop_token_ids, int)
+        if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
 
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_list(name: str, value: object, item_type: type) -> list:
+    """``None``, one ``item_type`` or a list/tuple of them, as a list; anything else (a dict, a
+    set, a bare number) is refused, since iterating it would silently take its keys or digits."""
+    if value is None:
+        return []
+    if isinstance(value, item_type) and not isinstance(value, bool):
+        return [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, item_type) for v in value):
+        raise ValueError(f"{name} must be one {item_type.__name__} or a list of them, got {value!r}")
+    return list(value)

@@ -261,8 +261,8 @@ def test_demo_command_runs_on_the_bundled_model_and_hits_the_prefix_cache(capsys
 
 
 def test_engine_runs_without_the_notebook_extra():
-    """pandas/pyarrow are the notebook extra: the engine works without them, and recording says
-    what to install."""
+    """pandas/pyarrow are the notebook extra: the engine and ``kvscope demo`` work without them
+    (as from a bare wheel install), and recording says what to install."""
     import subprocess
     import sys
 
@@ -276,8 +276,11 @@ def test_engine_runs_without_the_notebook_extra():
         "    llm.record().__enter__()\n"
         "except ImportError as e:\n"
         "    print('REFUSED', e)\n"
+        "from kvscope.__main__ import main\n"
+        "main(['demo', '--device', 'cpu', '--max-tokens', '4'])\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "kvscope[notebook]" in proc.stdout
+    assert "8 requests" in proc.stdout and "the per-step table needs pandas" in proc.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("anywidget")
+from IPython.core.error import UsageError  # noqa: E402
 from IPython.testing.globalipapp import get_ipython  # noqa: E402
 
 from engine_helpers import make_llm  # noqa: E402
@@ -21,11 +22,21 @@ def ip():
     return shell
 
 
-def test_help_documents_the_options(ip):
-    doc = ip.find_line_magic("kvscope").__doc__
-    for text in ("%%kvscope", "demo", "-o OUT, --out OUT", "--level", "--interval", "--views", "--html"):
-        assert text in doc
-    assert ip.find_cell_magic("kvscope") is not None
+def test_every_option_reaches_the_dashboard(ip):
+    """--views, --level, --max-steps, --interval and --max-load each change what is built
+    (-o and --html: the cell-magic test below)."""
+    ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    dash = ip.run_line_magic(
+        "kvscope", "llm --views timeline --level summary --max-steps 3 --interval 0.5 --max-load 0.1")
+    try:
+        ip.run_cell("llm.generate('the quick brown fox', SamplingParams(max_tokens=6, temperature=0))")
+    finally:
+        dash.detach()
+    assert set(dash.views) == {"timeline"}
+    assert dash.trace.level == "summary"
+    steps_run = ip.user_ns["llm"].llm_engine.scheduler.step_count
+    assert steps_run >= 6 and dash.trace.step_ids == list(range(steps_run - 2, steps_run + 1))
+    assert (dash.interval, dash.max_load) == (0.5, 0.1)
 
 
 def test_cell_magic_records_the_cell_and_stores_the_trace(ip, tmp_path):
@@ -69,3 +80,5 @@ def test_errors_name_the_fix(ip):
         ip.run_line_magic("kvscope", "")
     with pytest.raises(NameError, match="nope"):
         ip.run_line_magic("kvscope", "nope")
+    with pytest.raises(UsageError, match="--nope"):
+        ip.run_line_magic("kvscope", "llm --nope")

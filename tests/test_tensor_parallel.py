@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM
 from kvscope.distributed.channel import ChannelWriter
 from kvscope.distributed.executor import TensorParallelError
 from kvscope.model_source import BUNDLED_MODEL
-from tiny_models import ARCHS, tiny_checkpoint, tiny_config
+from tiny_models import ARCHS, load_hf_model, tiny_checkpoint
 
 SHM = Path("/dev/shm")
 HANG_S = 60  # a failure must surface well within this; past it the test fails instead of hanging
@@ -132,14 +133,37 @@ def test_prefix_caching_chunked_prefill_and_preemption_match_single_rank() -> No
     assert any(o.num_cached_tokens for o in second), "the second round hit no cached prefix"
 
 
-def test_kv_heads_or_vocabulary_not_divisible_by_tp_is_refused_before_spawning(tmp_path: Path) -> None:
-    tiny_config("qwen3", vocab_size=321).save_pretrained(tmp_path)  # a config is all it takes
+def test_kv_heads_not_divisible_by_tp_is_refused_before_spawning() -> None:
     children = mp.active_children()
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 not divisible by 4"):
         make_llm("qwen3", tensor_parallel_size=4)
-    with pytest.raises(ValueError, match=r"vocab_size=321 not divisible by 2"):
-        LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, tensor_parallel_size=2)
     assert mp.active_children() == children
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_vocabulary_not_divisible_by_tp_is_padded_and_matches_single_rank_and_transformers(tie: bool) -> None:
+    """Vocab 321 at TP=2: each rank holds 161 rows, rank 1's last one padding. Greedy tokens equal
+    TP=1's and transformers'; the logprobs cover exactly the 321 real ids with TP=1's values, so
+    the padding column was neither sampled nor normalised over."""
+    vocab = 321
+    path = tiny_checkpoint("qwen3", tie, vocab_size=vocab)
+    prompts, _ = _workload()
+    params = greedy(8, logprobs=vocab)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    single = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
+    with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
+        sharded = llm.generate(prompts, params, use_tqdm=False)
+    hf = load_hf_model(path)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        reference = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=8, do_sample=False, pad_token_id=2)[0, len(p):].tolist()
+                     for p in prompts]
+    assert token_ids(sharded) == token_ids(single) == reference
+    for one, two in zip(single, sharded):
+        for lp1, lp2 in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert sorted(lp2) == list(range(vocab))
+            assert max(abs(lp1[t] - lp2[t]) for t in lp1) < 1e-4
 
 
 _ECHO_READER = """

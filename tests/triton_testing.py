@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -30,13 +32,20 @@ REPO = Path(__file__).parents[1]
 
 def run_interpreted_tests(test_file: str) -> None:
     """Run ``test_file``'s tests whose names contain ``interpreted`` in a child pytest with
-    ``TRITON_INTERPRET=1``; fail with the child's output if any fails."""
+    ``TRITON_INTERPRET=1``; fail with the child's output if any fails or skips, or none ran
+    (a suite whose every test skipped would otherwise pass having checked nothing)."""
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
-         test_file], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.xml"
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "interpreted",
+             f"--junitxml={report}", test_file], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        output = proc.stdout[-6000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, output
+        suite = ElementTree.parse(report).getroot().find("testsuite")
+        ran, skipped = int(suite.get("tests")), int(suite.get("skipped"))
+    assert ran > 0 and skipped == 0, f"{ran} interpreted tests, {skipped} of them skipped:\n{output}"
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

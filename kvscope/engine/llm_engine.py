@@ -27,9 +27,10 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
+from kvscope.engine.input_checks import check_request_ids
 from kvscope.engine.interrupts import atomic, interrupt_pending
-from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.request import Request
+from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.engine.step_info import StepInfo
 from kvscope.engine.validator import check_invariants
@@ -99,11 +100,7 @@ class LLMEngine:
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {self.vocab_size})"
-            )
+        token_ids = check_request_ids(token_ids, params, self.vocab_size)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise ValueError(

@@ -7,6 +7,9 @@ import torch
 
 from kvscope.kernels.base import AttentionBackend
 
+# module -> pip package, for each backend (flash stores K/V with the Triton kernel).
+_REQUIRES = {"triton": {"triton": "triton"}, "flash": {"flash_attn": "flash-attn", "triton": "triton"}}
+
 
 def _importable(module: str) -> bool:
     """Really import it: an installed package built for another torch or CUDA fails here."""
@@ -38,6 +41,10 @@ def select_backend(name: str, device: torch.device | str,
         from kvscope.kernels.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    missing = [pip for module, pip in _REQUIRES.get(name, {}).items() if not _importable(module)]
+    if missing:
+        raise ImportError(f"attention_backend={name!r} needs {' and '.join(missing)}, not importable here: "
+                          f"pip install {' '.join(missing)}, or pick attention_backend='torch' (or 'auto')")
     if name == "triton":
         from kvscope.kernels.triton_attention import TritonAttentionBackend
 

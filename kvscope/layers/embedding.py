@@ -1,8 +1,12 @@
 """Vocabulary-parallel token embedding and LM head.
 
-Each rank owns a contiguous range of ``vocab_size / tp`` rows. The embedding looks up the ids
-that fall in its range, zeros the rest, and all-reduces; the LM head computes logits for its
-range and gathers them on rank 0, which is the only rank that samples.
+Each rank owns a contiguous range of ``padded_vocab / tp`` rows, where ``padded_vocab`` is the
+vocabulary rounded up to a multiple of the TP size (as vLLM pads it), so a vocabulary the rank
+count does not divide still shards. The padding rows are zero and never looked up (prompt ids
+are checked against the real vocabulary). The embedding looks up the ids that fall in its
+range, zeros the rest, and all-reduces; the LM head computes logits for its range and gathers
+them on rank 0, which is the only rank that samples, and cuts the padding columns off there,
+so a padded id can be neither sampled nor reported in logprobs.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from torch import nn
 from kvscope.distributed.parallel_state import (
     get_tp_rank, get_tp_size, tp_all_reduce, tp_gather_to_rank0,
 )
-from kvscope.layers.sharding import WeightSource, copy_checked, divide, read_shard, source_shape
+from kvscope.layers.sharding import WeightSource, copy_checked, pad_vocab_size, read_shard, source_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,7 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_size = vocab_size
-        self.local_vocab = divide(vocab_size, self.tp_size, "vocab_size")
+        self.local_vocab = pad_vocab_size(vocab_size, self.tp_size) // self.tp_size
         self.vocab_start = self.tp_rank * self.local_vocab
         self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -33,7 +37,10 @@ class VocabParallelEmbedding(nn.Module):
         rows = source_shape(src)[0]
         if rows != self.vocab_size:
             raise ValueError(f"checkpoint has {rows} vocabulary rows, expected {self.vocab_size}")
-        copy_checked(param.data, read_shard(src, 0, self.vocab_start, self.local_vocab))
+        real = max(0, min(self.local_vocab, self.vocab_size - self.vocab_start))  # rows before the padding
+        if real:
+            copy_checked(param.data[:real], read_shard(src, 0, self.vocab_start, real))
+        param.data[real:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -49,6 +56,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Share the embedding's ``weight`` to tie them."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary float32 logits on TP rank 0; ``None`` on the other ranks."""
+        """Full-vocabulary float32 logits on TP rank 0 (padding cut off); ``None`` on the other ranks."""
         logits = tp_gather_to_rank0(F.linear(hidden, self.weight), dim=-1)
-        return None if logits is None else logits.float()
+        if logits is None:
+            return None
+        if logits.shape[-1] != self.vocab_size:
+            logits = logits[..., : self.vocab_size].contiguous()
+        return logits.float()

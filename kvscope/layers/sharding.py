@@ -22,6 +22,12 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def pad_vocab_size(vocab_size: int, pad_to: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``pad_to`` (vLLM's name), so any vocabulary
+    splits evenly over the tensor-parallel ranks."""
+    return -(-vocab_size // pad_to) * pad_to
+
+
 def source_shape(src: WeightSource) -> tuple[int, ...]:
     return tuple(src.shape) if isinstance(src, torch.Tensor) else tuple(src.get_shape())
 

@@ -50,7 +50,7 @@ def check_supported(config: Any) -> None:
     if any(t != "full_attention" for t in layer_types):
         raise NotImplementedError(f"only full attention is supported, got layer_types={layer_types}")
     tp = get_tp_size()
-    fields = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
+    fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # the vocabulary is padded
     bad = [f"{f}={getattr(config, f)}" for f in fields if getattr(config, f) % tp]
     if bad:
         raise ValueError(f"cannot shard over tensor-parallel size {tp}: "

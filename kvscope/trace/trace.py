@@ -232,8 +232,13 @@ class Trace:
     def load(cls, path: str | Path) -> "Trace":
         """A trace saved by :meth:`save`; it decodes tokens without a tokenizer."""
         path = Path(path)
+        from kvscope.trace.recorder import LEVELS  # (the recorder imports this module)
+
         meta = json.loads((path / "meta.json").read_text())
-        level = meta["level"]
+        level = meta.get("level")
+        if level not in LEVELS:
+            raise ValueError(f"{path / 'meta.json'}: 'level' must be one of {', '.join(map(repr, LEVELS))}, "
+                             f"got {level!r}; not a trace saved by Trace.save?")
         steps = read_frame("steps", path / "steps.parquet")
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":

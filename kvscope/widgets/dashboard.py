@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 
 import ipywidgets as W
 
+from kvscope.trace.trace import Trace
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES
 
@@ -88,6 +89,9 @@ class Dashboard:
         interval: float = 0.25,
         max_load: float = 0.02,
     ) -> None:
+        if not (hasattr(source, "record") or isinstance(source, Trace)):
+            raise TypeError(f"dashboard source must be an LLM (live) or a kvscope.Trace (replay), "
+                            f"got {type(source).__name__}")
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")

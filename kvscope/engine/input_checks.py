@@ -1,0 +1,54 @@
+"""Checks of one request's inputs at the API boundary, before anything reaches the scheduler.
+
+Pure functions over plain data: a bad prompt or a sampling parameter the model cannot honour
+raises here with the argument's name, instead of failing later inside a step (where a
+``logprobs`` above the vocabulary size used to crash the sampler for the whole batch).
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+from kvscope.sampling_params import SamplingParams
+
+
+def check_prompt(prompt: Any) -> None:
+    """Refuse a prompt whose shape the engine cannot read, naming the field at fault."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            _check_id_container(prompt["prompt_token_ids"], "prompt['prompt_token_ids']")
+        elif "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"prompt['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
+        else:
+            raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+    elif not isinstance(prompt, str):
+        _check_id_container(prompt, "prompt")
+
+
+def _check_id_container(ids: Any, name: str) -> None:
+    if isinstance(ids, (str, bytes, dict)) or not (hasattr(ids, "__len__") and hasattr(ids, "__iter__")):
+        raise TypeError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+
+
+def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_size: int) -> list[int]:
+    """The prompt's token ids as plain ints, after checking them and ``params`` against the vocabulary.
+
+    numpy integers are accepted (converted); floats and bools are refused as not token ids,
+    rather than reported as "outside the vocabulary".
+    """
+    ids = []
+    for pos, t in enumerate(token_ids):
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise TypeError(f"prompt_token_ids[{pos}] is {t!r} ({type(t).__name__}); token ids must be integers")
+        ids.append(operator.index(t))
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab_size})")
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab_size})")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    return ids

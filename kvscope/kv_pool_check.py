@@ -1,0 +1,53 @@
+"""Refuses an explicit KV pool size (``num_kv_blocks``, or ``kv_cache_memory_bytes`` on CPU) that
+the device's memory could never hold.
+
+The pool is allocated in one piece after the weights load; a size beyond the machine's memory
+used to surface as the allocator's raw error (or, on a CPU host, as the OOM killer), with no
+word of which setting asked for it. Checked before any weight is read or worker spawned.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kvscope.config import EngineConfig
+from kvscope.runner.model_runner import kv_geometry, resolve_device, resolve_dtype
+
+
+def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
+    """Raise ValueError naming the setting if the pool it asks for exceeds the device's total memory.
+
+    (On CUDA an unset ``num_kv_blocks`` is sized from free memory, so only an explicit one is checked.)
+    """
+    device = resolve_device(config)
+    if config.num_kv_blocks is None and device.type == "cuda":
+        return
+    # Over all ranks' shards together (a rank count that does not divide the KV heads is the
+    # model's to refuse, by name, when it is built).
+    layers, kv_heads, head_dim = kv_geometry(hf_config, 1)
+    block_bytes = 2 * layers * config.block_size * kv_heads * head_dim \
+        * resolve_dtype(config, hf_config, device).itemsize
+    tp = config.tensor_parallel_size
+    if config.num_kv_blocks is not None:
+        setting, need = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks * block_bytes
+    else:  # the CPU pool: each rank fills this byte budget
+        setting, need = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}", config.kv_cache_memory_bytes * tp
+    if device.type == "cuda":  # one shard per GPU
+        need, total, where = need // tp, torch.cuda.mem_get_info(device)[1], f"{device}"
+    else:  # every rank's shard lives in this host's memory
+        total, where = _host_memory_bytes(), "this host's memory"
+    if total is not None and need > total:
+        raise ValueError(
+            f"{setting} needs {need / 2**30:.1f} GiB of KV cache ({block_bytes} bytes per "
+            f"{config.block_size}-token block), more than the {total / 2**30:.1f} GiB of {where}; "
+            f"lower {setting.split('=')[0]}"
+        )
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX host: let the allocator decide
+        return None

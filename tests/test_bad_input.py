@@ -1,0 +1,168 @@
+"""Hostile input (issue #14): every case ends in an error naming the argument or cause, or in a
+correct result, and the engine stays healthy afterwards: the same greedy tokens as a fresh
+engine, nothing left unfinished, every control-plane invariant intact."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import kvscope
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import LLM, SamplingParams
+from tiny_models import TINY, tiny_checkpoint
+
+VOCAB = TINY["vocab_size"]
+PROMPTS = [[5, 6, 7, 8], "the quick brown fox"]
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens() -> list[list[int]]:
+    return token_ids(make_llm(num_kv_blocks=32).generate(PROMPTS, greedy(6), use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm(num_kv_blocks=32)
+
+
+def assert_healthy(llm: LLM, fresh_tokens: list[list[int]]) -> None:
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens
+
+
+# (what is fed in, the exception, a pattern its message must match: the argument's name)
+REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
+    "stop=123": (lambda llm: SamplingParams(stop=123), ValueError, r"^stop must be .* got 123"),
+    "stop as a dict": (lambda llm: SamplingParams(stop={"a": 1}), ValueError, r"^stop must be"),
+    "stop_token_ids as a dict": (lambda llm: SamplingParams(stop_token_ids={3: 4}), ValueError,
+                                 r"^stop_token_ids must be"),
+    "NaN temperature": (lambda llm: SamplingParams(temperature=float("nan")), ValueError,
+                        r"temperature must be a finite number"),
+    "inf temperature": (lambda llm: SamplingParams(temperature=float("inf")), ValueError,
+                        r"temperature must be a finite number"),
+    "NaN top_p": (lambda llm: SamplingParams(top_p=float("nan")), ValueError, r"top_p must be in"),
+    "prompt_token_ids None": (lambda llm: llm.generate({"prompt_token_ids": None}, use_tqdm=False),
+                              TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),
+    "SamplingParams as a dict": (lambda llm: llm.generate([[5, 6]], {"max_tokens": 3}, use_tqdm=False),
+                                 TypeError, r"sampling_params must be a SamplingParams .* got dict"),
+    "one bad prompt among good ones": (lambda llm: llm.generate([[5, 6], [5, VOCAB]], use_tqdm=False),
+                                       ValueError, rf"prompt_token_ids contains {VOCAB}, outside the vocabulary"),
+    "float id": (lambda llm: llm.generate([[5.0, 6]], use_tqdm=False), TypeError,
+                 r"prompt_token_ids\[0\] is 5.0 \(float\); token ids must be integers"),
+    "bool id": (lambda llm: llm.generate({"prompt_token_ids": [5, True]}, use_tqdm=False), TypeError,
+                r"prompt_token_ids\[1\] is True \(bool\)"),
+    "logprobs over the vocabulary": (
+        lambda llm: llm.generate([[5, 6]], SamplingParams(logprobs=VOCAB + 1), use_tqdm=False),
+        ValueError, rf"logprobs={VOCAB + 1} exceeds the vocabulary size \({VOCAB}\)"),
+    "stop_token_ids outside the vocabulary": (
+        lambda llm: llm.generate([[5, 6]], SamplingParams(stop_token_ids=[3, VOCAB]), use_tqdm=False),
+        ValueError, rf"stop_token_ids contains {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"),
+    "int request_id": (lambda llm: llm.add_request([5, 6], request_id=5), TypeError,
+                       r"request_id must be a str .* got int 5"),
+    "abort an int request_id": (lambda llm: llm.abort_request(5), TypeError,
+                                r"request_id must be a str or an iterable of str"),
+}
+
+
+@pytest.mark.parametrize("case", REQUEST_CASES)
+def test_bad_request_input_is_refused_by_name_and_the_engine_stays_healthy(
+        case: str, llm: LLM, fresh_tokens: list[list[int]]) -> None:
+    feed, error, pattern = REQUEST_CASES[case]
+    llm.add_request(PROMPTS[0], greedy(3))  # another request in flight, which must be untouched
+    with pytest.raises(error, match=pattern):
+        feed(llm)
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.finished]
+    assert token_ids(outs) == [fresh_tokens[0][:3]]
+    assert_healthy(llm, fresh_tokens)
+
+
+def test_numpy_ids_and_logprobs_up_to_the_vocabulary_are_served(llm: LLM, fresh_tokens) -> None:
+    params = greedy(6, logprobs=VOCAB)
+    plain, numpy_ids = (llm.generate(p, params, use_tqdm=False)[0] for p in
+                        ([5, 6, 7, 8], {"prompt_token_ids": np.array([5, 6, 7, 8])}))
+    assert numpy_ids.prompt_token_ids == [5, 6, 7, 8]
+    assert all(type(t) is int for t in numpy_ids.prompt_token_ids)
+    assert numpy_ids.outputs[0].token_ids == plain.outputs[0].token_ids == fresh_tokens[0]
+    assert all(len(lp) == VOCAB for lp in numpy_ids.outputs[0].logprobs)
+    assert_healthy(llm, fresh_tokens)
+
+
+def test_generate_after_shutdown_says_so() -> None:
+    llm = make_llm(num_kv_blocks=16)
+    llm.shutdown()
+    for call in (lambda: llm.generate([[5, 6]], use_tqdm=False), lambda: llm.add_request([5, 6]), llm.step):
+        with pytest.raises(RuntimeError, match=r"this LLM was shut down; create a new LLM"):
+            call()
+
+
+CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "seed=10**30": (dict(seed=10**30), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    "num_kv_blocks=10**9": (dict(num_kv_blocks=10**9), ValueError,
+                            r"num_kv_blocks=1000000000 needs .* GiB of KV cache .* more than"),
+    "kv_cache_memory_bytes=2**60": (dict(kv_cache_memory_bytes=2**60, device="cpu"), ValueError,
+                                    rf"kv_cache_memory_bytes={2**60} needs .* GiB of KV cache .* more than"),
+    "gpu_memory_utilization='abc'": (dict(gpu_memory_utilization="abc"), ValueError,
+                                     r"gpu_memory_utilization must be a number in \(0, 1\], got 'abc'"),
+    "gpu_memory_utilization=NaN": (dict(gpu_memory_utilization=float("nan")), ValueError,
+                                   r"gpu_memory_utilization must be a number"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_bad_engine_config_is_refused_by_name(case: str) -> None:
+    kwargs, error, pattern = CONFIG_CASES[case]
+    with pytest.raises(error, match=pattern):
+        make_llm(**kwargs)
+
+
+def test_triton_backend_without_triton_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    with pytest.raises(ImportError, match=r"attention_backend='triton' needs triton, not importable here: pip install triton"):
+        make_llm(attention_backend="triton")
+
+
+def test_model_without_tokenizer_files_is_refused_at_construction(tmp_path: Path) -> None:
+    for f in tiny_checkpoint().iterdir():
+        if f.name in ("config.json", "model.safetensors"):
+            shutil.copy(f, tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"(?s)has no tokenizer files \(none of tokenizer.json.*"
+                                                r"skip_tokenizer_init=True"):
+        LLM(str(tmp_path), device="cpu")
+    # ids in, ids out still works, with the same tokens as the full checkpoint
+    bare = LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, num_kv_blocks=16)
+    full = make_llm(num_kv_blocks=16)
+    assert token_ids(bare.generate([[5, 6, 7]], greedy(5), use_tqdm=False)) == \
+        token_ids(full.generate([[5, 6, 7]], greedy(5), use_tqdm=False))
+
+
+def test_dashboard_of_none_names_what_it_takes() -> None:
+    pytest.importorskip("anywidget")
+    with pytest.raises(TypeError, match=r"dashboard source must be an LLM \(live\) or a kvscope.Trace"):
+        kvscope.dashboard(None)
+
+
+@pytest.mark.parametrize("meta_level", [None, "everything"])
+def test_trace_meta_without_a_known_level_is_refused(tmp_path: Path, meta_level: str | None) -> None:
+    pytest.importorskip("pyarrow")
+    llm = make_llm(num_kv_blocks=16)
+    with llm.record(level="summary") as trace:
+        llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+    trace.save(tmp_path / "run.trace")
+    assert kvscope.Trace.load(tmp_path / "run.trace").steps.equals(trace.steps)  # the unedited one loads
+    meta_path = tmp_path / "run.trace" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta.pop("level")
+    if meta_level is not None:
+        meta["level"] = meta_level
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=rf"'level' must be one of 'summary', 'blocks', 'full', got {meta_level!r}"):
+        kvscope.Trace.load(tmp_path / "run.trace")
