@@ -38,11 +38,14 @@ def _binds(endpoint: str) -> bool:
 
 
 class KVEventPublisher:
-    """Publishes batches of vLLM-schema events; ``endpoint`` / ``replay_endpoint`` are the bound addresses."""
+    """Publishes batches of vLLM-schema events; ``endpoint`` / ``replay_endpoint`` are the bound addresses.
+
+    ``bind=None`` follows vLLM: bind a wildcard address (``tcp://*:5557``), connect to a concrete one.
+    """
 
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
-                 data_parallel_rank: int = 0) -> None:
+                 data_parallel_rank: int = 0, bind: bool | None = None) -> None:
         zmq = require("zmq")
         self._zmq = zmq
         self._codec = Codec()
@@ -53,7 +56,7 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         endpoint = offset_endpoint(endpoint, data_parallel_rank)
-        if _binds(endpoint):
+        if _binds(endpoint) if bind is None else bind:
             self._pub.bind(endpoint)
             endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         else:

@@ -10,12 +10,18 @@ is checked against the next one expected from that publisher:
 - a sequence number at or below the last live one means the publisher restarted (a new
   process counts from 0): its cache started empty, so the rebuilt one is cleared;
 - the first message from a publisher that started before we connected asks replay for
-  everything it still buffers, so a late subscriber sees the blocks stored before it joined.
+  everything it still buffers, so a late subscriber sees the blocks stored before it joined;
+- a publisher that has gone quiet is asked once a second for anything after the last batch
+  applied, since a dropped *last* batch leaves no later sequence number to reveal the gap;
+- after the connection dropped (a socket monitor reports it), the publisher may be a new
+  process whose numbers happen to continue past ours, so the next message starts over: the
+  rebuilt cache is cleared and refilled from what replay still buffers.
 
 Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +40,7 @@ FAULTS: tuple[str, ...] = (
     "lost_batches",       # batches neither received nor replayed
     "duplicate_batches",  # live batches already applied from a replay
     "publisher_restarts", # the sequence went back: the publisher restarted
+    "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
 )
 
 
@@ -49,8 +56,11 @@ class Stream:
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0))
     next_seq: int | None = None  # the next sequence number to apply
     last_live: int | None = None  # the last sequence number read from the SUB socket
+    disconnected: bool = False
+    heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
     sub: Any = None
     replay: Any = None
+    monitor: Any = None
 
 
 ApplyFn = Callable[[Stream, int, Batch], None]
@@ -61,11 +71,11 @@ class Subscriber:
     """Reads every stream in a daemon thread; calls ``apply`` per batch in sequence order."""
 
     def __init__(self, streams: list[Stream], topic: str, apply: ApplyFn, reset: ResetFn,
-                 hwm: int = 100_000, replay_timeout: float = 2.0) -> None:
+                 hwm: int = 100_000, replay_timeout: float = 2.0, idle_probe: float = 1.0) -> None:
         zmq = require("zmq")
         self._zmq = zmq
         self.streams, self.apply, self.reset = streams, apply, reset
-        self.replay_timeout = replay_timeout
+        self.replay_timeout, self.idle_probe = replay_timeout, idle_probe
         self.codec = Codec()
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -79,8 +89,10 @@ class Subscriber:
                 s.replay = self._ctx.socket(zmq.DEALER)
                 s.replay.setsockopt(zmq.LINGER, 0)
                 s.replay.connect(s.replay_endpoint)
-            self._poller.register(s.sub, zmq.POLLIN)
-            self._by_socket[s.sub] = s
+            s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            for sock in (s.sub, s.monitor):
+                self._poller.register(sock, zmq.POLLIN)
+                self._by_socket[sock] = s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-attach", daemon=True)
         self._thread.start()
@@ -89,7 +101,8 @@ class Subscriber:
         self._stop.set()
         self._thread.join(timeout=self.replay_timeout + 2.0)
         for s in self.streams:
-            for sock in (s.sub, s.replay):
+            s.sub.disable_monitor()
+            for sock in (s.sub, s.replay, s.monitor):
                 if sock is not None:
                     sock.close(linger=0)
         self._ctx.term()
@@ -98,14 +111,25 @@ class Subscriber:
     def _run(self) -> None:
         zmq = self._zmq
         while not self._stop.is_set():
+            now = time.monotonic()
+            for s in self.streams:
+                if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
+                    s.heard = now
+                    self._probe_tail(s)
             for sock, _ in self._poller.poll(100):
                 s = self._by_socket[sock]
+                if sock is s.monitor:
+                    while sock.poll(0):
+                        sock.recv_multipart()
+                        s.disconnected = True
+                    continue
                 for _ in range(1000):  # drain in bursts, so one busy publisher cannot starve the loop
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
                     self._on_message(s, frames)
+                    s.heard = time.monotonic()
 
     def _on_message(self, s: Stream, frames: list[bytes]) -> None:
         try:
@@ -113,9 +137,10 @@ class Subscriber:
         except WireError as exc:
             s.faults[exc.kind] += 1
             return
-        if s.last_live is not None and seq <= s.last_live:
-            s.faults["publisher_restarts"] += 1
-            s.next_seq = None
+        restarted = s.last_live is not None and seq <= s.last_live
+        if restarted or s.disconnected:
+            s.faults["publisher_restarts" if restarted else "reconnects"] += 1
+            s.next_seq, s.disconnected = None, False
             self.reset(s)
         s.last_live = seq
         if s.next_seq is None:
@@ -142,6 +167,14 @@ class Subscriber:
             return
         s.faults["unknown_tag"] += batch.unknown_tags
         self.apply(s, seq, batch)
+
+    def _probe_tail(self, s: Stream) -> None:
+        """Ask replay for batches after the last one applied; any that come back were dropped live."""
+        before = s.next_seq
+        self._replay(s, before, sys.maxsize)
+        if s.next_seq > before:
+            s.faults["gaps"] += 1
+            s.faults["missed_batches"] += s.next_seq - before
 
     def _replay(self, s: Stream, start: int, end: int) -> None:
         """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns."""
