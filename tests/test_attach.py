@@ -9,7 +9,7 @@ import pytest
 
 msgspec = pytest.importorskip("msgspec")
 pytest.importorskip("zmq")
-pytest.importorskip("pandas")
+pd = pytest.importorskip("pandas")
 
 import zmq  # noqa: E402
 from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
@@ -403,3 +403,67 @@ def test_missing_extra_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
     with pytest.raises(ImportError, match=r'pip install "kvscope\[attach\]"'):
         kvscope.attach("tcp://127.0.0.1:1")
+
+
+# ----------------------------------------------------------------------------- kvscope as a publisher
+def replay_kv_events(kv) -> list[set]:
+    """The cached-hash set after each step of ``trace.kv_events()`` that has events (one batch each)."""
+    held, out = set(), []
+    for _, step in kv.groupby("step", sort=True):
+        for ev in step.itertuples():
+            if ev.type == "BlockStored":
+                held.update(ev.block_hashes)
+            elif ev.type == "BlockRemoved":
+                held.difference_update(ev.block_hashes)
+            else:
+                held.clear()
+        out.append(set(held))
+    return out
+
+
+def test_round_trip_kvscope_publisher_to_attach():
+    """kvscope's engine publishes; attach rebuilds, after every batch, the set trace.kv_events() replays to."""
+    from engine_helpers import greedy, make_llm
+
+    llm = make_llm(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, kv_events_config={
+        "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv-events", "buffer_steps": 100_000})
+    pub = llm.kv_events.publisher
+    att = attach_to(pub)
+    seen: list[set] = []
+    att.add_listener(lambda name, seq: seen.append(att.block_hashes(name)))
+    try:
+        shared = list(range(5, 25))
+        prompts = [shared + [30 + i] * (3 + i) for i in range(6)] + [list(range(40, 58))]
+        with llm.record("blocks") as trace:
+            llm.generate(prompts, greedy(6), use_tqdm=False)  # evicts: the pool is smaller than the work
+            llm.reset_prefix_cache()
+            llm.generate(prompts[:3], greedy(4), use_tqdm=False)
+        wait_for(applied(att, "p0", pub._seq - 1), what="every batch")
+        kv = trace.kv_events()
+        assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kv.type)
+        assert seen == replay_kv_events(kv)
+        assert att.faults.iloc[0][["bad_msgpack", "unknown_tag", "lost_batches"]].sum() == 0
+        held = llm.llm_engine.block_manager.hash_to_block
+        assert att.block_hashes("p0") == set(held)  # and that is the engine's prefix cache now
+        stored_rows = kv[kv.type == "BlockStored"]
+        got = att.events[att.events.type == "BlockStored"]
+        assert got.token_ids.tolist() == stored_rows.token_ids.tolist()
+        assert got.parent_block_hash.tolist() == [None if pd.isna(p) else int(p) for p in stored_rows.parent_block_hash]
+    finally:
+        att.close()
+        llm.shutdown()
+
+
+def test_kv_events_config_is_checked_at_the_boundary():
+    from kvscope.config import EngineConfig
+
+    with pytest.raises(TypeError, match="unknown kv_events_config key 'endpiont'; did you mean 'endpoint'"):
+        EngineConfig.from_kwargs(kv_events_config={"endpiont": "tcp://*:1"})
+    with pytest.raises(ValueError, match="kv_events_config.hwm must be an integer >= 1"):
+        EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True, "hwm": 0})
+    with pytest.raises(ValueError, match="data_parallel_rank must be an integer >= 0"):
+        EngineConfig.from_kwargs(data_parallel_rank=-1)
+    cfg = EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True})
+    assert cfg.kv_events_config.publisher == "zmq" and cfg.kv_events_config.publishes
+    assert not EngineConfig.from_kwargs(kv_events_config={}).kv_events_config.publishes
