@@ -16,7 +16,7 @@ from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
 
 import kvscope  # noqa: E402
 from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
-from kvscope.attach.wire import EVENT_FIELDS, Codec, WireError, cleared, removed, seq_bytes, stored  # noqa: E402
+from kvscope.attach.wire import EVENT_FIELDS, Codec, WireError, cleared, event_row, removed, seq_bytes, stored  # noqa: E402
 
 
 # --- vLLM's structs, written out from vllm/distributed/kv_events.py (see docs/ATTACH.md), in both encodings.
@@ -105,7 +105,7 @@ def test_decodes_vllm_encodings_exactly(array_like, fields):
         assert isinstance(raw, list if array_like else dict)  # the fixture really has this encoding
         batch = Codec().decode(payload)
         assert (batch.ts, batch.data_parallel_rank, batch.unknown_tags) == (12.5, rank, 0)
-        got = [tuple(list(x) if isinstance(x, tuple) else x for x in row) for row in batch.events]
+        got = [event_row(ev) for ev in batch.events]
         want = [expected_row(ev) for ev in events]
         want = [tuple([list(k) if isinstance(k, tuple) else k for k in x] if isinstance(x, list) and n == 9 else x
                       for n, x in enumerate(row)) for row in want]
@@ -287,12 +287,21 @@ def test_four_replicas_overlap_matches_hand_count():
 def test_data_parallel_ranks_publish_on_port_plus_rank():
     from kvscope.attach.publisher import KVEventPublisher, offset_endpoint
 
-    probe = zmq.Context.instance().socket(zmq.PUB)
-    base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
-    probe.close(linger=0)
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560" and offset_endpoint("inproc://x", 1) == "inproc://x_dp1"
-    pubs = [KVEventPublisher(f"tcp://127.0.0.1:{base}", topic="kv-events", data_parallel_rank=r, bind=True)
-            for r in (0, 1)]
+    for _ in range(50):  # a base port whose neighbour is free too
+        probe = zmq.Context.instance().socket(zmq.PUB)
+        base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+        probe.close(linger=0)
+        pubs = []
+        try:
+            for r in (0, 1):
+                pubs.append(KVEventPublisher(f"tcp://127.0.0.1:{base}", topic="kv-events", data_parallel_rank=r,
+                                             bind=True))
+            break
+        except zmq.ZMQError:
+            for p in pubs:
+                p.close()
+    assert [p.endpoint for p in pubs] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
     try:
         att = kvscope.attach({"dep": f"tcp://127.0.0.1:{base}"}, data_parallel_size=2, replay_timeout=0.2)
         try:

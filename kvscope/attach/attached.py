@@ -16,7 +16,7 @@ import pandas as pd
 from kvscope.attach.cache import PrefixCache
 from kvscope.attach.metrics import MetricsScraper
 from kvscope.attach.subscriber import FAULTS, Stream, Subscriber
-from kvscope.attach.wire import Batch
+from kvscope.attach.wire import Batch, event_row
 from kvscope.attach.tables import SCHEMAS
 from kvscope.trace.tables import frame
 
@@ -42,7 +42,9 @@ class Attached:
         self.lock = threading.Lock()
         self.version = 0  # bumped on every change; views redraw when it moves
         self.caches: dict[str, PrefixCache] = {s.name: PrefixCache() for s in streams}
-        self._events: deque[tuple] = deque(maxlen=max_events)
+        self.max_events = max_events
+        self._events: deque[tuple] = deque()  # (instance, rank, seq, ts, events): rows built when read
+        self._num_events = 0
         self._metrics: deque[tuple] = deque(maxlen=max_events)
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
@@ -52,10 +54,12 @@ class Attached:
     # ------------------------------------------------------ subscriber side
     def _apply(self, s: Stream, seq: int, batch: Batch) -> None:
         rank = batch.data_parallel_rank if batch.data_parallel_rank is not None else s.data_parallel_rank
-        head = (s.instance, rank, seq, batch.ts)
         with self.lock:
             self.caches[s.name].apply(batch.events)
-            self._events.extend([head + row for row in batch.events])
+            self._events.append((s.instance, rank, seq, batch.ts, batch.events))
+            self._num_events += len(batch.events)
+            while self._num_events > self.max_events and len(self._events) > 1:
+                self._num_events -= len(self._events.popleft()[4])
             self.version += 1
         self._notify(s.name, seq)
 
@@ -92,10 +96,11 @@ class Attached:
 
     @property
     def events(self) -> pd.DataFrame:
-        """Every cache event received (the last ``max_events``): instance, rank, seq, ts, then vLLM's fields."""
+        """Every cache event received (about the last ``max_events``, whole batches): instance, rank,
+        seq, ts, then vLLM's fields."""
         with self.lock:
-            rows = list(self._events)
-        return frame(SCHEMAS["events"], rows)
+            batches = list(self._events)
+        return frame(SCHEMAS["events"], [(*head, *event_row(ev)) for *head, events in batches for ev in events])
 
     @property
     def blocks(self) -> pd.DataFrame:
@@ -105,8 +110,9 @@ class Attached:
             for s in self.streams:
                 cache = self.caches[s.name]
                 depth = _depths(cache)
-                for (h, medium, group), b in cache.blocks.items():
-                    rows.append((s.instance, s.data_parallel_rank, h, b.parent_block_hash, depth[(h, medium, group)], b.token_ids,
+                for key in cache.blocks:
+                    (h, medium, group), b = key, cache.block(key)
+                    rows.append((s.instance, s.data_parallel_rank, h, b.parent_block_hash, depth[key], b.token_ids,
                                  b.block_size, medium, b.lora_name, group, b.extra_keys))
         return frame(SCHEMAS["blocks"], rows)
 
@@ -180,8 +186,8 @@ def _depths(cache: PrefixCache) -> dict[Any, int]:
         while k in blocks and k not in depth and k not in seen:  # ``seen``: a malformed stream may loop
             chain.append(k)
             seen.add(k)
-            parent = blocks[k].parent_block_hash
-            k = (parent, k[1], k[2])
+            ev, i = blocks[k]
+            k = (ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1], k[1], k[2])
         d = depth.get(k, -1)
         for c in reversed(chain):
             d += 1

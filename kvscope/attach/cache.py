@@ -3,7 +3,9 @@
 vLLM's events name blocks by content hash, never by physical id or refcount, so this is a set
 of hashes with their parent links (the prefix chains) and, where the publisher sent them, their
 token ids. A block is keyed by ``(block_hash, medium, group_idx)``: the same content may sit on
-the GPU and in a CPU offload tier, or in two KV-cache groups of a hybrid model.
+the GPU and in a CPU offload tier, or in two KV-cache groups of a hybrid model. Each key maps to
+the ``BlockStored`` event that stored it and the block's index in it, so applying an event
+builds nothing per block beyond that pair; :meth:`PrefixCache.block` unpacks it when read.
 """
 from __future__ import annotations
 
@@ -22,36 +24,29 @@ Key = tuple[Hashable, Any, Any]  # (block_hash, medium, group_idx)
 
 
 class PrefixCache:
-    """The blocks one (instance, data-parallel rank) holds; ``apply`` takes decoded event rows."""
+    """The blocks one (instance, data-parallel rank) holds; ``apply`` takes decoded events in order."""
 
-    __slots__ = ("blocks", "stored", "removed", "cleared", "unknown_removes")
+    __slots__ = ("blocks", "unknown_removes")
 
     def __init__(self) -> None:
-        self.blocks: dict[Key, Block] = {}
-        self.stored = self.removed = self.cleared = 0
+        self.blocks: dict[Key, tuple[Any, int]] = {}  # key -> (its BlockStored event, index in it)
         self.unknown_removes = 0  # BlockRemoved of a hash this consumer never saw stored
 
-    def apply(self, rows: list[tuple]) -> None:
-        """Apply rows of :data:`kvscope.attach.wire.EVENT_FIELDS` in order."""
+    def apply(self, events: list) -> None:
         blocks = self.blocks
-        for kind, hashes, parent, tokens, size, _lora_id, medium, lora_name, group, extra in rows:
+        for ev in events:
+            kind = type(ev).__name__
             if kind == "BlockStored":
-                n = len(hashes)
-                for i, h in enumerate(hashes):
-                    chunk = tokens[i * size:(i + 1) * size] if size else tokens if n == 1 else []
-                    blocks[(h, medium, group)] = Block(
-                        parent if i == 0 else hashes[i - 1], chunk, size, lora_name,
-                        extra[i] if isinstance(extra, list) and i < len(extra) else None,
-                    )
-                self.stored += n
+                medium, group = ev.medium, ev.group_idx
+                for i, h in enumerate(ev.block_hashes):
+                    blocks[(h, medium, group)] = (ev, i)
             elif kind == "BlockRemoved":
-                for h in hashes:
+                medium, group = ev.medium, ev.group_idx
+                for h in ev.block_hashes:
                     if blocks.pop((h, medium, group), None) is None:
                         self.unknown_removes += 1
-                self.removed += len(hashes)
             else:
                 blocks.clear()
-                self.cleared += 1
 
     def reset(self) -> None:
         """Forget every block (the publisher restarted, so its cache started empty)."""
@@ -59,3 +54,11 @@ class PrefixCache:
 
     def hashes(self) -> set[Hashable]:
         return {k[0] for k in self.blocks}
+
+    def block(self, key: Key) -> Block:
+        """The block stored under ``key``: its parent, its own slice of the event's token ids, ..."""
+        ev, i = self.blocks[key]
+        size, tokens = ev.block_size, ev.token_ids
+        chunk = tokens[i * size:(i + 1) * size] if size else tokens if len(ev.block_hashes) == 1 else []
+        extra = ev.extra_keys[i] if isinstance(ev.extra_keys, list) and i < len(ev.extra_keys) else None
+        return Block(ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1], chunk, size, ev.lora_name, extra)

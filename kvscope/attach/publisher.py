@@ -82,7 +82,10 @@ class KVEventPublisher:
         Never blocks: past the high-water mark ZMQ drops the batch for that subscriber, who sees a
         gap and asks the replay socket for it.
         """
-        payload = self._codec.encode(time.time() if ts is None else ts, events, self.data_parallel_rank)
+        return self.send(self._codec.encode(time.time() if ts is None else ts, events, self.data_parallel_rank))
+
+    def send(self, payload: bytes) -> int:
+        """Send an already encoded ``KVEventBatch`` payload as the next batch; returns its sequence number."""
         with self._lock:
             seq = self._seq
             self._seq += 1

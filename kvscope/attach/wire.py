@@ -6,10 +6,11 @@ Matched against ``vllm/distributed/kv_events.py`` (docs/ATTACH.md names the vers
 ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``. Current vLLM encodes each struct as a
 map (``{"type": "BlockStored", "block_hashes": ...}``); releases before vLLM PR #42892 used
 ``array_like=True``: ``["BlockStored", block_hashes, ...]`` in field order, trailing fields with
-their default left out. Both decode here into one row tuple per event (:data:`EVENT_FIELDS`).
+their default left out. Both decode here into the same structs; tables show them as rows of :data:`EVENT_FIELDS`.
 """
-from __future__ import annotations
 
+import functools
+import types
 from typing import Any, NamedTuple
 
 from kvscope.attach._deps import require
@@ -40,7 +41,7 @@ class WireError(ValueError):
 
 class Batch(NamedTuple):
     ts: float
-    events: list[tuple]          # rows of EVENT_FIELDS
+    events: list                 # decoded events (:func:`event_structs` types), in order
     data_parallel_rank: int | None
     unknown_tags: int            # events skipped because their tag is not one of TAGS
 
@@ -59,20 +60,79 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
 
+@functools.cache
+def event_structs(array_like: bool) -> types.SimpleNamespace:
+    """msgspec Structs that read vLLM's events in one encoding: every field after ``block_size``
+    defaults to None (older releases omit them), and fields vLLM added later are ignored."""
+    msgspec = require("msgspec")
+    opts = dict(gc=False, array_like=array_like)
+
+    class Event(msgspec.Struct, tag=True, **opts):
+        pass
+
+    class BlockStored(Event):
+        block_hashes: list[Any]
+        parent_block_hash: Any = None
+        token_ids: list[int] = []
+        block_size: int | None = None
+        lora_id: int | None = None
+        medium: str | None = None
+        lora_name: str | None = None
+        extra_keys: Any = None
+        group_idx: int | None = None
+
+    class BlockRemoved(Event):
+        block_hashes: list[Any]
+        medium: str | None = None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(Event):
+        pass
+
+    class KVEventBatch(msgspec.Struct, **opts):
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+    return types.SimpleNamespace(BlockStored=BlockStored, BlockRemoved=BlockRemoved,
+                                 AllBlocksCleared=AllBlocksCleared, KVEventBatch=KVEventBatch)
+
+
+def event_kind(ev: Any) -> str:
+    """``"BlockStored"``, ``"BlockRemoved"`` or ``"AllBlocksCleared"``: the struct's tag."""
+    return type(ev).__name__
+
+
 class Codec:
-    """Encodes and decodes batch payloads (one msgspec encoder and decoder, reused)."""
+    """Encodes and decodes batch payloads (msgspec encoder and decoders, made once).
+
+    Decoding tries the typed decoder of each encoding (fast: no dict per event); a payload they
+    reject (an unknown tag, a field of an unexpected type) is read untyped, event by event, so one
+    bad event costs only itself.
+    """
 
     def __init__(self) -> None:
         msgspec = require("msgspec")
-        self._decode = msgspec.msgpack.Decoder().decode
+        self._typed = [msgspec.msgpack.Decoder(event_structs(a).KVEventBatch).decode for a in (False, True)]
+        self._raw = msgspec.msgpack.Decoder().decode
         self._encode = msgspec.msgpack.Encoder().encode
-        self._error = msgspec.DecodeError
+        self._errors = (msgspec.DecodeError, msgspec.ValidationError)
+        self._structs = event_structs(False)
 
     def decode(self, payload: bytes) -> Batch:
         """A payload in either encoding; ``WireError("bad_msgpack")`` if it is not one."""
+        for decode in self._typed:
+            try:
+                b = decode(payload)
+            except self._errors:
+                continue
+            return Batch(b.ts, b.events, b.data_parallel_rank, 0)
+        return self._decode_untyped(payload)
+
+    def _decode_untyped(self, payload: bytes) -> Batch:
         try:
-            raw = self._decode(payload)
-        except self._error as exc:
+            raw = self._raw(payload)
+        except self._errors as exc:
             raise WireError("bad_msgpack", f"payload is not msgpack: {exc}") from None
         if isinstance(raw, dict):
             ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
@@ -82,14 +142,29 @@ class Codec:
             raise WireError("bad_msgpack", f"payload is not a KVEventBatch: {type(raw).__name__}")
         if not isinstance(ts, (int, float)) or not isinstance(events, list):
             raise WireError("bad_msgpack", "KVEventBatch needs a numeric ts and a list of events")
-        rows, unknown = [], 0
-        for ev in events:
-            row = _event_row(ev)
-            if row is None:
-                unknown += 1
-            else:
-                rows.append(row)
-        return Batch(float(ts), rows, rank, unknown)
+        out = [ev for ev in map(self._event, events) if ev is not None]
+        return Batch(float(ts), out, rank if isinstance(rank, int) else None, len(events) - len(out))
+
+    def _event(self, ev: Any) -> Any:
+        """One event of either encoding as a struct; None for an unknown tag or a malformed event."""
+        if isinstance(ev, dict):
+            tag, values = ev.get("type"), {k: v for k, v in ev.items() if k != "type"}
+        elif isinstance(ev, list) and ev:
+            tag = ev[0]
+            fields = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS if tag == "BlockRemoved" else ()
+            values = dict(zip(fields, ev[1:]))
+        else:
+            return None
+        cls = getattr(self._structs, tag, None) if tag in TAGS else None
+        if cls is None:
+            return None
+        known = cls.__struct_fields__
+        try:
+            ev = cls(**{k: v for k, v in values.items() if k in known})
+        except TypeError:
+            return None
+        hashes = getattr(ev, "block_hashes", [])
+        return ev if isinstance(hashes, list) and isinstance(getattr(ev, "token_ids", []), list) else None
 
     def encode(self, ts: float, events: list[dict[str, Any]], data_parallel_rank: int | None) -> bytes:
         """A map-encoded ``KVEventBatch`` (the current vLLM encoding) of events made by :func:`stored` etc."""
@@ -97,6 +172,17 @@ class Codec:
         if data_parallel_rank is not None:  # omit_defaults
             batch["data_parallel_rank"] = data_parallel_rank
         return self._encode(batch)
+
+
+def event_row(ev: Any) -> tuple:
+    """One decoded event as a row of :data:`EVENT_FIELDS` (fields its tag lacks are None)."""
+    kind = type(ev).__name__
+    if kind == "BlockStored":
+        return (kind, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium,
+                ev.lora_name, ev.group_idx, ev.extra_keys)
+    if kind == "BlockRemoved":
+        return (kind, ev.block_hashes, None, None, None, None, ev.medium, None, ev.group_idx, None)
+    return (kind,) + (None,) * (len(EVENT_FIELDS) - 1)
 
 
 def stored(block_hashes: list, parent_block_hash: Any, token_ids: list[int], block_size: int,
@@ -113,30 +199,3 @@ def removed(block_hashes: list, medium: str | None = None) -> dict:
 
 def cleared() -> dict:
     return {"type": "AllBlocksCleared"}
-
-
-def _event_row(ev: Any) -> tuple | None:
-    """One event of either encoding as a row of EVENT_FIELDS; None for an unknown tag or shape."""
-    if isinstance(ev, dict):
-        tag, get = ev.get("type"), ev.get
-    elif isinstance(ev, list) and ev:
-        tag = ev[0]
-        fields = STORED_FIELDS if tag == "BlockStored" else REMOVED_FIELDS if tag == "BlockRemoved" else ()
-        values = dict(zip(fields, ev[1:]))
-        get = values.get
-    else:
-        return None
-    if tag == "BlockStored":
-        hashes, tokens = get("block_hashes"), get("token_ids")
-        if not isinstance(hashes, list) or not isinstance(tokens, list):
-            return None
-        return ("BlockStored", hashes, get("parent_block_hash"), tokens, get("block_size"), get("lora_id"),
-                get("medium"), get("lora_name"), get("group_idx"), get("extra_keys"))
-    if tag == "BlockRemoved":
-        hashes = get("block_hashes")
-        if not isinstance(hashes, list):
-            return None
-        return ("BlockRemoved", hashes, None, None, None, None, get("medium"), None, get("group_idx"), None)
-    if tag == "AllBlocksCleared":
-        return ("AllBlocksCleared", None, None, None, None, None, None, None, None, None)
-    return None
