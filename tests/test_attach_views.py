@@ -155,3 +155,25 @@ def test_magic_attaches_and_shows_the_dashboard():
             att.close()
     with pytest.raises(ValueError, match="usage: %kvscope attach"):
         ip.run_line_magic("kvscope", "attach")
+
+
+def test_faults_show_in_the_view():
+    """A bad payload and a dropped batch are counted, shown, and the view keeps drawing."""
+    with publisher() as pub:
+        att = attach_to(pub)
+        dash = kvscope.dashboard(att, interval=0.05)
+        try:
+            pub.publish([stored([1], None, [1, 2], 2)])
+            pub.send(b"\xc1")  # not msgpack
+            real, pub._pub = pub._pub, type("Drop", (), {"send_multipart": lambda self, frames: None})()
+            pub.publish([stored([2], 1, [3, 4], 2)])  # lost on the wire, back through replay
+            pub._pub = real
+            last = pub.publish([{"type": "BlockMoved"}, stored([3], 2, [5, 6], 2)])
+            wait_for(applied(att, "p0", last))
+            wait_for(lambda: dash.cache.faults[0]["gaps"] == 1 and dash.cache.faults[0]["bad_msgpack"] == 1)
+            shown = dash.cache.faults[0]
+            assert (shown["unknown_tag"], shown["replayed_batches"], shown["lost_batches"]) == (1, 1, 0)
+            assert [n[0] for n in dash.cache.forest["instances"][0]["nodes"]] == ["1", "2", "3"]
+        finally:
+            dash.detach()
+            att.close()
