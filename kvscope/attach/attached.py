@@ -18,17 +18,11 @@ from kvscope.attach.metrics import MetricsScraper
 from kvscope.attach.subscriber import FAULTS, Stream, Subscriber
 from kvscope.attach.wire import Batch, event_row
 from kvscope.attach.tables import SCHEMAS
+from kvscope.trace.hooks import warn_detached
+from kvscope.trace.recorder import ListenerHandle
 from kvscope.trace.tables import frame
 
-Listener = Callable[[str, int], Any]  # (instance label, sequence number) after each applied batch
-
-
-class ListenerHandle:
-    def __init__(self, listeners: dict[int, Listener], key: int) -> None:
-        self._listeners, self._key = listeners, key
-
-    def remove(self) -> None:
-        self._listeners.pop(self._key, None)
+Listener = Callable[[str, int], Any]  # (instance name, sequence number) after each applied batch
 
 
 class Attached:
@@ -77,11 +71,14 @@ class Attached:
         for key, fn in list(self._listeners.items()):
             try:
                 fn(name, seq)
-            except Exception:  # a broken listener must not stop the stream
+            except Exception:  # reported and detached, like a hook: a broken listener must not stop the stream
+                warn_detached(fn, "attach listener")
                 self._listeners.pop(key, None)
 
     def add_listener(self, fn: Listener) -> ListenerHandle:
-        """Call ``fn(instance, seq)`` in the subscriber thread after each applied batch (holding no lock)."""
+        """Call ``fn(instance, seq)`` in the subscriber thread after each applied batch (holding no lock).
+
+        A listener that raises is reported with a RuntimeWarning and detached."""
         if not callable(fn):
             raise TypeError(f"listener must be callable, got {type(fn).__name__}")
         key = next(self._keys)
@@ -93,6 +90,11 @@ class Attached:
     def instances(self) -> list[str]:
         """Each publisher's name: the instance, plus ``/dp<r>`` for a data-parallel rank."""
         return list(self.caches)
+
+    @property
+    def num_events(self) -> int:
+        """Events held for :attr:`events` (without building the table)."""
+        return self._num_events
 
     @property
     def events(self) -> pd.DataFrame:

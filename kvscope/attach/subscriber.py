@@ -171,15 +171,18 @@ class Subscriber:
     def _probe_tail(self, s: Stream) -> None:
         """Ask replay for batches after the last one applied; any that come back were dropped live."""
         before = s.next_seq
-        self._replay(s, before, sys.maxsize)
+        if not self._replay(s, before, sys.maxsize):
+            s.heard = float("inf")  # no answer (the publisher is gone?): probe again only after it speaks
+            return
         if s.next_seq > before:
             s.faults["gaps"] += 1
             s.faults["missed_batches"] += s.next_seq - before
 
-    def _replay(self, s: Stream, start: int, end: int) -> None:
-        """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns."""
+    def _replay(self, s: Stream, start: int, end: int) -> bool:
+        """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns;
+        False if it did not finish its answer within ``replay_timeout``."""
         if s.replay is None:
-            return
+            return False
         zmq = self._zmq
         sock = s.replay
         while True:  # drop late replies to an earlier request that timed out
@@ -198,7 +201,8 @@ class Subscriber:
                 continue
             seq = int.from_bytes(reply[1], "big", signed=True)
             if seq == END_SEQ:
-                return
+                return True
             if s.next_seq <= seq < end:
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
+        return False

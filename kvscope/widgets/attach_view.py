@@ -122,18 +122,19 @@ class AttachDashboard:
             self.timeline.show(self.attached, self.t0)
         self._seen = version
         self.num_updates += 1
-        events = len(self.attached.events)
-        self.status.value = (f"{'detached' if self._stop.is_set() else 'live'} \u00b7 {events} events \u00b7 "
-                             f"{len(self.attached.metrics)} metric rows")
+        self.status.value = f"{'detached' if self._stop.is_set() else 'live'} \u00b7 {self.attached.num_events} events"
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        cost = 0.0
+        while not self._stop.wait(max(self.interval, 4 * cost)):  # a big cache redraws less often
             if self.attached.version == self._seen:
                 continue
+            start = time.perf_counter()
             try:
                 self.refresh()
             except Exception:  # a broken update must never stop the stream or this thread
                 self.last_error = traceback.format_exc()
+            cost = time.perf_counter() - start
 
     def detach(self) -> None:
         """Stop redrawing (the attached subscription keeps running; ``attached.close()`` ends it)."""
