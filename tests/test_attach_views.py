@@ -177,3 +177,48 @@ def test_faults_show_in_the_view():
         finally:
             dash.detach()
             att.close()
+
+
+@pytest.mark.browser
+def test_attach_view_renders_in_chromium(replicas, tmp_path):
+    """The view's ES module, given the synced state, draws one canvas per instance with its nodes and
+    the overlap table, with no page error (a plain page: the module's own render, no Jupyter)."""
+    import json
+
+    from browser.lab import CHROMIUM, CHROMIUM_ARGS, missing
+
+    if missing():
+        pytest.skip(missing())
+    from playwright.sync_api import sync_playwright
+
+    from kvscope.widgets.views import CSS, esm_source
+
+    att, _ = replicas
+    dash = kvscope.dashboard(att)
+    dash.detach()
+    state = {k: getattr(dash.cache, k) for k in ("title", "forest", "overlap", "faults", "unavailable")}
+    page_html = tmp_path / "attach.html"
+    page_html.write_text(f"""<html><head><style>{CSS}</style></head><body><div id=root></div><script type=module>
+const state = {json.dumps(state)};
+const model = {{get: (k) => state[k], on() {{}}, off() {{}}}};
+const url = URL.createObjectURL(new Blob([{json.dumps(esm_source("attach"))}], {{type: "text/javascript"}}));
+(await import(url)).default.render({{model, el: document.getElementById("root")}});
+document.body.dataset.done = "1";
+</script></body></html>""")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_html.as_uri())
+            page.wait_for_selector("body[data-done='1']", timeout=15_000)
+            nodes = page.eval_on_selector_all("canvas.kvs-forest-canvas", "cs => cs.map((c) => Number(c.dataset.nodes))")
+            assert nodes == [len(f["nodes"]) for f in state["forest"]["instances"]] == [5, 5, 4, 4]
+            assert page.get_attribute(".kvs-overlap", "data-duplicated") == "12"
+            assert page.locator(".kvs-unavailable [data-view]").count() == 4
+            page.hover("canvas.kvs-forest-canvas >> nth=0", position={"x": 5, "y": 5})
+            assert "block 100" in page.inner_text(".kvs-tip") and "held by 4 instances" in page.inner_text(".kvs-tip")
+            assert errors == []
+        finally:
+            browser.close()

@@ -21,11 +21,11 @@ function attachForest(inst, tip) {
     const n = inst.nodes.find((n) => n[1] === d && u >= n[2] && u < n[2] + n[3]);
     if (!n) { tip.style.display = "none"; return; }
     const [hash, depthN, , size, holders, tokens, text] = n;
-    tip.replaceChildren(
+    tip.replaceChildren(h("div", {},
       h("div", {}, h("b", {}, `block ${hash}`), ` \u00b7 depth ${depthN}`),
       h("div", {}, `${size} block${size === 1 ? "" : "s"} share this prefix \u00b7 held by ${holders} instance${holders === 1 ? "" : "s"}`),
       h("div", { class: "kvs-dim" }, tokens.length ? `tokens: ${tokens.join(" ")}` : "no token ids sent"),
-      text ? h("code", {}, kvsShowText(text)) : null);
+      text ? h("code", {}, kvsShowText(text)) : null));
     Object.assign(tip.style, { display: "block", left: `${x + 12}px`, top: `${y + 12}px` });
   });
   canvas.addEventListener("mouseleave", () => { tip.style.display = "none"; });
