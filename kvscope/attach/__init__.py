@@ -54,6 +54,9 @@ def attach(
     for arg, value in (("hwm", hwm), ("max_events", max_events)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+    for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{arg} must be a number of seconds > 0, got {value!r}")
     if not isinstance(topic, str):
         raise TypeError(f"topic must be a str, got {type(topic).__name__}")
     streams = [

@@ -67,8 +67,6 @@ class MetricsScraper:
 
     def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
                  timeout: float = 2.0) -> None:
-        if not (isinstance(interval, (int, float)) and interval > 0):
-            raise ValueError(f"metrics_interval must be a number of seconds > 0, got {interval!r}")
         self.urls, self.interval, self.timeout, self.sink = urls, float(interval), timeout, sink
         self.errors = {instance: 0 for instance in urls}
         self._stop = threading.Event()
