@@ -2,7 +2,9 @@
 
 Each view works alone (``BlockPoolView(trace, step)``); :class:`Dashboard` composes them.
 ``export_html(trace, path)`` writes a static page that opens without a kernel.
+:class:`AttachDashboard` shows a ``kvscope.attach`` source (docs/ATTACH.md).
 """
+from kvscope.widgets.attach_view import AttachDashboard
 from kvscope.widgets.dashboard import Dashboard, dashboard
 from kvscope.widgets.demo import demo, demo_prompts
 from kvscope.widgets.export import export_html
@@ -15,6 +17,6 @@ from kvscope.widgets.views import (
 )
 
 __all__ = [
-    "Dashboard", "dashboard", "demo", "demo_prompts", "export_html",
+    "AttachDashboard", "Dashboard", "dashboard", "demo", "demo_prompts", "export_html",
     "BlockPoolView", "BlockTablesView", "QueuesView", "SlotMappingView", "TimelineView",
 ]
