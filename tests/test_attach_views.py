@@ -139,24 +139,6 @@ def test_timeline_plots_the_scraped_metrics():
             server.shutdown()
 
 
-def test_magic_attaches_and_shows_the_dashboard():
-    from IPython.testing.globalipapp import get_ipython
-
-    ip = get_ipython()
-    ip.run_line_magic("load_ext", "kvscope")
-    with publisher() as pub:
-        dash = ip.run_line_magic("kvscope", f"attach {pub.endpoint} --replay {pub.replay_endpoint} -o src")
-        att = ip.user_ns["src"]
-        try:
-            assert isinstance(dash, AttachDashboard) and dash.attached is att
-            wait_for(lambda: pub.publish([stored([9], None, [1], 1)]) >= 0 and att.block_hashes(att.instances[0]) == {9})
-        finally:
-            dash.detach()
-            att.close()
-    with pytest.raises(ValueError, match="usage: %kvscope attach"):
-        ip.run_line_magic("kvscope", "attach")
-
-
 def test_faults_show_in_the_view():
     """A bad payload and a dropped batch are counted, shown, and the view keeps drawing."""
     with publisher() as pub:
