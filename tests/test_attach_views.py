@@ -14,7 +14,7 @@ from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
 
 import kvscope  # noqa: E402
 from kvscope.attach.wire import removed, stored  # noqa: E402
-from kvscope.widgets.attach_view import AttachDashboard  # noqa: E402
+from kvscope.widgets.attach_view import AttachDashboard, AttachView  # noqa: E402
 
 
 @pytest.fixture
@@ -163,30 +163,19 @@ def test_faults_show_in_the_view():
 
 @pytest.mark.browser
 def test_attach_view_renders_in_chromium(replicas, tmp_path):
-    """The view's ES module, given the synced state, draws one canvas per instance with its nodes and
-    the overlap table, with no page error (a plain page: the module's own render, no Jupyter)."""
-    import json
-
+    """The static page (``dash.to_html``: the view's ES module with an in-page model) draws one canvas
+    per instance with its nodes and the overlap table, with no page error."""
     from browser.lab import CHROMIUM, CHROMIUM_ARGS, missing
 
     if missing():
         pytest.skip(missing())
     from playwright.sync_api import sync_playwright
 
-    from kvscope.widgets.views import CSS, esm_source
-
     att, _ = replicas
     dash = kvscope.dashboard(att)
     dash.detach()
-    state = {k: getattr(dash.cache, k) for k in ("title", "forest", "overlap", "faults", "unavailable")}
-    page_html = tmp_path / "attach.html"
-    page_html.write_text(f"""<html><head><style>{CSS}</style></head><body><div id=root></div><script type=module>
-const state = {json.dumps(state)};
-const model = {{get: (k) => state[k], on() {{}}, off() {{}}}};
-const url = URL.createObjectURL(new Blob([{json.dumps(esm_source("attach"))}], {{type: "text/javascript"}}));
-(await import(url)).default.render({{model, el: document.getElementById("root")}});
-document.body.dataset.done = "1";
-</script></body></html>""")
+    state = {k: getattr(dash.cache, k) for k in AttachView.STATE}
+    page_html = dash.to_html(tmp_path / "attach.html")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:

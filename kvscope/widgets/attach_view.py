@@ -9,9 +9,11 @@ at most every ``interval`` seconds while events or scrapes arrive.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import anywidget
@@ -28,6 +30,8 @@ ATTACH_VIEWS = ("cache", "timeline")
 
 class AttachView(anywidget.AnyWidget):
     """Prefix forests per instance, cross-instance overlap, fault counters (one canvas per instance)."""
+
+    STATE = ("title", "forest", "overlap", "faults", "unavailable")  # the synced traits the module draws
 
     _esm = traitlets.Unicode(esm_source("attach")).tag(sync=True)
     _css = traitlets.Unicode(CSS).tag(sync=True)
@@ -50,6 +54,11 @@ METRIC_PLOTS = (  # (series key, subplot row, label)
     ("running", 1, "running"), ("waiting", 1, "waiting"), ("kv_usage_pct", 2, "KV usage %"),
     ("hit_rate_pct", 2, "prefix hit rate %"), ("preemptions", 3, "preemptions"),
 )
+
+
+def _js(value: Any) -> str:
+    """``value`` as a JavaScript literal that is safe inside a <script> element."""
+    return json.dumps(value).replace("</", "<\\/")
 
 
 class MetricsTimelineView(go.FigureWidget):
@@ -135,6 +144,21 @@ class AttachDashboard:
             except Exception:  # a broken update must never stop the stream or this thread
                 self.last_error = traceback.format_exc()
             cost = time.perf_counter() - start
+
+    def to_html(self, path: str | Path) -> Path:
+        """Write the cache view as it is now (forests, overlap, faults) as one self-contained page:
+        the same ES module, driven by an in-page model, so it opens in any browser without a kernel."""
+        state = {k: getattr(self.cache, k) for k in AttachView.STATE}
+        script = (f"const state = {_js(state)};\n"
+                  "const model = {get: (k) => state[k], on() {}, off() {}};\n"
+                  f"const url = URL.createObjectURL(new Blob([{_js(esm_source('attach'))}], {{type: 'text/javascript'}}));\n"
+                  "(await import(url)).default.render({model, el: document.getElementById('kvscope-attach')});\n"
+                  "document.body.dataset.done = '1';")
+        path = Path(path)
+        path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>kvscope attach</title>"
+                        f"<style>{CSS}</style></head><body><div id='kvscope-attach'></div>"
+                        f"<script type='module'>\n{script}\n</script></body></html>")
+        return path
 
     def detach(self) -> None:
         """Stop redrawing (the attached subscription keeps running; ``attached.close()`` ends it)."""
