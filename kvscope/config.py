@@ -103,6 +103,9 @@ class EngineConfig:
             )
 
 
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
 @dataclass
 class KVEventsConfig:
     """vLLM's ``--kv-events-config``, same keys and defaults: publish KV events over ZMQ."""
@@ -126,10 +129,14 @@ class KVEventsConfig:
                 if key not in known:
                     close = difflib.get_close_matches(str(key), known, n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
-                    raise TypeError(f"unknown kv_events_config key {key!r}{hint} Valid keys: {', '.join(known)}")
+                    raise TypeError(
+                        f"unknown kv_events_config key {key!r}{hint} Valid keys: {', '.join(known)}"
+                    )
             cfg = cls(**value)
         else:
-            raise TypeError(f"kv_events_config must be a dict of vLLM's KVEventsConfig keys, got {type(value).__name__}")
+            raise TypeError(
+                f"kv_events_config must be a dict of vLLM's KVEventsConfig keys, got {type(value).__name__}"
+            )
         cfg.validate()
         return cfg
 
@@ -137,7 +144,9 @@ class KVEventsConfig:
         if self.publisher is None:
             self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError(f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}")
+            raise ValueError(
+                f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}"
+            )
         if self.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
@@ -146,8 +155,10 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value.startswith(("tcp://", "ipc://", "inproc://"))):
-                raise ValueError(f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}")
+            if value is not None and not (isinstance(value, str) and value.startswith(_ZMQ_SCHEMES)):
+                raise ValueError(
+                    f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
+                )
         if not isinstance(self.topic, str):
             raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
 
