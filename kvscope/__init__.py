@@ -11,8 +11,9 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Reques
 __version__ = "0.1.0"
 
 
-def dashboard(source: "LLM | Trace", **kwargs: object) -> "kvscope.widgets.Dashboard":
-    """``kvscope.dashboard(llm)`` (live) or ``kvscope.dashboard(trace)`` (replay).
+def dashboard(source: "LLM | Trace | Attached", **kwargs: object) -> "kvscope.widgets.Dashboard":
+    """``kvscope.dashboard(llm)`` (live), ``kvscope.dashboard(trace)`` (replay), or
+    ``kvscope.dashboard(kvscope.attach(...))`` (a vLLM deployment's prefix caches).
 
     Imported on first use, so ``import kvscope`` does not pay for the widget stack.
     See :class:`kvscope.widgets.Dashboard` for the options.
@@ -30,6 +31,10 @@ def load_ipython_extension(ipython: "IPython.InteractiveShell") -> None:
 
 
 __all__.append("dashboard")
+
+import kvscope.attach  # noqa: E402  # the package is callable: kvscope.attach(endpoints, ...) (docs/ATTACH.md)
+
+__all__.append("attach")
 
 
 def __getattr__(name: str) -> object:

@@ -40,6 +40,9 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None
     async_scheduling: bool = False
+    # --- KV events in vLLM's wire format (kvscope.attach.publisher; docs/ATTACH.md)
+    kv_events_config: "KVEventsConfig | dict | None" = None
+    data_parallel_rank: int = 0  # vLLM's name; here it only offsets the KV-event ports and stamps batches
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -91,8 +94,76 @@ class EngineConfig:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        positive_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
+        if self.kv_events_config is not None:
+            self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(
                 "async_scheduling=True needs tensor_parallel_size=1 (the workers would need each step's "
                 f"sampled tokens before rank 0 has them), got tensor_parallel_size={self.tensor_parallel_size}"
             )
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config``, same keys and defaults: publish KV events over ZMQ."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; None: "zmq" when enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000  # accepted for vLLM compatibility; kvscope publishes in the engine's thread
+    topic: str = ""
+
+    @classmethod
+    def from_value(cls, value: "KVEventsConfig | dict") -> "KVEventsConfig":
+        if isinstance(value, cls):
+            cfg = value
+        elif isinstance(value, dict):
+            known = [f.name for f in fields(cls)]
+            for key in value:
+                if key not in known:
+                    close = difflib.get_close_matches(str(key), known, n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise TypeError(
+                        f"unknown kv_events_config key {key!r}{hint} Valid keys: {', '.join(known)}"
+                    )
+            cfg = cls(**value)
+        else:
+            raise TypeError(
+                f"kv_events_config must be a dict of vLLM's KVEventsConfig keys, got {type(value).__name__}"
+            )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(
+                f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}"
+            )
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.startswith(_ZMQ_SCHEMES)):
+                raise ValueError(
+                    f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
+                )
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether an engine with this config publishes (vLLM: enabled and the zmq publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"

@@ -100,6 +100,7 @@ class LLM:
         # and outputs of streamed requests that finished while generate() stepped the engine.
         self._lock = threading.RLock()
         self._undelivered: dict[str, RequestOutput] = {}
+        self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
 
     # ------------------------------------------------------------ vLLM API
     def get_tokenizer(self) -> Any:
@@ -254,6 +255,9 @@ class LLM:
 
     def shutdown(self) -> None:
         self._shut_down = True
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
+            self.kv_events = None
         executor = getattr(getattr(self, "llm_engine", None), "executor", None)
         if executor is not None:
             executor.shutdown()
@@ -263,6 +267,17 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _kv_event_publisher(engine: LLMEngine, config: EngineConfig) -> Any:
+    """``kv_events_config`` enabled: publish the engine's KV events in vLLM's format (kvscope.attach)."""
+    kv = config.kv_events_config
+    if kv is None or not kv.publishes:
+        return None
+    from kvscope.attach.publisher import EngineKVEvents, KVEventPublisher
+
+    return EngineKVEvents(engine, KVEventPublisher(
+        kv.endpoint, kv.replay_endpoint, kv.buffer_steps, kv.hwm, kv.topic, config.data_parallel_rank))
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

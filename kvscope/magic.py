@@ -16,7 +16,13 @@ class KvscopeMagics(Magics):
     @argument("target", nargs="?", default=None,
               help="an LLM or a Trace variable, or 'demo'. In cell mode: the LLM to watch "
                    "(default: the only LLM in the namespace).")
-    @argument("-o", "--out", default=None, help="store the recorded Trace in this variable")
+    @argument("endpoints", nargs="*", default=[],
+              help="with 'attach': the vLLM KV-event publishers to watch (tcp://host:5557 ...)")
+    @argument("--topic", default="kv-events", help="with 'attach': the publishers' topic")
+    @argument("--replay", default=None, help="with 'attach': replay endpoints, comma-separated, one per publisher")
+    @argument("--metrics", default=None, help="with 'attach': Prometheus /metrics URLs, comma-separated, one per publisher")
+    @argument("-o", "--out", default=None,
+              help="store the recorded Trace in this variable (with 'attach': the attached source)")
     @argument("--views", default=",".join(VIEW_CLASSES),
               help=f"comma-separated views to show, from: {', '.join(VIEW_CLASSES)}")
     @argument("--level", default="blocks", choices=("summary", "blocks", "full"),
@@ -33,9 +39,15 @@ class KvscopeMagics(Magics):
         %kvscope llm            live dashboard of LLM `llm`: later llm.generate(...) calls update it
         %kvscope trace          replay a recorded or loaded Trace with a step slider
         %kvscope demo           LLM() on the bundled model, running a demo workload in the background
+        %kvscope attach tcp://host:5557 [--replay tcp://host:5558] [--metrics http://host:8000/metrics] -o src
+                                watch a vLLM deployment's prefix caches from its KV events (docs/ATTACH.md)
         %%kvscope [llm] -o t    run the cell with a live dashboard; the recorded Trace is stored in `t`
         """
         args = parse_argstring(self.kvscope, line)
+        if args.target == "attach":
+            return self._attach(args)
+        if args.endpoints:
+            raise ValueError(f"%kvscope: unexpected arguments {args.endpoints} (only 'attach' takes endpoints)")
         options = dict(views=[v.strip() for v in args.views.split(",") if v.strip()], level=args.level,
                        max_steps=args.max_steps, interval=args.interval, max_load=args.max_load)
         from kvscope.demo import demo
@@ -59,6 +71,19 @@ class KvscopeMagics(Magics):
         if args.html:
             dash.to_html(args.html)
         return None if cell is not None else dash
+
+    def _attach(self, args: Any) -> Any:
+        """``%kvscope attach ...``: ``kvscope.attach`` the endpoints and show ``kvscope.dashboard`` of it."""
+        import kvscope
+
+        if not args.endpoints:
+            raise ValueError("usage: %kvscope attach tcp://host:5557 [tcp://host2:5557 ...] (see %kvscope?)")
+        split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
+        attached = kvscope.attach(args.endpoints, topic=args.topic, replay_endpoints=split(args.replay),
+                                  metrics_urls=split(args.metrics))
+        if args.out:
+            self.shell.user_ns[args.out] = attached
+        return kvscope.dashboard(attached, interval=args.interval)
 
     def _resolve(self, name: str) -> Any:
         try:

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvscope"
 LAYER_OF: dict[str, str] = {
     "kvscope": "api",                       # __init__, llm, magic, demo, __main__, model_source
     "kvscope.widgets": "widgets",
+    "kvscope.attach": "attach",
     "kvscope.trace": "trace",
     "kvscope.engine": "engine",
     "kvscope.engine.scheduler_output": "contract",
@@ -36,8 +37,9 @@ LAYER_OF: dict[str, str] = {
 # docs/ARCHITECTURE.md, "Layers". "contract" is the engine's side of the runner's interface
 # (SchedulerOutput, the Executor protocol): the runner sees the engine only through it.
 ALLOWED: dict[str, set[str]] = {
-    "api": {"widgets", "trace", "engine", "contract", "data", "distributed", "runner", "models"},
-    "widgets": {"trace", "data"},
+    "api": {"widgets", "attach", "trace", "engine", "contract", "data", "distributed", "runner", "models"},
+    "widgets": {"attach", "trace", "data"},
+    "attach": {"trace", "engine", "data"},
     "trace": {"engine", "contract", "data"},
     "engine": {"contract", "data"},
     "contract": {"data"},

@@ -82,3 +82,25 @@ def test_errors_name_the_fix(ip):
         ip.run_line_magic("kvscope", "nope")
     with pytest.raises(UsageError, match="--nope"):
         ip.run_line_magic("kvscope", "llm --nope")
+
+
+def test_attach_magic_shows_the_attach_dashboard(ip):
+    """``%kvscope attach <endpoint> --replay <endpoint> -o src`` subscribes and shows the attach views."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from attach_helpers import publisher, wait_for
+
+    from kvscope.attach.wire import stored
+    from kvscope.widgets import AttachDashboard
+
+    with publisher() as pub:
+        dash = ip.run_line_magic("kvscope", f"attach {pub.endpoint} --replay {pub.replay_endpoint} -o src")
+        src = ip.user_ns["src"]
+        try:
+            assert isinstance(dash, AttachDashboard) and dash.attached is src
+            wait_for(lambda: pub.publish([stored([9], None, [1], 1)]) >= 0 and src.block_hashes(src.instances[0]) == {9})
+        finally:
+            dash.detach()
+            src.close()
+    with pytest.raises(ValueError, match="usage: %kvscope attach"):
+        ip.run_line_magic("kvscope", "attach")

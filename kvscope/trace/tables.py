@@ -65,9 +65,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 QUEUES = ("running", "waiting", "preempted", "finished")
 
 
-def frame(name: str, data: Iterable[tuple] | dict[str, Any]) -> pd.DataFrame:
-    """A table with exactly the schema of ``name`` (rows as tuples, or columns as a dict)."""
-    schema = SCHEMAS[name]
+def frame(name: str | dict[str, Any], data: Iterable[tuple] | dict[str, Any]) -> pd.DataFrame:
+    """A table with exactly the schema of ``name`` (rows as tuples, or columns as a dict); ``name``
+    may also be a schema itself (``{column: dtype}``), for tables defined outside the trace."""
+    schema = SCHEMAS[name] if isinstance(name, str) else name
     if not isinstance(data, dict):
         rows = list(data)
         data = dict(zip(schema, zip(*rows))) if rows else {c: () for c in schema}

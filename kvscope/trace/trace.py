@@ -367,12 +367,22 @@ def _slot_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int
 
 
 def _kv_events(records: Sequence[StepRecord], state: PoolState) -> pd.DataFrame:
-    rows: list[tuple] = []
+    columns = list(SCHEMAS["kv_events"])[2:]
+    return frame("kv_events", [(step, type(ev).__name__, *(vars(ev).get(c) for c in columns))
+                               for step, ev in kv_event_list(records, state)])
+
+
+def kv_event_list(records: Sequence[StepRecord], state: PoolState) -> list[tuple[int, Any]]:
+    """``(step, event)`` in vLLM's schema for each record, advancing ``state`` through them.
+
+    Each record's events are complete when it has been applied, so a live publisher can call
+    this one record at a time (``kvscope.attach.publisher``) and send what ``kv_events()`` shows.
+    """
+    rows: list[tuple[int, Any]] = []
     resets: list[tuple[int, BlockRemoved]] = []  # an idle run of evictions: reset_prefix_cache
 
     def add(step: int, ev: Any) -> None:
-        d = vars(ev)
-        rows.append((step, type(ev).__name__, *(d.get(c) for c in list(SCHEMAS["kv_events"])[2:])))
+        rows.append((step, ev))
 
     def flush(s: PoolState) -> None:
         if resets and not (s.block_hash != NO_HASH).any():
@@ -404,7 +414,7 @@ def _kv_events(records: Sequence[StepRecord], state: PoolState) -> pd.DataFrame:
 
         state.apply(rec, on_event=on_event)
         flush(state)
-    return frame("kv_events", rows)
+    return rows
 
 
 def _chain_hash(s: PoolState, table: list[int], j: int) -> int | None:

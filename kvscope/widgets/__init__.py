@@ -2,7 +2,9 @@
 
 Each view works alone (``BlockPoolView(trace, step)``); :class:`Dashboard` composes them.
 ``export_html(trace, path)`` writes a static page that opens without a kernel.
+:class:`AttachDashboard` shows a ``kvscope.attach`` source (docs/ATTACH.md).
 """
+from kvscope.widgets.attach_view import AttachDashboard
 from kvscope.widgets.dashboard import Dashboard, dashboard
 from kvscope.widgets.export import export_html
 from kvscope.widgets.views import (
@@ -14,6 +16,6 @@ from kvscope.widgets.views import (
 )
 
 __all__ = [
-    "Dashboard", "dashboard", "export_html",
+    "AttachDashboard", "Dashboard", "dashboard", "export_html",
     "BlockPoolView", "BlockTablesView", "QueuesView", "SlotMappingView", "TimelineView",
 ]

@@ -16,13 +16,16 @@ import time
 import traceback
 from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import ipywidgets as W
 
 from kvscope.trace.trace import Trace
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES
+
+if TYPE_CHECKING:
+    from kvscope.widgets.attach_view import AttachDashboard
 
 DEFAULT_VIEWS = ("pool", "queues", "tables", "slots", "timeline")
 
@@ -345,6 +348,11 @@ class Dashboard:
                            **kwargs)
 
 
-def dashboard(source: Any, **kwargs: Any) -> Dashboard:
-    """``kvscope.dashboard(llm)`` (live) or ``kvscope.dashboard(trace)`` (replay); see :class:`Dashboard`."""
+def dashboard(source: Any, **kwargs: Any) -> "Dashboard | AttachDashboard":
+    """``kvscope.dashboard(llm)`` (live) or ``kvscope.dashboard(trace)`` (replay); see :class:`Dashboard`.
+    ``kvscope.dashboard(attached)`` shows a ``kvscope.attach`` source; see :class:`AttachDashboard`."""
+    if type(source).__module__ == "kvscope.attach.attached":  # no import: attach's extras are optional
+        from kvscope.widgets.attach_view import AttachDashboard
+
+        return AttachDashboard(source, **kwargs)
     return Dashboard(source, **kwargs)

@@ -1,0 +1,117 @@
+"""``kvscope.attach``: watch a vLLM deployment's prefix caches live, from its KV events (docs/ATTACH.md).
+
+``kvscope.attach(endpoints, ...)`` subscribes to vLLM's ZMQ KV-event publishers and returns an
+:class:`~kvscope.attach.attached.Attached` (DataFrames of events, held blocks, metrics, faults,
+and cross-instance overlap). ``LLM(kv_events_config={...})`` publishes kvscope's own events in
+the same format (:mod:`kvscope.attach.publisher`). This package is the function too
+(``kvscope.attach(...)`` calls :func:`attach`), and imports pyzmq, msgspec and pandas only when
+used: ``pip install "kvscope[attach]"``.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
+
+if TYPE_CHECKING:
+    from kvscope.attach.attached import Attached
+
+Endpoints = Union[str, Sequence[str], Mapping[str, str]]
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def attach(
+    endpoints: Endpoints,
+    topic: str = "kv-events",
+    replay_endpoints: Endpoints | None = None,
+    metrics_urls: Endpoints | None = None,
+    *,
+    data_parallel_size: int = 1,
+    metrics_interval: float = 1.0,
+    hwm: int = 100_000,
+    max_events: int = 1_000_000,
+    replay_timeout: float = 2.0,
+) -> "Attached":
+    """Subscribe to vLLM KV-event publishers; returns the live :class:`Attached`.
+
+    ``endpoints``: one address (``"tcp://host:5557"``), a list (one per instance), or a dict
+    ``{name: address}``. ``replay_endpoints`` and ``metrics_urls`` (each instance's Prometheus
+    ``/metrics``) follow the same shape, matched to ``endpoints`` by position or by name.
+    With ``data_parallel_size=n`` each address stands for ranks 0..n-1 on port + r, as vLLM binds them.
+    """
+    from kvscope.attach.attached import Attached
+    from kvscope.attach.publisher import offset_endpoint
+    from kvscope.attach.subscriber import Stream
+
+    named = _by_name(endpoints, "endpoints")
+    for name, address in named.items():
+        if not address.startswith(_SCHEMES):
+            raise ValueError(f"endpoints[{name!r}] must start with one of {', '.join(_SCHEMES)}, got {address!r}")
+    replays = _matched(replay_endpoints, named, "replay_endpoints")
+    urls = _matched(metrics_urls, named, "metrics_urls")
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+    for arg, value in (("hwm", hwm), ("max_events", max_events)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+    for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{arg} must be a number of seconds > 0, got {value!r}")
+    if not isinstance(topic, str):
+        raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+    streams = [
+        Stream(instance=name, data_parallel_rank=r, endpoint=offset_endpoint(address, r),
+               replay_endpoint=offset_endpoint(replays.get(name), r),
+               name=name if data_parallel_size == 1 else f"{name}/dp{r}")
+        for name, address in named.items() for r in range(data_parallel_size)
+    ]
+    return Attached(streams, topic, urls or None, metrics_interval=metrics_interval, hwm=hwm,
+                    max_events=max_events, replay_timeout=replay_timeout)
+
+
+def _by_name(value: Endpoints, arg: str) -> dict[str, str]:
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Mapping):
+        out = dict(value)
+    elif isinstance(value, Sequence) and value:
+        out = {_short(v): v for v in value}
+        if len(out) != len(value):
+            raise ValueError(f"{arg} lists the same address twice: {list(value)}")
+    else:
+        raise ValueError(f"{arg} must be an address, a non-empty list of them, or a dict name -> address; got {value!r}")
+    if not out or not all(isinstance(v, str) for v in out.values()):
+        raise ValueError(f"{arg} must map names to address strings, got {value!r}")
+    return out
+
+
+def _matched(value: Endpoints | None, named: dict[str, str], arg: str) -> dict[str, str]:
+    """``value`` keyed by the instance names of ``endpoints`` (by position for a list)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(named)
+        if unknown:
+            raise ValueError(f"{arg} names unknown instances {sorted(unknown)}; instances: {list(named)}")
+        return dict(value)
+    if len(value) != len(named):
+        raise ValueError(f"{arg} has {len(value)} entries for {len(named)} endpoints; give one per endpoint")
+    return dict(zip(named, value))
+
+
+def _short(address: str) -> str:
+    """``tcp://host:5557`` -> ``host:5557``: the instance's default name."""
+    return address.split("://", 1)[-1] if isinstance(address, str) else address
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``kvscope.attach`` be both this package and the function (``kvscope.attach(...)``)."""
+
+    def __call__(self, *args: object, **kwargs: object) -> "Attached":
+        return attach(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__all__ = ["attach"]

@@ -1,0 +1,93 @@
+"""vLLM's Prometheus ``/metrics``: parsed into rows of the metric time series, scraped at an interval.
+
+Metric names are those of vLLM's V1 engine (``vllm/v1/metrics/loggers.py``); counters are
+exposed with prometheus_client's ``_total`` suffix. Each row is one scrape of one engine
+(vLLM labels a data-parallel engine with ``engine="<rank>"``); the columns reuse the names of
+``trace.steps``, which come from the same vLLM metrics.
+"""
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+import urllib.request
+from typing import Callable
+
+# column -> the vLLM metric names that fill it, newest first (gpu_cache_usage_perc: before v0.10)
+METRICS: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("vllm:num_requests_running",),
+    "num_requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage_perc": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "num_preemptions": ("vllm:num_preemptions_total",),
+}
+COLUMNS: tuple[str, ...] = ("time_s", "instance", "data_parallel_rank", *METRICS)
+_BY_NAME = {name: (col, rank) for col, names in METRICS.items() for rank, name in enumerate(names)}
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
+    """Rows of :data:`COLUMNS`, one per ``engine`` label (vLLM's data-parallel rank), from a
+    Prometheus text exposition.
+
+    Series of one engine under other labels (several models) are summed; a column whose metric
+    is absent is NaN. When two names fill one column (a renamed metric), the newer one wins.
+    """
+    found: dict[str, dict[str, tuple[int, float]]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if m is None or m.group(1) not in _BY_NAME:
+            continue
+        col, rank = _BY_NAME[m.group(1)]
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        try:
+            value, engine = float(m.group(3)), int(labels.get("engine", "0"))
+        except ValueError:
+            continue
+        cols = found.setdefault(engine, {})
+        old = cols.get(col)
+        if old is None or rank < old[0]:
+            cols[col] = (rank, value)
+        elif rank == old[0]:
+            cols[col] = (rank, old[1] + value)
+    return [(time_s, instance, engine, *(cols.get(c, (0, math.nan))[1] for c in METRICS))
+            for engine, cols in sorted(found.items())]
+
+
+class MetricsScraper:
+    """A daemon thread fetching each URL every ``interval`` seconds and handing rows to ``sink``.
+
+    A failed fetch is counted in ``errors[url]`` and retried at the next interval, never raised.
+    """
+
+    def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
+                 timeout: float = 2.0) -> None:
+        self.urls, self.interval, self.timeout, self.sink = urls, float(interval), timeout, sink
+        self.errors = {instance: 0 for instance in urls}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvscope-metrics", daemon=True)
+        self._thread.start()
+
+    def scrape_once(self) -> None:
+        for instance, url in self.urls.items():
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as resp:  # noqa: S310 - the user's URL
+                    text = resp.read().decode("utf-8", "replace")
+            except (OSError, ValueError):
+                self.errors[instance] += 1
+                continue
+            self.sink(parse_metrics(text, instance, time.time()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.scrape_once()
+            self._stop.wait(self.interval)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout + 1.0)

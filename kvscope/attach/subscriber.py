@@ -1,0 +1,208 @@
+"""The SUB side: one socket per publisher, sequence tracking, and gap recovery through replay.
+
+A background thread polls every publisher's SUB socket. Each message's 8-byte sequence number
+is checked against the next one expected from that publisher:
+
+- a skip (the publisher's high-water mark dropped batches, or the network did) asks the
+  publisher's ROUTER replay socket for the missing range: a DEALER sends ``[b"", start_seq]``
+  and reads ``[b"", seq, payload]`` replies until ``seq == -1``. What replay cannot return is
+  counted as lost;
+- a sequence number at or below the last live one means the publisher restarted (a new
+  process counts from 0): its cache started empty, so the rebuilt one is cleared;
+- the first message from a publisher that started before we connected asks replay for
+  everything it still buffers, so a late subscriber sees the blocks stored before it joined;
+- a publisher that has gone quiet is asked once a second for anything after the last batch
+  applied, since a dropped *last* batch leaves no later sequence number to reveal the gap;
+- after the connection dropped (a socket monitor reports it), the publisher may be a new
+  process whose numbers happen to continue past ours, so the next message starts over: the
+  rebuilt cache is cleared and refilled from what replay still buffers.
+
+Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvscope.attach._deps import require
+from kvscope.attach.wire import END_SEQ, Batch, Codec, WireError, seq_bytes, split_frames
+
+FAULTS: tuple[str, ...] = (
+    "bad_msgpack",        # a payload that is not a msgpack KVEventBatch (the batch is skipped)
+    "unknown_tag",        # an event whose tag is not BlockStored / BlockRemoved / AllBlocksCleared
+    "missing_frames",     # a message without exactly [topic, 8-byte seq, payload]
+    "gaps",               # sequence skips seen on the live socket
+    "missed_batches",     # batches those skips left out
+    "replayed_batches",   # batches recovered through the replay socket
+    "lost_batches",       # batches neither received nor replayed
+    "duplicate_batches",  # live batches already applied from a replay
+    "publisher_restarts", # the sequence went back: the publisher restarted
+    "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
+)
+
+
+@dataclass
+class Stream:
+    """One publisher (an instance, or one data-parallel rank of it) and what was read from it."""
+
+    instance: str
+    data_parallel_rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    name: str = ""  # how tables and views label it: the instance, plus "/dp<r>" if it has several ranks
+    faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0))
+    next_seq: int | None = None  # the next sequence number to apply
+    last_live: int | None = None  # the last sequence number read from the SUB socket
+    disconnected: bool = False
+    heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
+    sub: Any = None
+    replay: Any = None
+    monitor: Any = None
+
+
+ApplyFn = Callable[[Stream, int, Batch], None]
+ResetFn = Callable[[Stream], None]
+
+
+class Subscriber:
+    """Reads every stream in a daemon thread; calls ``apply`` per batch in sequence order."""
+
+    def __init__(self, streams: list[Stream], topic: str, apply: ApplyFn, reset: ResetFn,
+                 hwm: int = 100_000, replay_timeout: float = 2.0, idle_probe: float = 1.0) -> None:
+        zmq = require("zmq")
+        self._zmq = zmq
+        self.streams, self.apply, self.reset = streams, apply, reset
+        self.replay_timeout, self.idle_probe = replay_timeout, idle_probe
+        self.codec = Codec()
+        self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
+        self._by_socket: dict[Any, Stream] = {}
+        for s in streams:
+            s.sub = self._ctx.socket(zmq.SUB)
+            s.sub.setsockopt(zmq.RCVHWM, hwm)
+            s.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            s.sub.connect(s.endpoint)
+            if s.replay_endpoint is not None:
+                s.replay = self._ctx.socket(zmq.DEALER)
+                s.replay.setsockopt(zmq.LINGER, 0)
+                s.replay.connect(s.replay_endpoint)
+            s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            for sock in (s.sub, s.monitor):
+                self._poller.register(sock, zmq.POLLIN)
+                self._by_socket[sock] = s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvscope-attach", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.replay_timeout + 2.0)
+        for s in self.streams:
+            s.sub.disable_monitor()
+            for sock in (s.sub, s.replay, s.monitor):
+                if sock is not None:
+                    sock.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        zmq = self._zmq
+        while not self._stop.is_set():
+            now = time.monotonic()
+            for s in self.streams:
+                if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
+                    s.heard = now
+                    self._probe_tail(s)
+            for sock, _ in self._poller.poll(100):
+                s = self._by_socket[sock]
+                if sock is s.monitor:
+                    while sock.poll(0):
+                        sock.recv_multipart()
+                        s.disconnected = True
+                    continue
+                for _ in range(1000):  # drain in bursts, so one busy publisher cannot starve the loop
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    except zmq.Again:
+                        break
+                    self._on_message(s, frames)
+                    s.heard = time.monotonic()
+
+    def _on_message(self, s: Stream, frames: list[bytes]) -> None:
+        try:
+            _topic, seq, payload = split_frames(frames)
+        except WireError as exc:
+            s.faults[exc.kind] += 1
+            return
+        restarted = s.last_live is not None and seq <= s.last_live
+        if restarted or s.disconnected:
+            s.faults["publisher_restarts" if restarted else "reconnects"] += 1
+            s.next_seq, s.disconnected = None, False
+            self.reset(s)
+        s.last_live = seq
+        if s.next_seq is None:
+            if seq > 0 and s.replay is not None:
+                self._replay(s, 0, seq)  # joined late: what the publisher still buffers
+            s.next_seq = seq
+        elif seq < s.next_seq:
+            s.faults["duplicate_batches"] += 1
+            return
+        elif seq > s.next_seq:
+            s.faults["gaps"] += 1
+            s.faults["missed_batches"] += seq - s.next_seq
+            self._replay(s, s.next_seq, seq)
+            s.faults["lost_batches"] += seq - s.next_seq
+            s.next_seq = seq
+        self._apply(s, seq, payload)
+
+    def _apply(self, s: Stream, seq: int, payload: bytes) -> None:
+        s.next_seq = seq + 1
+        try:
+            batch = self.codec.decode(payload)
+        except WireError as exc:
+            s.faults[exc.kind] += 1
+            return
+        s.faults["unknown_tag"] += batch.unknown_tags
+        self.apply(s, seq, batch)
+
+    def _probe_tail(self, s: Stream) -> None:
+        """Ask replay for batches after the last one applied; any that come back were dropped live."""
+        before = s.next_seq
+        if not self._replay(s, before, sys.maxsize):
+            s.heard = float("inf")  # no answer (the publisher is gone?): probe again only after it speaks
+            return
+        if s.next_seq > before:
+            s.faults["gaps"] += 1
+            s.faults["missed_batches"] += s.next_seq - before
+
+    def _replay(self, s: Stream, start: int, end: int) -> bool:
+        """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns;
+        False if it did not finish its answer within ``replay_timeout``."""
+        if s.replay is None:
+            return False
+        zmq = self._zmq
+        sock = s.replay
+        while True:  # drop late replies to an earlier request that timed out
+            try:
+                sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        if s.next_seq is None:
+            s.next_seq = start
+        sock.send_multipart([b"", seq_bytes(start)])
+        deadline = time.monotonic() + self.replay_timeout
+        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
+            reply = sock.recv_multipart()
+            if len(reply) != 3 or len(reply[1]) != 8:
+                s.faults["missing_frames"] += 1
+                continue
+            seq = int.from_bytes(reply[1], "big", signed=True)
+            if seq == END_SEQ:
+                return True
+            if s.next_seq <= seq < end:
+                s.faults["replayed_batches"] += 1
+                self._apply(s, seq, reply[2])
+        return False

@@ -1,0 +1,42 @@
+"""Loopback publishers and waiting helpers for the attach tests (every wait has a timeout)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+LOOPBACK = "tcp://127.0.0.1:*"  # a free port on loopback, bound by the publisher
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what} not reached within {timeout} s")
+        time.sleep(0.01)
+
+
+def publisher(**kw):
+    from kvscope.attach.publisher import KVEventPublisher
+
+    kw.setdefault("replay_endpoint", LOOPBACK)
+    kw.setdefault("topic", "kv-events")
+    return KVEventPublisher(LOOPBACK, **kw)
+
+
+def attach_to(*pubs, **kw):
+    """``kvscope.attach`` to publishers named p0, p1, ... (batches sent before the subscription
+    reached a publisher come back through its replay socket when the first one arrives)."""
+    import kvscope
+
+    kw.setdefault("replay_timeout", 1.0)
+    names = {f"p{i}": p.endpoint for i, p in enumerate(pubs)}
+    replays = {f"p{i}": p.replay_endpoint for i, p in enumerate(pubs) if p.replay_endpoint}
+    att = kvscope.attach(names, topic="kv-events", replay_endpoints=replays or None, **kw)
+    time.sleep(0.3)  # ZMQ's slow joiner: the subscription reaches the PUB socket asynchronously
+    return att
+
+
+def applied(att, name: str, seq: int) -> Callable[[], bool]:
+    """True once batch ``seq`` of ``name`` has been applied (the stream expects the next one)."""
+    stream = next(s for s in att.streams if s.name == name)
+    return lambda: stream.next_seq is not None and stream.next_seq > seq

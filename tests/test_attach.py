@@ -1,0 +1,482 @@
+"""kvscope.attach against real loopback sockets: vLLM's encodings, gap recovery, faults, overlap, metrics."""
+
+import http.server
+import sys
+import threading
+import types
+
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+pd = pytest.importorskip("pandas")
+
+import zmq  # noqa: E402
+from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
+
+import kvscope  # noqa: E402
+from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
+from kvscope.attach.wire import EVENT_FIELDS, Codec, WireError, cleared, event_row, removed, seq_bytes, stored  # noqa: E402
+
+
+# --- vLLM's structs, written out from vllm/distributed/kv_events.py (see docs/ATTACH.md), in both encodings.
+def vllm_structs(array_like: bool, fields: str) -> types.SimpleNamespace:
+    """vLLM's KVEventBatch family; ``fields``: "v0.9" (up to ``medium``) or "current" (every field)."""
+    opts = dict(omit_defaults=True, gc=False, array_like=array_like)
+
+    class EventBatch(msgspec.Struct, **opts):
+        ts: float
+        events: list
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, tag=True, **opts):
+        pass
+
+    if fields == "v0.9":
+        class BlockStored(KVCacheEvent):
+            block_hashes: list[int]
+            parent_block_hash: int | None
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+            medium: str | None
+
+        class BlockRemoved(KVCacheEvent):
+            block_hashes: list[int]
+            medium: str | None
+    else:
+        class BlockStored(KVCacheEvent):
+            block_hashes: list[int | bytes]
+            parent_block_hash: int | bytes | None
+            token_ids: list[int]
+            block_size: int
+            lora_id: int | None
+            medium: str | None
+            lora_name: str | None
+            extra_keys: list | None = None
+            group_idx: int | None = None
+            kv_cache_spec_kind: str | None = None
+            kv_cache_spec_sliding_window: int | None = None
+
+        class BlockRemoved(KVCacheEvent):
+            block_hashes: list[int | bytes]
+            medium: str | None
+            group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    return types.SimpleNamespace(**{c.__name__: c for c in (KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared)})
+
+
+def sample_events(v: types.SimpleNamespace, current: bool) -> list:
+    extra = dict(lora_name="adapter-a", extra_keys=[("img", 7), None], group_idx=1) if current else {}
+    return [
+        v.BlockStored([11, 12], None, list(range(8)), 4, None, "GPU", **extra),
+        v.BlockStored([13], 12, [8, 9, 10, 11], 4, 3, None, **({"lora_name": None} if current else {})),
+        v.BlockRemoved([11], "GPU", **({"group_idx": 1} if current else {})),
+        v.AllBlocksCleared(),
+    ]
+
+
+def expected_row(ev) -> tuple:
+    """What one event of vLLM's schema should decode to, read field by field from the struct."""
+    kind = type(ev).__name__
+    get = lambda name: getattr(ev, name, None)  # noqa: E731
+    if kind == "AllBlocksCleared":
+        return (kind,) + (None,) * (len(EVENT_FIELDS) - 1)
+    if kind == "BlockRemoved":
+        return (kind, ev.block_hashes, None, None, None, None, ev.medium, None, get("group_idx"), None)
+    return (kind, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium,
+            get("lora_name"), get("group_idx"), get("extra_keys"))
+
+
+@pytest.mark.parametrize("array_like", [False, True], ids=["map", "array_like"])
+@pytest.mark.parametrize("fields", ["v0.9", "current"])
+def test_decodes_vllm_encodings_exactly(array_like, fields):
+    v = vllm_structs(array_like, fields)
+    events = sample_events(v, fields == "current")
+    for rank in (None, 3):
+        payload = msgspec.msgpack.encode(v.KVEventBatch(ts=12.5, events=events, data_parallel_rank=rank))
+        raw = msgspec.msgpack.decode(payload)
+        assert isinstance(raw, list if array_like else dict)  # the fixture really has this encoding
+        batch = Codec().decode(payload)
+        assert (batch.ts, batch.data_parallel_rank, batch.unknown_tags) == (12.5, rank, 0)
+        got = [event_row(ev) for ev in batch.events]
+        want = [expected_row(ev) for ev in events]
+        want = [tuple([list(k) if isinstance(k, tuple) else k for k in x] if isinstance(x, list) and n == 9 else x
+                      for n, x in enumerate(row)) for row in want]
+        assert got == want
+
+
+def test_kvscope_encoding_is_what_vllms_own_decoder_reads():
+    """A consumer built on vLLM's structs (typed, strict) reads kvscope's payloads."""
+    v = vllm_structs(False, "current")
+    payload = Codec().encode(3.0, [stored([5, 6], 4, [1, 2, 3, 4], 2, medium="GPU"), removed([5]), cleared()], 2)
+    batch = msgspec.msgpack.Decoder(v.KVEventBatch).decode(payload)
+    assert batch.data_parallel_rank == 2 and batch.ts == 3.0
+    assert batch.events == [v.BlockStored([5, 6], 4, [1, 2, 3, 4], 2, None, "GPU", None),
+                            v.BlockRemoved([5], None), v.AllBlocksCleared()]
+
+
+def test_malformed_payloads_are_wire_errors():
+    codec = Codec()
+    for bad in (b"\xc1", msgspec.msgpack.encode(42), msgspec.msgpack.encode({"ts": "x", "events": []})):
+        with pytest.raises(WireError) as err:
+            codec.decode(bad)
+        assert err.value.kind == "bad_msgpack"
+    batch = codec.decode(msgspec.msgpack.encode({"ts": 1.0, "events": [{"type": "BlockMoved"}, ["Nope", 1]]}))
+    assert batch.unknown_tags == 2 and batch.events == []
+
+
+# ----------------------------------------------------------------------------- faults
+def test_faults_are_counted_not_raised():
+    """Bad msgpack, an unknown tag and missing frames are each counted; good batches around them apply."""
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        good = Codec().encode(1.0, [stored([1], None, [1, 2], 2), {"type": "BlockMoved", "x": 1}], 0)
+        for frames in ([b"kv-events", seq_bytes(1), b"\xc1"],           # bad msgpack
+                       [b"kv-events", seq_bytes(2), good],              # one unknown tag, one good event
+                       [b"kv-events", good],                            # missing frames
+                       [b"kv-events", b"\x00\x01", good]):              # a short sequence frame
+            raw.send_multipart(frames)
+        name = att.instances[0]
+        wait_for(applied(att, name, 2), what="batch 2")
+        wait_for(lambda: att.faults.missing_frames.iloc[0] == 2, what="missing frames counted")
+        f = att.faults.iloc[0]
+        assert (f.bad_msgpack, f.unknown_tag, f.missing_frames, f.gaps) == (1, 1, 2, 0)
+        assert att.block_hashes(name) == {1}
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
+def _probe(raw, att) -> bool:
+    """Send an empty batch 0 until the subscriber has it (the subscription is then live)."""
+    raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])
+    stream = att.streams[0]
+    return stream.next_seq == 1
+
+
+def test_gaps_are_recovered_through_replay():
+    with publisher() as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([1], None, [1, 2], 2)])
+            real = pub._pub
+            pub._pub = types.SimpleNamespace(send_multipart=lambda frames: None)  # the network drops 1 and 2
+            pub.publish([stored([2], 1, [3, 4], 2)])
+            pub.publish([removed([1])])
+            pub._pub = real
+            last = pub.publish([stored([3], 2, [5, 6], 2)])
+            wait_for(applied(att, "p0", last), what="last batch")
+            f = att.faults.iloc[0]
+            assert (f.gaps, f.missed_batches, f.replayed_batches, f.lost_batches) == (1, 2, 2, 0)
+            assert att.block_hashes("p0") == {2, 3}
+            assert att.events.seq.tolist() == [0, 1, 2, 3]  # applied in sequence order
+        finally:
+            att.close()
+
+
+def test_gap_without_replay_socket_is_counted_lost():
+    with publisher(replay_endpoint=None) as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([1], None, [1, 2], 2)])
+            wait_for(applied(att, "p0", 0))
+            real, pub._pub = pub._pub, types.SimpleNamespace(send_multipart=lambda frames: None)
+            pub.publish([stored([2], 1, [3, 4], 2)])
+            pub._pub = real
+            wait_for(applied(att, "p0", pub.publish([stored([3], None, [5, 6], 2)])))
+            f = att.faults.iloc[0]
+            assert (f.gaps, f.lost_batches, f.replayed_batches) == (1, 1, 0)
+        finally:
+            att.close()
+
+
+def test_publisher_that_dies_and_comes_back():
+    """A new publisher process on the same port starts counting at 0 with an empty cache."""
+    first = publisher()
+    port = first.endpoint.rsplit(":", 1)[1]
+    replay_port = first.replay_endpoint.rsplit(":", 1)[1]
+    att = attach_to(first)
+    try:
+        for i in range(4):
+            last = first.publish([stored([100 + i], None, [i, i], 2)])
+        wait_for(applied(att, "p0", last))
+        assert att.block_hashes("p0") == {100, 101, 102, 103}
+        first.close()
+        from kvscope.attach.publisher import KVEventPublisher
+
+        with KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", topic="kv-events",
+                              bind=True) as second:
+            second.publish([stored([7], None, [9, 9], 2)])
+            # keep publishing until the subscriber has reconnected and caught up (bounded by wait_for)
+            wait_for(lambda: second.publish([stored([8], 7, [9, 9], 2)]) >= 0 and att.block_hashes("p0") >= {7, 8},
+                     what="the restarted publisher's blocks")
+            wait_for(lambda: att.faults.publisher_restarts.iloc[0] + att.faults.reconnects.iloc[0] >= 1)
+            assert att.block_hashes("p0") == {7, 8}  # nothing of the dead publisher's cache survives
+    finally:
+        att.close()
+
+
+def test_slow_consumer_past_the_high_water_mark():
+    """A consumer that stalls makes both high-water marks drop batches; they come back through replay."""
+    with publisher(hwm=1) as pub:
+        att = attach_to(pub, hwm=1)
+        stall = threading.Event()
+        handle = att.add_listener(lambda name, seq: stall.wait(5.0) and None)
+        try:
+            tokens = list(range(4096))  # big batches, so the sockets' buffers fill up quickly
+            for i in range(600):
+                last = pub.publish([stored([i], i - 1 if i else None, tokens, 4096)])
+            stall.set()
+            handle.remove()
+            wait_for(applied(att, "p0", last), timeout=30, what="the last batch")
+            f = att.faults.iloc[0]
+            assert f.gaps >= 1 and f.missed_batches >= 1 and f.replayed_batches >= 1 and f.lost_batches == 0
+            assert att.block_hashes("p0") == set(range(600))
+        finally:
+            stall.set()
+            att.close()
+
+
+# ------------------------------------------------------------------- several publishers
+def test_four_replicas_overlap_matches_hand_count():
+    """Four replicas share a system prompt; the overlap numbers below are counted by hand.
+
+    A: S + [200, 201]   B: S + [200, 201]   C: S + [300]   D: S + [300, 301], then D evicts 301
+    with S = [100, 101, 102]. Held: A 5, B 5, C 4, D 4 -> 18 copies of 6 distinct hashes.
+    """
+    pubs = [publisher() for _ in range(4)]
+    att = attach_to(*pubs)
+    try:
+        S = [100, 101, 102]
+        chains = {0: [200, 201], 1: [200, 201], 2: [300], 3: [300, 301]}
+        for i, pub in enumerate(pubs):
+            pub.publish([stored(S, None, list(range(12)), 4)])
+            pub.publish([stored(chains[i], 102, list(range(4 * len(chains[i]))), 4)])
+        last = pubs[3].publish([removed([301])])
+        for i in range(3):
+            wait_for(applied(att, f"p{i}", 1))
+        wait_for(applied(att, "p3", last))
+        assert att.duplication() == {"total_blocks": 18, "unique_blocks": 6, "duplicated_blocks": 12,
+                                     "duplicated_fraction": 12 / 18}
+        m = att.overlap_matrix()
+        assert m.loc["p0", "p1"] == 5 and m.loc["p0", "p2"] == 3 and m.loc["p2", "p3"] == 4 and m.loc["p3", "p3"] == 4
+        held = att.overlap().set_index("block_hash")
+        assert held.loc[100, "instances"] == ["p0", "p1", "p2", "p3"] and held.loc[300, "num_instances"] == 2
+        assert 301 not in held.index
+        blocks = att.blocks
+        a = blocks[blocks.instance == "p0"].set_index("block_hash")
+        assert a.depth.to_dict() == {100: 0, 101: 1, 102: 2, 200: 3, 201: 4}
+        assert a.loc[101, "token_ids"] == [4, 5, 6, 7] and a.loc[201, "parent_block_hash"] == 200
+    finally:
+        att.close()
+        for p in pubs:
+            p.close()
+
+
+def test_data_parallel_ranks_publish_on_port_plus_rank():
+    from kvscope.attach.publisher import KVEventPublisher, offset_endpoint
+
+    assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560" and offset_endpoint("inproc://x", 1) == "inproc://x_dp1"
+    for _ in range(50):  # a base port whose neighbour is free too
+        probe = zmq.Context.instance().socket(zmq.PUB)
+        base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+        probe.close(linger=0)
+        pubs = []
+        try:
+            for r in (0, 1):
+                pubs.append(KVEventPublisher(f"tcp://127.0.0.1:{base}", topic="kv-events", data_parallel_rank=r,
+                                             bind=True))
+            break
+        except zmq.ZMQError:
+            for p in pubs:
+                p.close()
+    assert [p.endpoint for p in pubs] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
+    try:
+        att = kvscope.attach({"dep": f"tcp://127.0.0.1:{base}"}, data_parallel_size=2, replay_timeout=0.2)
+        try:
+            assert att.instances == ["dep/dp0", "dep/dp1"]
+            wait_for(lambda: _publish_until(pubs, att), what="both ranks")
+            ev = att.events
+            assert set(zip(ev.data_parallel_rank, ev.block_hashes.map(tuple))) == {(0, (10,)), (1, (11,))}
+        finally:
+            att.close()
+    finally:
+        for p in pubs:
+            p.close()
+
+
+def _publish_until(pubs, att) -> bool:
+    for r, p in enumerate(pubs):
+        if not att.block_hashes(f"dep/dp{r}"):
+            p.publish([stored([10 + r], None, [1, 2], 2)])
+    return all(att.block_hashes(f"dep/dp{r}") for r in range(2))
+
+
+# ----------------------------------------------------------------------------- metrics
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-0.6B"} 7.0
+vllm:num_requests_running{engine="1",model_name="Qwen/Qwen3-0.6B"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="Qwen/Qwen3-0.6B"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="Qwen/Qwen3-0.6B"} 0.4375
+vllm:kv_cache_usage_perc{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.125
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 12800.0
+vllm:prefix_cache_queries_created{engine="0",model_name="Qwen/Qwen3-0.6B"} 1.7e9
+vllm:prefix_cache_queries_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 640.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 9600.0
+vllm:prefix_cache_hits_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 4.0
+vllm:num_preemptions_total{engine="1",model_name="Qwen/Qwen3-0.6B"} 0.0
+# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{engine="0",model_name="Qwen/Qwen3-0.6B"} 5.0e+04
+"""
+
+
+def test_prometheus_text_parses_into_the_time_series():
+    rows = parse_metrics(VLLM_METRICS, "a", 5.0)
+    assert [dict(zip(("time_s", "instance", "data_parallel_rank", *METRICS), r)) for r in rows] == [
+        {"time_s": 5.0, "instance": "a", "data_parallel_rank": 0, "num_requests_running": 7.0,
+         "num_requests_waiting": 2.0, "kv_cache_usage_perc": 0.4375, "prefix_cache_queries": 12800.0,
+         "prefix_cache_hits": 9600.0, "num_preemptions": 4.0},
+        {"time_s": 5.0, "instance": "a", "data_parallel_rank": 1, "num_requests_running": 3.0,
+         "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.125, "prefix_cache_queries": 640.0,
+         "prefix_cache_hits": 0.0, "num_preemptions": 0.0},
+    ]
+    old = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n', "a", 1.0)[0]
+    assert old[5] == 0.5  # the pre-v0.10 name fills the same column
+
+
+def test_metrics_are_scraped_at_an_interval_and_failures_counted():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = VLLM_METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    dead_url = f"http://127.0.0.1:{dead.server_address[1]}/metrics"
+    dead.server_close()  # nothing listens there any more
+    with publisher() as a, publisher() as b:
+        att = attach_to(a, b, metrics_urls=[f"http://127.0.0.1:{server.server_address[1]}/metrics", dead_url],
+                        metrics_interval=0.05)
+        try:
+            wait_for(lambda: len(att.metrics) >= 6, what="three scrapes")
+            wait_for(lambda: att.faults.scrape_errors.iloc[1] >= 2)
+            m = att.metrics
+            assert set(m.instance) == {"p0"} and m.time_s.is_monotonic_increasing
+            assert m[m.data_parallel_rank == 0].num_requests_running.eq(7.0).all()
+        finally:
+            att.close()
+            server.shutdown()
+
+
+# ----------------------------------------------------------------------------- API boundary
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="endpoints"):
+        kvscope.attach([])
+    with pytest.raises(ValueError, match=r"endpoints\['127.0.0.1:1'\] must start with"):
+        kvscope.attach("127.0.0.1:1")
+    with pytest.raises(ValueError, match="replay_endpoints has 2 entries for 1 endpoints"):
+        kvscope.attach("tcp://127.0.0.1:1", replay_endpoints=["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"])
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        kvscope.attach("tcp://127.0.0.1:1", data_parallel_size=0)
+    with pytest.raises(ValueError, match="metrics_interval must be a number of seconds > 0"):
+        kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=0)
+    with pytest.raises(ValueError, match="metrics_urls names unknown instances"):
+        kvscope.attach({"a": "tcp://127.0.0.1:1"}, metrics_urls={"b": "http://127.0.0.1:1/metrics"})
+
+
+def test_missing_extra_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
+    with pytest.raises(ImportError, match=r'pip install "kvscope\[attach\]"'):
+        kvscope.attach("tcp://127.0.0.1:1")
+
+
+# ----------------------------------------------------------------------------- kvscope as a publisher
+def replay_kv_events(kv) -> list[set]:
+    """The cached-hash set after each step of ``trace.kv_events()`` that has events (one batch each)."""
+    held, out = set(), []
+    for _, step in kv.groupby("step", sort=True):
+        for ev in step.itertuples():
+            if ev.type == "BlockStored":
+                held.update(ev.block_hashes)
+            elif ev.type == "BlockRemoved":
+                held.difference_update(ev.block_hashes)
+            else:
+                held.clear()
+        out.append(set(held))
+    return out
+
+
+def test_round_trip_kvscope_publisher_to_attach():
+    """kvscope's engine publishes; attach rebuilds, after every batch, the set trace.kv_events() replays to."""
+    from engine_helpers import greedy, make_llm
+
+    llm = make_llm(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, kv_events_config={
+        "enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv-events", "buffer_steps": 100_000})
+    pub = llm.kv_events.publisher
+    att = attach_to(pub)
+    seen: list[set] = []
+    att.add_listener(lambda name, seq: seen.append(att.block_hashes(name)))
+    try:
+        shared = list(range(5, 25))
+        prompts = [shared + [30 + i] * (3 + i) for i in range(6)] + [list(range(40, 58))]
+        with llm.record("blocks") as trace:
+            llm.generate(prompts, greedy(6), use_tqdm=False)  # evicts: the pool is smaller than the work
+            llm.reset_prefix_cache()
+            llm.generate(prompts[:3], greedy(4), use_tqdm=False)
+        wait_for(applied(att, "p0", pub._seq - 1), what="every batch")
+        kv = trace.kv_events()
+        assert {"BlockStored", "BlockRemoved", "AllBlocksCleared"} <= set(kv.type)
+        assert seen == replay_kv_events(kv)
+        assert att.faults.iloc[0][["bad_msgpack", "unknown_tag", "lost_batches"]].sum() == 0
+        held = llm.llm_engine.block_manager.hash_to_block
+        assert att.block_hashes("p0") == set(held)  # and that is the engine's prefix cache now
+        stored_rows = kv[kv.type == "BlockStored"]
+        got = att.events[att.events.type == "BlockStored"]
+        assert got.token_ids.tolist() == stored_rows.token_ids.tolist()
+        assert got.parent_block_hash.tolist() == [None if pd.isna(p) else int(p) for p in stored_rows.parent_block_hash]
+    finally:
+        att.close()
+        llm.shutdown()
+
+
+def test_kv_events_config_is_checked_at_the_boundary():
+    from kvscope.config import EngineConfig
+
+    with pytest.raises(TypeError, match="unknown kv_events_config key 'endpiont'; did you mean 'endpoint'"):
+        EngineConfig.from_kwargs(kv_events_config={"endpiont": "tcp://*:1"})
+    with pytest.raises(ValueError, match="kv_events_config.hwm must be an integer >= 1"):
+        EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True, "hwm": 0})
+    with pytest.raises(ValueError, match="data_parallel_rank must be an integer >= 0"):
+        EngineConfig.from_kwargs(data_parallel_rank=-1)
+    cfg = EngineConfig.from_kwargs(kv_events_config={"enable_kv_cache_events": True})
+    assert cfg.kv_events_config.publisher == "zmq" and cfg.kv_events_config.publishes
+    assert not EngineConfig.from_kwargs(kv_events_config={}).kv_events_config.publishes
