@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 
@@ -16,6 +17,7 @@ from engine_helpers import greedy, make_llm, token_ids  # noqa: E402
 from kvscope.trace import Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
+from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -32,19 +34,61 @@ def wait_for(cond, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+class BrowserPool:
+    """The pool as a browser holds it: every message the view sends is taken off the wire and
+    applied in order; an update that does not follow the version held asks for a keyframe,
+    as ``pool.js`` does."""
+
+    def __init__(self, view: BlockPoolView) -> None:
+        self.view, self.version = view, None
+        self.model = view.get_state(["delta", "delta_base", "version"])  # what a browser opened now gets
+        self.state = self.ref_count = None
+        self.sizes: list[int] = []  # bytes of each pool update on the wire
+        self.keyframes = 0
+        send = view._send
+
+        def wire(msg, buffers=None):
+            send(msg, buffers)
+            self.receive(msg["state"], msg["buffer_paths"], buffers or [])
+
+        view._send = wire
+        view._on_msg(view, {"type": "resync"}, [])  # attached late, as a browser opened after the run
+
+    def receive(self, state: dict, paths: list, buffers: list) -> None:
+        """One update message; traits it leaves out keep their last value (as in the browser's model)."""
+        state = dict(state)
+        for path, buf in zip(paths, buffers):
+            state[path[0]] = bytes(buf)
+        self.model.update(state)
+        if "version" not in state:
+            return
+        m = self.model
+        self.sizes.append(len(json.dumps({k: v for k, v in state.items() if k != "delta"})) + len(state.get("delta", b"")))
+        update = PoolUpdate(m["delta"], m["delta_base"], m["version"])
+        if update.base == KEYFRAME:
+            self.keyframes += 1
+            n = self.view.num_blocks
+            self.state, self.ref_count = np.zeros(n, np.uint8), np.zeros(n, np.int32)
+        elif update.base != self.version:
+            self.view._on_msg(self.view, {"type": "resync"}, [])
+            return
+        apply_update(self.state, self.ref_count, update)
+        self.version = update.version
+
+
 def tables_of(trace, step) -> dict[str, list[int]]:
     df = trace.block_tables(step).sort_values(["request_id", "logical_block"], kind="stable")
     return {rid: g["physical_block"].tolist() for rid, g in df.groupby("request_id", sort=False)}
 
 
-def check_views(dash: Dashboard, step: int) -> None:
-    """Every view at ``step`` against the trace read directly."""
+def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
+    """Every view at ``step`` against the trace read directly; the pool as the browser holds it."""
     trace, v = dash.trace, dash.views
     arrays = trace.pool_arrays(step)
     pool = v["pool"]
     assert pool.step == step and pool.num_blocks == trace.num_blocks
-    assert pool.state == arrays["state"].astype(np.uint8).tobytes()
-    assert pool.ref_count == arrays["ref_count"].astype(np.int32).tobytes()
+    assert (browser.state == arrays["state"]).all()
+    assert (browser.ref_count == arrays["ref_count"]).all()
     assert pool.tables == tables_of(trace, step)
     assert {r["id"]: r["blocks"] for r in v["tables"].rows} == tables_of(trace, step)
     for row in v["tables"].rows:
@@ -69,13 +113,16 @@ def test_live_views_equal_trace_and_engine_after_each_step():
     for p in PROMPTS:
         llm.add_request(p, greedy(10))
     n = 0
+    browser = None
     while llm.has_unfinished_requests():
         llm.step()
         n += 1
-        wait_for(lambda: dash.step == n)
-        check_views(dash, n)
-        # ... and the engine itself agrees with what the browser gets
-        assert dash.views["pool"].ref_count == engine.block_manager.ref_count.tobytes()
+        wait_for(lambda: dash.step == n or dash.last_error, 10)
+        assert dash.last_error is None, dash.last_error
+        browser = browser or BrowserPool(dash.views["pool"])
+        check_views(dash, n, browser)
+        # ... and the engine itself agrees with what the browser holds
+        assert (browser.ref_count == engine.block_manager.ref_count).all()
         assert dash.views["queues"].queues["running"] == [s.request_id for s in engine.scheduler.running]
     assert dash.trace.steps["num_preemptions"].sum() > 0, "the workload should exercise preemption"
     dash.detach()
@@ -88,27 +135,55 @@ def test_replay_of_a_loaded_trace_shows_the_same_steps(tmp_path):
         llm.generate(PROMPTS, greedy(8), use_tqdm=False)
     loaded = Trace.load(trace.save(tmp_path / "t"))
     live, replay = Dashboard(trace), Dashboard(loaded)
-    for step in trace.step_ids[::3]:
+    browser = BrowserPool(replay.views["pool"])
+    for step in trace.step_ids[::-3]:  # backwards: each update is a delta back in time
         replay.slider.value = step  # what dragging the slider does
         live.show_step(step)
-        check_views(replay, step)
+        check_views(replay, step, browser)
+        assert (browser.state == block_states(trace.blocks(step))).all()  # the full level's snapshots
         for name in ("pool", "tables", "slots", "queues"):
             a, b = live.views[name], replay.views[name]
-            keys = [k for k in a.keys if not k.startswith("_") and k not in ("layout", "tabbable", "tooltip")]
+            keys = [k for k in a.keys if not k.startswith("_")
+                    and k not in ("layout", "tabbable", "tooltip", "delta", "delta_base", "version")]
             assert a.get_state(keys) == b.get_state(keys)
 
 
-def test_a_huge_pool_draws_its_first_blocks(monkeypatch):
-    from kvscope.widgets import snapshot
+def block_states(blocks) -> np.ndarray:
+    return blocks["state"].map({"free": 0, "used": 1, "cached": 2}).to_numpy(np.uint8)
 
-    monkeypatch.setattr(snapshot, "MAX_POOL_BLOCKS", 8)
-    llm = make_llm(**ENGINE)  # 12 blocks, more than the 8 drawn
-    with llm.record() as trace:
-        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
-    pool = BlockPoolView(trace, step=2)
-    assert pool.num_blocks == 12
-    assert pool.state == trace.pool_arrays(2)["state"][:8].tobytes()
-    assert pool.ref_count == trace.pool_arrays(2)["ref_count"][:8].astype(np.int32).tobytes()
+
+def pool_updates(num_kv_blocks: int) -> tuple[list[int], list[int], BrowserPool]:
+    """Replay one workload on a pool of ``num_kv_blocks``: the bytes of each update after the
+    keyframe, and the blocks whose state or refcount changed from the step before."""
+    llm = make_llm(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=64, validate=False)
+    with llm.record(level="full") as trace:
+        llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    steps = trace.step_ids
+    view = BlockPoolView(trace, step=steps[0])
+    browser = BrowserPool(view)
+    changed = []
+    for prev, step in zip(steps, steps[1:]):
+        view.update_from(trace, step)
+        a, b = trace.blocks(prev), trace.blocks(step)
+        changed.append(int(((block_states(a) != block_states(b)) | (a["ref_count"] != b["ref_count"])).sum()))
+        assert (browser.state == block_states(b)).all() and (browser.ref_count == b["ref_count"]).all()
+    return browser.sizes[1:], changed, browser
+
+
+def test_pool_updates_are_block_deltas_whose_size_follows_the_changes():
+    small, changed_small, _ = pool_updates(64)
+    big, changed_big, browser = pool_updates(64 * 256)
+    assert changed_small == changed_big  # the same workload changes the same number of blocks
+    assert max(changed_big) > 0 and browser.keyframes == 1  # after it, every update follows the one before
+    # the same bytes on the wire for a pool 256 times larger: 9 per changed block, plus the
+    # step's block tables and a small envelope
+    assert big == small
+    assert all(size >= 9 * c for size, c in zip(big, changed_big))
+    # a keyframe costs the blocks in use, not the pool
+    view = browser.view
+    view._on_msg(view, {"type": "resync"}, [])
+    assert browser.model["delta_base"] == KEYFRAME
+    assert len(browser.model["delta"]) == 9 * int((browser.state != 0).sum()) < view.num_blocks
 
 
 def test_a_view_is_usable_alone():
@@ -116,7 +191,7 @@ def test_a_view_is_usable_alone():
     with llm.record() as trace:  # "blocks" level: the pool is replayed from events
         llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     pool = BlockPoolView(trace, step=2)
-    assert pool.step == 2 and pool.state == trace.pool_arrays(2)["state"].tobytes()
+    assert pool.step == 2 and (BrowserPool(pool).state == trace.pool_arrays(2)["state"]).all()
     sent = []
     pool.send = lambda content, buffers=None: sent.append(content)
     b = int(np.flatnonzero(trace.pool_arrays(2)["num_tokens"])[0])
@@ -163,9 +238,11 @@ def test_html_export_contains_the_pool(tmp_path):
     assert '<section id="kvscope-pool">' in page and "poolGeometry" in page
     payload = load_payload(page)
     assert payload["steps"] == trace.step_ids
+    state, refs = np.zeros(trace.num_blocks, np.uint8), np.zeros(trace.num_blocks, np.int32)
+    for step, pool in zip(trace.step_ids, payload["views"]["pool"]):  # the deltas, folded in order
+        apply_update(state, refs, PoolUpdate(base64.b64decode(pool["delta"]), pool["delta_base"], pool["version"]))
+        assert (state == trace.pool_arrays(step)["state"]).all() and (refs == trace.pool_arrays(step)["ref_count"]).all()
     last = trace.step_ids[-1]
-    pool = payload["views"]["pool"][-1]
-    assert base64.b64decode(pool["state"]) == trace.pool_arrays(last)["state"].tobytes()
     assert pool["tables"] == tables_of(trace, last)
     cached = np.flatnonzero(trace.pool_arrays(last)["num_tokens"])
     assert sorted(map(int, payload["details"][-1])) == cached.tolist()

@@ -162,24 +162,31 @@ class Trace:
                     a.flags.writeable = False  # shared by every caller until the cursor moves
             return dict(self._cursor_arrays)
 
-    def blocks(self, step: int) -> pd.DataFrame:
-        """The whole pool after ``step``, one row per block, with the requests owning it."""
+    def blocks(self, step: int, block_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        """The pool after ``step``, one row per block, with the requests owning it: the whole
+        pool, or only ``block_ids`` (a hover on a pool of millions asks for a few)."""
         arrays = self.pool_arrays(step)
+        ids = np.arange(self.num_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block_ids must lie in 0..{self.num_blocks - 1}")
+        row_of = {int(b): i for i, b in enumerate(ids)} if block_ids is not None else None
         with self._lock:
             self._move(step)
-            owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+            owners: list[list[str]] = [[] for _ in range(len(ids))]
             for rid, table in self._cursor.tables.items():
                 for b in table:
-                    owners[b].append(rid)
-        h = arrays["block_hash"]
+                    i = b if row_of is None else row_of.get(b)
+                    if i is not None:
+                        owners[i].append(rid)
+        h = arrays["block_hash"][ids]
         hashes = pd.array(h, dtype="Int64")
         hashes[h == NO_HASH] = pd.NA
         return frame("blocks", {
-            "block_id": np.arange(self.num_blocks),
-            "state": np.asarray(STATE_NAMES, dtype=object)[arrays["state"]],
-            "ref_count": arrays["ref_count"],
+            "block_id": ids,
+            "state": np.asarray(STATE_NAMES, dtype=object)[arrays["state"][ids]],
+            "ref_count": arrays["ref_count"][ids],
             "block_hash": hashes,
-            "num_tokens": arrays["num_tokens"],
+            "num_tokens": arrays["num_tokens"][ids],
             "owners": owners,
         })
 

@@ -18,16 +18,17 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 from kvscope.widgets import snapshot
+from kvscope.widgets.pool_sync import PoolSync
 from kvscope.widgets.snapshot import StepData
 from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
 
-# view name -> (snapshot function, traits sent as binary)
-EXPORTED_VIEWS = {
-    "pool": (snapshot.pool_state, ("state", "ref_count")),
-    "queues": (snapshot.queues_state, ()),
-    "tables": (snapshot.tables_state, ()),
-    "slots": (snapshot.slots_state, ()),
+EXPORTED_VIEWS = {  # view name -> snapshot function
+    "pool": snapshot.pool_state,
+    "queues": snapshot.queues_state,
+    "tables": snapshot.tables_state,
+    "slots": snapshot.slots_state,
 }
+BINARY = {"pool": ("delta",)}  # traits sent as base64
 
 
 def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
@@ -40,19 +41,25 @@ def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
 
 
 def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
-    """Every view's state at each of ``steps``, plus hover facts for the blocks holding tokens."""
+    """Every view's state at each of ``steps``, plus hover facts for the blocks holding tokens.
+
+    The pool goes as block deltas from one exported step to the next (the first is a
+    keyframe), so the page grows with what changed, not with the pool's size.
+    """
     views: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPORTED_VIEWS}
     details = []
+    sync = PoolSync()
     for step in steps:
         data = StepData(trace, step)
-        for name, (fn, binary) in EXPORTED_VIEWS.items():
-            state = fn(data)
-            for key in binary:
-                state[key] = base64.b64encode(state[key]).decode("ascii")
-            views[name].append(state)
+        for name, fn in EXPORTED_VIEWS.items():
+            views[name].append(fn(data))
+        update = sync.update(*snapshot.pool_arrays(data))
+        views["pool"][-1].update(delta=update.delta, delta_base=update.base, version=update.version)
+        for name, keys in BINARY.items():
+            for key in keys:
+                views[name][-1][key] = base64.b64encode(views[name][-1][key]).decode("ascii")
         details.append(snapshot.block_details(data, np.flatnonzero(data.arrays["num_tokens"]).tolist()))
-    return {"steps": steps, "views": views, "details": details,
-            "binary": {name: list(binary) for name, (_fn, binary) in EXPORTED_VIEWS.items()}}
+    return {"steps": steps, "views": views, "details": details, "binary": {k: list(v) for k, v in BINARY.items()}}
 
 
 def export_html(
@@ -106,7 +113,8 @@ section {{ margin: 10px 0; }}
 <script type="application/json" id="kvscope-modules">{_json_script(modules)}</script>
 <script type="application/json" id="kvscope-figure">{_json_script_raw(pio.to_json(timeline_figure(trace)))}</script>
 <script type="application/octet-stream" id="kvscope-data">{base64.b64encode(payload).decode("ascii")}</script>
-<script type="module">{(STATIC / "export.js").read_text()}</script>
+<script type="module">{(STATIC / "common.js").read_text()}
+{(STATIC / "export.js").read_text()}</script>
 </body></html>
 """
     path = Path(path)

@@ -15,9 +15,6 @@ import numpy as np
 import pandas as pd
 
 MAX_SLOT_TOKENS = 128  # tokens per request sent to the slot-mapping view (the rest are counted)
-# Blocks the pool view draws: a larger pool (a tiny model on a big GPU has millions) shows its
-# first ones, where allocation starts, so each update stays ~1 MB.
-MAX_POOL_BLOCKS = 1 << 18
 
 
 # The ``trace.steps`` columns the views use.
@@ -109,17 +106,19 @@ class StepData:
 
 
 def pool_state(d: StepData) -> dict[str, Any]:
-    """Traits of ``BlockPoolView``: the pool (its first ``MAX_POOL_BLOCKS``) as binary arrays
-    plus the block tables."""
-    shown = slice(0, MAX_POOL_BLOCKS)
+    """Traits of ``BlockPoolView`` besides the pool itself, which goes as block deltas
+    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables."""
     return {
         "step": d.step,
         "block_size": int(d.trace.block_size),
         "num_blocks": int(d.trace.num_blocks),
-        "state": np.ascontiguousarray(d.arrays["state"][shown], dtype=np.uint8).tobytes(),
-        "ref_count": np.ascontiguousarray(d.arrays["ref_count"][shown], dtype=np.int32).tobytes(),
         "tables": d.tables,
     }
+
+
+def pool_arrays(d: StepData) -> tuple[np.ndarray, np.ndarray]:
+    """The step's ``state`` (uint8) and ``ref_count`` (int32) per block, as the pool view sends them."""
+    return d.arrays["state"].astype(np.uint8, copy=False), d.arrays["ref_count"].astype(np.int32, copy=False)
 
 
 def tables_state(d: StepData) -> dict[str, Any]:
@@ -179,13 +178,12 @@ def queues_state(d: StepData) -> dict[str, Any]:
 
 def block_details(d: StepData, block_ids: list[int]) -> dict[str, dict[str, Any]]:
     """Hover facts of some blocks after the step: content hash, tokens, their text, owners."""
-    blocks = d.trace.blocks(d.step)
+    blocks = d.trace.blocks(d.step, block_ids=[int(b) for b in block_ids])
     out = {}
-    for b in map(int, block_ids):
-        row = blocks.iloc[b]
+    for b, h, owners in zip(blocks["block_id"].tolist(), blocks["block_hash"], blocks["owners"]):
         tokens = d.trace.block_tokens(d.step, b)
         out[str(b)] = {
-            "hash": None if pd.isna(row["block_hash"]) else f"{int(row['block_hash']):016x}",
-            "tokens": tokens, "text": d.trace.decode(tokens), "owners": [str(o) for o in row["owners"]],
+            "hash": None if pd.isna(h) else f"{int(h):016x}",
+            "tokens": tokens, "text": d.trace.decode(tokens), "owners": [str(o) for o in owners],
         }
     return out
