@@ -104,6 +104,15 @@ def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
         want = q[q["queue"] == lane].sort_values("position")["request_id"].tolist()
         assert v["queues"].queues[lane] == want
     assert v["timeline"].data[0].x[-1] == trace.step_ids[-1]
+    life, want = v["lifecycle"], trace.lifecycle
+    cols = np.frombuffer(life.intervals, np.int32).reshape(-1, 6)
+    assert [life.requests[i]["id"] for i in cols[:, 0]] == want["request_id"].tolist()
+    assert [life.states[c] for c in cols[:, 1]] == want["state"].tolist()
+    assert cols[:, 2:].tolist() == want[["start_step", "end_step", "num_tokens", "num_cached_tokens"]].to_numpy().tolist()
+    req = trace.requests.set_index("request_id")
+    for r in life.requests:
+        assert r["num_preemptions"] == req.at[r["id"], "num_preemptions"]
+        assert r["ttft_s"] == pytest.approx(req.at[r["id"], "ttft_s"], nan_ok=True)
 
 
 def test_live_views_equal_trace_and_engine_after_each_step():

@@ -20,6 +20,7 @@ import pandas as pd
 
 from kvscope.engine.block_manager import hash_block
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockEvent, BlockRemoved, BlockStored
+from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
@@ -76,6 +77,7 @@ class Trace:
         self._cursor_step: int | None = None
         self._cursor_arrays: dict[str, np.ndarray] | None = None
         self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
+        self._lifecycle: LifecycleBuilder | None = None
         self._snapshots = (SnapshotCursor(self.num_blocks, self.block_size)  # the full level's pool snapshots
                            if self.level == "full" else None)
 
@@ -125,6 +127,21 @@ class Trace:
         """Block events; those fired between steps (abort, reset) belong to the next step, phase ``idle``."""
         self._need_blocks("block_events")
         return self._cached("block_events", block_events_frame)
+
+    @property
+    def lifecycle(self) -> pd.DataFrame:
+        """One row per request per state interval (``waiting``, ``prefill``, ``recompute``,
+        ``decode``, ``preempted``, ``idle``), and a zero-length ``finished`` / ``aborted`` row
+        closing each life; see docs/TRACE_API.md."""
+        self._need_blocks("lifecycle")
+        recs = self._records()
+        with self._lock:  # grows with new steps; rebuilt when the ring buffer dropped one
+            b = self._lifecycle
+            if b is None or not recs or b.first_step != recs[0].step or (b.last_step or -1) > recs[-1].step:
+                b = self._lifecycle = LifecycleBuilder()
+            for rec in recs[bisect.bisect_right(recs, b.last_step, key=_STEP) if b.last_step is not None else 0:]:
+                b.add(rec)
+            return frame("lifecycle", b.rows())
 
     def scheduled(self, step: int | None = None) -> pd.DataFrame:
         """Per step and request: ``start``, ``num_new_tokens``, ``num_cached_tokens`` (admissions),

@@ -9,6 +9,7 @@ from kvscope.widgets.export import export_html
 from kvscope.widgets.views import (
     BlockPoolView,
     BlockTablesView,
+    LifecycleView,
     QueuesView,
     SlotMappingView,
     TimelineView,
@@ -16,5 +17,5 @@ from kvscope.widgets.views import (
 
 __all__ = [
     "Dashboard", "dashboard", "demo", "demo_prompts", "export_html",
-    "BlockPoolView", "BlockTablesView", "QueuesView", "SlotMappingView", "TimelineView",
+    "BlockPoolView", "BlockTablesView", "LifecycleView", "QueuesView", "SlotMappingView", "TimelineView",
 ]

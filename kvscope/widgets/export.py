@@ -1,12 +1,14 @@
 """A static, self-contained HTML page of a trace: the dashboard's views with a step slider.
 
 The page runs the same ES modules as the Jupyter views, each driven by an in-page model, so
-it opens in any browser without a kernel or a network connection (plotly.js is inlined unless
-``include_plotlyjs="cdn"``). All exported steps travel as one deflated JSON payload.
+it opens in any browser without a kernel or a network connection (plotly.js is inlined,
+deflated, unless ``include_plotlyjs="cdn"``). All exported steps travel as one deflated JSON
+payload, the pool as block deltas, so the page grows with what changed, not with the pool.
 """
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import zlib
@@ -27,8 +29,10 @@ EXPORTED_VIEWS = {  # view name -> snapshot function
     "queues": snapshot.queues_state,
     "tables": snapshot.tables_state,
     "slots": snapshot.slots_state,
+    "lifecycle": snapshot.lifecycle_state,
 }
-BINARY = {"pool": ("delta",)}  # traits sent as base64
+BINARY = {"pool": ("delta",), "lifecycle": ("intervals",)}  # traits sent as base64
+ACROSS_STEPS = ("lifecycle",)  # views of all steps at once: exported once, with the step per slider position
 
 
 def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
@@ -52,14 +56,18 @@ def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
     for step in steps:
         data = StepData(trace, step)
         for name, fn in EXPORTED_VIEWS.items():
-            views[name].append(fn(data))
+            views[name].append({"step": step} if name in ACROSS_STEPS else fn(data))
         update = sync.update(*snapshot.pool_arrays(data))
         views["pool"][-1].update(delta=update.delta, delta_base=update.base, version=update.version)
-        for name, keys in BINARY.items():
-            for key in keys:
-                views[name][-1][key] = base64.b64encode(views[name][-1][key]).decode("ascii")
         details.append(snapshot.block_details(data, np.flatnonzero(data.arrays["num_tokens"]).tolist()))
-    return {"steps": steps, "views": views, "details": details, "binary": {k: list(v) for k, v in BINARY.items()}}
+    fixed = {name: EXPORTED_VIEWS[name](StepData(trace, steps[-1])) for name in ACROSS_STEPS}
+    for name, keys in BINARY.items():
+        for state in views[name] + [fixed.get(name, {})]:
+            for key in keys:
+                if key in state:
+                    state[key] = base64.b64encode(state[key]).decode("ascii")
+    return {"steps": steps, "views": views, "fixed": fixed, "details": details,
+            "binary": {k: list(v) for k, v in BINARY.items()}}
 
 
 def export_html(
@@ -87,8 +95,8 @@ def export_html(
             "selected_request": selected_request, "num_steps_recorded": len(ids),
             "model": str(trace.meta.get("model", ""))}
     modules = {name: esm_source(name) for name in EXPORTED_VIEWS}
-    if include_plotlyjs is True:
-        plotly_tag = f"<script>{get_plotlyjs()}</script>"
+    if include_plotlyjs is True:  # inflated by export.js: a third of plotly.js's size
+        plotly_tag = f'<script type="application/octet-stream" id="kvscope-plotly">{_plotly_deflated()}</script>'
     elif include_plotlyjs == "cdn":
         plotly_tag = f'<script src="https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"></script>'
     else:
@@ -120,6 +128,11 @@ section {{ margin: 10px 0; }}
     path = Path(path)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_deflated() -> str:
+    return base64.b64encode(zlib.compress(get_plotlyjs().encode(), 1)).decode("ascii")
 
 
 def _json_script_raw(text: str) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvscope.trace.lifecycle import LIFECYCLE_STATES
+
 MAX_SLOT_TOKENS = 128  # tokens per request sent to the slot-mapping view (the rest are counted)
 
 
@@ -174,6 +176,34 @@ def queues_state(d: StepData) -> dict[str, Any]:
             "kv_shards": d.trace.kv_shards.to_dict("records"),
         },
     }
+
+
+def lifecycle_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``LifecycleView``: ``Trace.lifecycle`` as int32 columns (request index, state
+    code, start step, end step, tokens, cached tokens; one binary buffer), each request's hover
+    facts from ``Trace.requests``, and the recorded steps' range."""
+    life = d.trace.lifecycle
+    req = d.trace.requests
+    order = pd.unique(life["request_id"])
+    facts = req.set_index("request_id").reindex(order)
+    states = {s: i for i, s in enumerate(LIFECYCLE_STATES)}
+    cols = np.stack([
+        pd.Index(order).get_indexer(life["request_id"]), life["state"].map(states).to_numpy(),
+        life["start_step"].to_numpy(), life["end_step"].to_numpy(),
+        life["num_tokens"].to_numpy(), life["num_cached_tokens"].to_numpy(),
+    ], axis=1).astype(np.int32) if len(life) else np.zeros((0, 6), np.int32)
+    keys = ("prompt_len", "output_len", "num_cached_tokens", "num_preemptions", "ttft_s", "mean_itl_s", "finish_reason")
+    requests = [{"id": str(rid), **{k: _plain(facts.at[rid, k]) for k in keys}} for rid in order]
+    ids = d.trace.step_ids
+    return {"step": d.step, "first_step": int(ids[0]), "last_step": int(ids[-1]), "states": list(LIFECYCLE_STATES),
+            "requests": requests, "intervals": cols.tobytes()}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-ready scalar (NaN and NA as None)."""
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return None
+    return v if isinstance(v, str) else v.item() if hasattr(v, "item") else v
 
 
 def block_details(d: StepData, block_ids: list[int]) -> dict[str, dict[str, Any]]:

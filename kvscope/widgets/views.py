@@ -147,6 +147,21 @@ class QueuesView(_StepView):
     queues = traitlets.Dict().tag(sync=True)
 
 
+class LifecycleView(_StepView):
+    """One row per request across steps: waiting, prefill chunks (the cached prefix apart),
+    decode, preempted, recompute, finished or aborted; from ``Trace.lifecycle``. Hover a row
+    for the request's TTFT, ITL, tokens, cached tokens and preemptions; click it to select the
+    request (linked with the pool and the block tables)."""
+
+    _esm = traitlets.Unicode(esm_source("lifecycle")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.lifecycle_state)
+    first_step = traitlets.Int(0).tag(sync=True)
+    last_step = traitlets.Int(0).tag(sync=True)
+    states = traitlets.List().tag(sync=True)
+    requests = traitlets.List().tag(sync=True)
+    intervals = traitlets.Bytes(b"").tag(sync=True)
+
+
 # --------------------------------------------------------------------------- timeline
 TIMELINE_SERIES = (  # (column of timeline_frame, label, subplot row, secondary y, kind)
     ("prefill_tokens", "prefill tokens", 1, False, "bar"),
@@ -226,5 +241,6 @@ VIEW_CLASSES: dict[str, type] = {
     "tables": BlockTablesView,
     "slots": SlotMappingView,
     "queues": QueuesView,
+    "lifecycle": LifecycleView,
     "timeline": TimelineView,
 }

@@ -45,6 +45,15 @@ function kvsWatch(model, names, fn) {
   return () => model.off(events, fn);
 }
 
+/** Like `kvsWatch`, but one call for all the traits that one update changes (they change one
+ * by one, synchronously, so the call waits for the end of the current task). */
+function kvsWatchBatched(model, names, fn) {
+  let queued = false;
+  return kvsWatch(model, names, () => {
+    if (!queued) { queued = true; queueMicrotask(() => { queued = false; fn(); }); }
+  });
+}
+
 /** Toggle the shared `selected_request` trait (empty string: nothing selected). */
 function kvsSelect(model, requestId) {
   const next = model.get("selected_request") === requestId ? "" : requestId;

@@ -38,16 +38,19 @@ function b64bytes(s) {
   return out;
 }
 
-async function inflateJson(b64) {
+async function inflateText(b64) {
   const stream = new Blob([b64bytes(b64)]).stream().pipeThrough(new DecompressionStream("deflate"));
-  return JSON.parse(await new Response(stream).text());
+  return new Response(stream).text();
 }
 
 async function main() {
   const byId = (id) => document.getElementById(id);
   const meta = JSON.parse(byId("kvscope-meta").textContent);
   const modules = JSON.parse(byId("kvscope-modules").textContent);
-  const data = await inflateJson(byId("kvscope-data").textContent.trim());
+  const data = JSON.parse(await inflateText(byId("kvscope-data").textContent.trim()));
+  for (const [name, s] of Object.entries(data.fixed)) for (const key of data.binary[name] || []) s[key] = b64bytes(s[key]).buffer;
+  const plotly = byId("kvscope-plotly");
+  if (plotly) document.head.append(h("script", {}, await inflateText(plotly.textContent.trim())));
   const hub = new Hub();
   const models = {};
   let shown = 0; // the exported step the views show
@@ -85,8 +88,8 @@ async function main() {
 /** One view's state at exported step `i`, coming from step `prev`; binary arrays arrive base64-encoded. */
 function stateOf(name, data, i, prev) {
   if (name === "pool" && i !== prev + 1) return poolKeyframe(data, i);
-  const s = { ...data.views[name][i] };
-  for (const key of data.binary[name] || []) s[key] = b64bytes(s[key]).buffer;
+  const s = { ...(data.fixed[name] || {}), ...data.views[name][i] };
+  for (const key of data.binary[name] || []) if (typeof s[key] === "string") s[key] = b64bytes(s[key]).buffer;
   if (name === "pool") s.details = data.details[i];
   return s;
 }

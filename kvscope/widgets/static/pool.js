@@ -399,11 +399,8 @@ function render({ model, el }) {
   el.kvsOverview = () => overview && { ...overview, top: Array.from(overview.top), busy: Array.from(overview.busy) };
   el.kvsZoom = zoomTo;
   model.on("msg:custom", onMsg);
-  let queued = false; // one draw for all the traits one update changes
-  const unwatch = kvsWatch(model, ["version", "tables", "selected_request", "selected_block", "step", "max_height"], () => {
-    load();
-    if (!queued) { queued = true; queueMicrotask(() => { queued = false; draw(); }); }
-  });
+  const unwatch = kvsWatchBatched(model, ["version", "tables", "selected_request", "selected_block", "step", "max_height"],
+    () => { load(); draw(); });
   const resize = new ResizeObserver(() => {
     if (el.clientWidth !== lastWidth) { lastWidth = el.clientWidth; draw(); }
   });

@@ -1,0 +1,103 @@
+"""The block-pool view at GPU pool sizes, on the CPU: export time and size, bytes per live
+update, and the browser's redraw time.
+
+Pools are made with the test suite's tiny checkpoint and ``block_size=1`` (its KV costs 1 KiB
+per block in float32, so 2,000,000 blocks take 2 GiB of memory; 8,000,000 take 4 GiB in
+bfloat16). Each pool size runs 16 requests recorded at ``blocks`` level, then:
+
+* ``export``: ``export_html`` of the trace, its wall time and file size;
+* ``update_bytes``: a ``BlockPoolView`` replays every recorded step as a live dashboard would,
+  and the bytes of each update message it sends (binary delta + JSON) are counted;
+* ``redraw_ms`` (with ``--browser``): the exported page opened in headless Chromium, the step
+  slider moved, and the pool view's own draw time read back (overview of the whole pool).
+
+    python benchmarks/bench_pool_view.py --blocks 1000000 2000000 8000000 --browser
+
+Prints one JSON object per pool size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+
+def record(num_blocks: int, num_requests: int, max_tokens: int):
+    from engine_helpers import greedy, make_llm
+
+    dtype = "bfloat16" if num_blocks > 4_000_000 else "float32"
+    llm = make_llm(num_kv_blocks=num_blocks, block_size=1, validate=False, dtype=dtype)
+    prompts = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(num_requests)]
+    with llm.record(level="blocks") as trace:
+        llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    return trace
+
+
+def update_bytes(trace) -> list[int]:
+    """Bytes of each pool update after the first, replaying the trace step by step."""
+    from kvscope.widgets import BlockPoolView
+
+    view = BlockPoolView(trace, step=trace.step_ids[0])
+    sizes: list[int] = []
+
+    def wire(msg, buffers=None):
+        sizes.append(len(json.dumps(msg)) + sum(len(b) for b in buffers or []))
+
+    view._send = wire
+    for step in trace.step_ids[1:]:
+        view.update_from(trace, step)
+    return sizes
+
+
+def redraw_ms(page_path: Path) -> dict[str, float]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from browser.lab import chromium_page
+
+    pool = "[data-kvscope-view=pool]"
+    with chromium_page() as page:
+        page.goto(page_path.as_uri())
+        page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=120_000)
+        first = float(page.eval_on_selector(pool, "el => el.dataset.drawMs"))
+        times = []
+        for value in ("0", "1", "2", "3"):
+            page.fill("#kvscope-slider", value)
+            page.dispatch_event("#kvscope-slider", "input")
+            times.append(float(page.eval_on_selector(pool, "el => el.dataset.drawMs")))
+        bucket = int(page.eval_on_selector(pool, "el => el.dataset.bucket"))
+    return {"first_draw_ms": first, "redraw_ms": sorted(times)[len(times) // 2], "bucket": bucket}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1_000_000, 2_000_000])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--browser", action="store_true", help="also time the redraw in headless Chromium")
+    args = ap.parse_args()
+    from kvscope.widgets import export_html
+
+    for n in args.blocks:
+        trace = record(n, args.requests, args.max_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "pool.html"
+            t = time.perf_counter()
+            export_html(trace, path)
+            export_s = time.perf_counter() - t
+            result = {"num_blocks": n, "steps": len(trace.step_ids), "export_s": round(export_s, 2),
+                      "export_mb": round(path.stat().st_size / 1e6, 2)}
+            sizes = update_bytes(trace)
+            result.update(update_bytes_mean=round(sum(sizes) / len(sizes)), update_bytes_max=max(sizes))
+            if args.browser:
+                result.update(redraw_ms(path))
+        print(json.dumps(result), flush=True)
+        del trace
+
+
+if __name__ == "__main__":
+    main()
