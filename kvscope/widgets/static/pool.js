@@ -141,7 +141,7 @@ function render({ model, el }) {
   el.append(legend, controls, wrap);
   const ctx = canvas.getContext("2d");
   const fetched = new Map(); // `${step}:${block}` -> details from the kernel
-  let owners = new Map(), geo = null, view = null; // view: positions [lo, hi) of the blocks shown
+  let owners = new Map(), geo = null, view = null; // view: positions [lo, hi) shown, of a pool of n blocks
   let draws = 0, hoverBlock = -1, inspectTimer = null, lastEvent = null, lastWidth = 0, drag = null;
   let overview = null; // the last bucket summary drawn (tests read it through el.kvsOverview)
 
@@ -178,7 +178,7 @@ function render({ model, el }) {
   function draw() {
     const t0 = performance.now();
     const s = store(), ids = positions(), n = s.state.length, all = total();
-    if (!view || view.hi > all) view = { lo: 0, hi: all };
+    if (!view || view.n !== n || view.hi > all) view = { lo: 0, hi: all, n };
     const { lo, hi } = view, count = hi - lo;
     const width = Math.max(200, (el.clientWidth || 800) - 4);
     geo = { ...poolLayout(count, width, model.get("max_height") || 360), lo, hi };
@@ -340,7 +340,7 @@ function render({ model, el }) {
     const all = total();
     const size = Math.max(1, Math.min(all, hi - lo));
     lo = Math.max(0, Math.min(Math.round(lo), all - size));
-    view = { lo, hi: lo + size };
+    view = { lo, hi: lo + size, n: store().state.length };
     tip.style.display = "none";
     draw();
   }
