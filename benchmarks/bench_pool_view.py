@@ -77,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1_000_000, 2_000_000])
     ap.add_argument("--requests", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--browser", action="store_true", help="also time the redraw in headless Chromium")
     args = ap.parse_args()
     from kvscope.widgets import export_html

@@ -7,6 +7,7 @@ Skipped when chromium, playwright or jupyterlab is missing.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -132,14 +133,15 @@ from engine_helpers import make_llm
 llm = make_llm(num_kv_blocks=1_000_000, block_size=1, validate=False, max_num_seqs=8, max_num_batched_tokens=48)
 dash = kvscope.dashboard(llm)
 dash""",
-    """prompts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 3) for i in range(16)]
-params = [SamplingParams(temperature=0, max_tokens=4 + (5 * i) % 17, ignore_eos=True) for i in range(16)]
+    """prompts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 2) for i in range(16)]
+params = [SamplingParams(temperature=0, max_tokens=2 + (3 * i) % 7, ignore_eos=True) for i in range(16)]
 llm.generate(prompts, params, use_tqdm=False)
 dash.detach()
 trace = dash.trace
 mid = trace.step_ids[len(trace.step_ids) // 2]
 dash.slider.value = mid
 a = trace.pool_arrays(mid)
+dash.to_html("scale.html")
 np.savez("pool.npz", state=a["state"], ref_count=a["ref_count"], step=mid)""",
 ]
 FREE = (0xE9, 0xEC, 0xEF)  # KVS_COLORS.free
@@ -259,6 +261,25 @@ def test_million_block_pool_and_lifecycle_in_jupyterlab(tmp_path: Path):
         tip = page.inner_text(f"{LIFE} .kvs-tip")
         assert tip.startswith(f"request {picked}") and "TTFT" in tip and "preemptions" in tip
         page.locator(LIFE).first.screenshot(path=str(SHOTS / "lifecycle.png"))
+
+        # "zoom to live": from the first to the last block in use, whatever the pool's size.
+        page.locator(f"{POOL} .kvs-live-only").first.uncheck()
+        page.locator(f"{POOL} .kvs-zoom-live").first.click()
+        live = np.flatnonzero(state)
+        data = pool_data(page)
+        assert (int(data["viewLo"]), int(data["viewHi"])) == (live[0], live[-1] + 1)
+
+        # The static export: the pool rebuilt from block deltas, moving the slider either way.
+        page.goto((work / "scale.html").as_uri())
+        page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=60_000)
+        steps = json.loads(page.eval_on_selector("#kvscope-slider", "el => JSON.stringify([+el.max])"))[0] + 1
+        for i in (steps - 1, 0, 1, mid - 1, mid - 2, mid - 1):  # 0-based slider positions; step ids start at 1
+            page.fill("#kvscope-slider", str(i))
+            page.dispatch_event("#kvscope-slider", "input")
+        data = pool_data(page)
+        assert int(data["step"]) == mid and int(data["used"]) == int((state == 1).sum())
+        assert int(data["cached"]) == int((state == 2).sum())
+        assert pool_data_of(page, LIFE)["numRequests"] == "16"
     assert draw_ms < 1000, f"drawing the 1,000,000-block overview took {draw_ms} ms"
 
 

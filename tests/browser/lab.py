@@ -60,7 +60,8 @@ def jupyterlab(root: Path, tmp: Path) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
          "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", "--IdentityProvider.token=",
-         "--ServerApp.password=", "--LabApp.expose_app_in_browser=True"],
+         "--ServerApp.password=", "--LabApp.expose_app_in_browser=True",
+         "--KernelManager.shutdown_wait_time=1"],  # the test is over: do not wait on the kernel
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
     )
     url = f"http://127.0.0.1:{port}"

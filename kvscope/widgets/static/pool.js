@@ -131,6 +131,7 @@ function render({ model, el }) {
   const live = h("input", { type: "checkbox", class: "kvs-live-only" });
   const controls = h("div", { class: "kvs-legend kvs-pool-controls" },
     h("label", { title: "show only the used and cached blocks, side by side" }, live, " live only"),
+    h("button", { class: "kvs-zoom-live", title: "show the range from the first to the last used or cached block" }, "zoom to live"),
     h("button", { class: "kvs-zoom-out", title: "show 8\u00d7 more blocks" }, "zoom out"),
     h("button", { class: "kvs-zoom-reset", title: "show the whole pool" }, "whole pool"),
     scale);
@@ -392,6 +393,12 @@ function render({ model, el }) {
   window.addEventListener("mouseup", onUp);
   live.addEventListener("change", () => { view = null; draw(); });
   controls.querySelector(".kvs-zoom-reset").addEventListener("click", () => { view = null; draw(); });
+  controls.querySelector(".kvs-zoom-live").addEventListener("click", () => {
+    const ids = poolLive(store());
+    if (!ids.length) return;
+    if (live.checked) zoomTo(0, ids.length);
+    else zoomTo(ids[0], ids[ids.length - 1] + 1);
+  });
   controls.querySelector(".kvs-zoom-out").addEventListener("click", () => {
     const mid = (view.lo + view.hi) / 2, size = 8 * (view.hi - view.lo);
     zoomTo(mid - size / 2, mid + size / 2);
