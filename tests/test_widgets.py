@@ -18,6 +18,7 @@ from kvscope.trace import Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
+from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -254,8 +255,12 @@ def test_html_export_contains_the_pool(tmp_path):
         assert (state == trace.pool_arrays(step)["state"]).all() and (refs == trace.pool_arrays(step)["ref_count"]).all()
     last = trace.step_ids[-1]
     assert pool["tables"] == tables_of(trace, last)
-    cached = np.flatnonzero(trace.pool_arrays(last)["num_tokens"])
-    assert sorted(map(int, payload["details"][-1])) == cached.tolist()
+    facts = {}  # each step lists the blocks whose hover facts it changed
+    for changed in payload["details"]:
+        facts.update(changed)
+    held = np.flatnonzero(trace.pool_arrays(last)["num_tokens"])
+    assert sorted(int(b) for b, f in facts.items() if f["tokens"]) == held.tolist()
+    assert facts == block_details(StepData(trace, last), list(map(int, facts)))
     small = export_html(trace, tmp_path / "small.html", max_steps=5, include_plotlyjs="cdn")
     assert len(load_payload(small.read_text())["steps"]) == 5
 

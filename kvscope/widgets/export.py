@@ -20,7 +20,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 from kvscope.widgets import snapshot
-from kvscope.widgets.pool_sync import PoolSync
+from kvscope.widgets.pool_sync import PoolSync, decode_blocks
 from kvscope.widgets.snapshot import StepData
 from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
 
@@ -45,10 +45,11 @@ def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
 
 
 def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
-    """Every view's state at each of ``steps``, plus hover facts for the blocks holding tokens.
+    """Every view's state at each of ``steps``, plus hover facts of the blocks.
 
     The pool goes as block deltas from one exported step to the next (the first is a
-    keyframe), so the page grows with what changed, not with the pool's size.
+    keyframe), and the hover facts likewise (a step lists the blocks whose facts it changed),
+    so the page grows with what changed, not with the pool's size.
     """
     views: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPORTED_VIEWS}
     details = []
@@ -59,7 +60,9 @@ def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
             views[name].append({"step": step} if name in ACROSS_STEPS else fn(data))
         update = sync.update(*snapshot.pool_arrays(data))
         views["pool"][-1].update(delta=update.delta, delta_base=update.base, version=update.version)
-        details.append(snapshot.block_details(data, np.flatnonzero(data.arrays["num_tokens"]).tolist()))
+        # hover facts change only where the state or refcount did, or tokens were written
+        touched = np.union1d(decode_blocks(update.delta)[0], data.slot_mapping["block_id"].to_numpy())
+        details.append(snapshot.block_details(data, touched.tolist()))
     fixed = {name: EXPORTED_VIEWS[name](StepData(trace, steps[-1])) for name in ACROSS_STEPS}
     for name, keys in BINARY.items():
         for state in views[name] + [fixed.get(name, {})]:

@@ -101,6 +101,10 @@ class StepData:
         splits = np.flatnonzero(np.diff(codes[order])) + 1
         return {str(r): chunk.tolist() for r, chunk in zip(request_ids, np.split(blocks, splits))}
 
+    @cached_property
+    def slot_mapping(self) -> pd.DataFrame:
+        return self.trace.slot_mapping(self.step)
+
     @property
     def row(self) -> dict[str, Any]:
         """The step's summary (``trace.steps`` row, ``STEP_FIELDS`` only)."""
@@ -136,7 +140,7 @@ def tables_state(d: StepData) -> dict[str, Any]:
 def slots_state(d: StepData) -> dict[str, Any]:
     """Traits of ``SlotMappingView``: the step's tokens grouped by request, prefill or decode."""
     trace = d.trace
-    df = trace.slot_mapping(d.step)
+    df = d.slot_mapping
     sched = trace.scheduled(d.step)
     kinds = dict(zip(sched["request_id"], np.where(sched["is_prefill"], "prefill", "decode")))
     # Rows come grouped by request, positions ascending (the runner's packing order).

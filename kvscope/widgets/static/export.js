@@ -90,7 +90,7 @@ function stateOf(name, data, i, prev) {
   if (name === "pool" && i !== prev + 1) return poolKeyframe(data, i);
   const s = { ...(data.fixed[name] || {}), ...data.views[name][i] };
   for (const key of data.binary[name] || []) if (typeof s[key] === "string") s[key] = b64bytes(s[key]).buffer;
-  if (name === "pool") s.details = data.details[i];
+  if (name === "pool") s.details = detailsAt(data, i);
   return s;
 }
 
@@ -101,7 +101,16 @@ function poolKeyframe(data, i) {
     const d = kvsDecodeDelta(b64bytes(data.views.pool[j].delta).buffer);
     for (let k = 0; k < d.ids.length; k++) blocks.set(d.ids[k], [d.states[k], d.refs[k]]);
   }
-  return { ...data.views.pool[i], delta: kvsEncodeDelta(blocks), delta_base: -1, details: data.details[i] };
+  return { ...data.views.pool[i], delta: kvsEncodeDelta(blocks), delta_base: -1, details: detailsAt(data, i) };
+}
+
+/** Hover facts at exported step `i`: each step lists the blocks whose facts it changed. */
+function detailsAt(data, i) {
+  let at = data.detailsAt; // the last one folded: {i, facts}
+  if (!at || at.i > i) at = { i: -1, facts: {} };
+  for (let j = at.i + 1; j <= i; j++) at = { i: j, facts: { ...at.facts, ...data.details[j] } };
+  data.detailsAt = at;
+  return at.facts;
 }
 
 main().catch((e) => { document.body.dataset.error = String(e); console.error(e); });
