@@ -11,9 +11,14 @@ bfloat16). Each pool size runs 16 requests recorded at ``blocks`` level, then:
 * ``redraw_ms`` (with ``--browser``): the exported page opened in headless Chromium, the step
   slider moved, and the pool view's own draw time read back (overview of the whole pool).
 
-    python benchmarks/bench_pool_view.py --blocks 1000000 2000000 8000000 --browser
+With ``--lifecycle``: 256 requests (at most 32 running, 250 tokens each) recorded over about
+2,000 steps; the time to build ``trace.lifecycle``, and in Chromium the lifecycle view's draw
+time, and the time from a click on a row to the pool showing that request selected.
 
-Prints one JSON object per pool size.
+    python benchmarks/bench_pool_view.py --blocks 1000000 2000000 8000000 --browser
+    python benchmarks/bench_pool_view.py --blocks --lifecycle
+
+Prints one JSON object per measurement.
 """
 from __future__ import annotations
 
@@ -75,7 +80,8 @@ def redraw_ms(page_path: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--blocks", type=int, nargs="+", default=[1_000_000, 2_000_000])
+    ap.add_argument("--blocks", type=int, nargs="*", default=[1_000_000, 2_000_000])
+    ap.add_argument("--lifecycle", action="store_true", help="256 requests x ~2,000 steps in the lifecycle view")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--browser", action="store_true", help="also time the redraw in headless Chromium")
@@ -97,6 +103,44 @@ def main() -> None:
                 result.update(redraw_ms(path))
         print(json.dumps(result), flush=True)
         del trace
+    if args.lifecycle:
+        print(json.dumps(lifecycle_at_scale()), flush=True)
+
+
+def lifecycle_at_scale() -> dict:
+    from engine_helpers import greedy, make_llm
+
+    from kvscope.widgets import export_html
+
+    llm = make_llm(num_kv_blocks=4096, block_size=16, validate=False, max_num_seqs=32, max_num_batched_tokens=512)
+    prompts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 4) for i in range(256)]
+    with llm.record(level="blocks", max_steps=5000) as trace:
+        llm.generate(prompts, greedy(250), use_tqdm=False)
+    t = time.perf_counter()
+    life = trace.lifecycle
+    result = {"requests": 256, "steps": len(trace.step_ids), "lifecycle_rows": len(life),
+              "lifecycle_build_s": round(time.perf_counter() - t, 3)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_html(trace, Path(tmp) / "life.html", include_plotlyjs=False)
+        from browser.lab import chromium_page
+
+        life_sel = "[data-kvscope-view=lifecycle]"
+        with chromium_page() as page:
+            page.goto(path.as_uri())
+            page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=120_000)
+            draws = []
+            for value in ("0", "100", "200", "299"):
+                page.fill("#kvscope-slider", value)
+                page.dispatch_event("#kvscope-slider", "input")
+                draws.append(float(page.eval_on_selector(life_sel, "el => el.dataset.drawMs")))
+            canvas = page.locator(f"{life_sel} canvas").first
+            row_h = int(page.eval_on_selector(life_sel, "el => el.dataset.rowHeight"))
+            t = time.perf_counter()
+            canvas.click(position={"x": 400, "y": 100 * row_h + row_h / 2})
+            page.wait_for_function("() => document.querySelector('[data-kvscope-view=pool]').dataset.selectedRequest !== ''")
+            result.update(draw_ms=sorted(draws)[len(draws) // 2], click_to_select_ms=round(1000 * (time.perf_counter() - t), 1),
+                          row_height_px=row_h)
+    return result
 
 
 if __name__ == "__main__":

@@ -7,8 +7,6 @@ aborted. The builder takes records one at a time, so a live view pays for new st
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 from kvscope.trace.record import StepRecord
 
 # Per step a request is in exactly one of these (the last two close its life: zero-length rows).
@@ -94,11 +92,3 @@ class LifecycleBuilder:
 
     def _close(self, rid: str) -> None:
         self.closed.append((rid, *self._open.pop(rid)))
-
-
-def build(records: Iterable[StepRecord]) -> LifecycleBuilder:
-    """A builder that has taken in ``records``."""
-    builder = LifecycleBuilder()
-    for rec in records:
-        builder.add(rec)
-    return builder
