@@ -82,6 +82,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, nargs="*", default=[1_000_000, 2_000_000])
     ap.add_argument("--lifecycle", action="store_true", help="256 requests x ~2,000 steps in the lifecycle view")
+    ap.add_argument("--screenshot", type=Path, help="with --lifecycle: save the lifecycle view as this PNG")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--browser", action="store_true", help="also time the redraw in headless Chromium")
@@ -104,10 +105,10 @@ def main() -> None:
         print(json.dumps(result), flush=True)
         del trace
     if args.lifecycle:
-        print(json.dumps(lifecycle_at_scale()), flush=True)
+        print(json.dumps(lifecycle_at_scale(args.screenshot)), flush=True)
 
 
-def lifecycle_at_scale() -> dict:
+def lifecycle_at_scale(screenshot: Path | None) -> dict:
     from engine_helpers import greedy, make_llm
 
     from kvscope.widgets import export_html
@@ -140,6 +141,9 @@ def lifecycle_at_scale() -> dict:
             page.wait_for_function("() => document.querySelector('[data-kvscope-view=pool]').dataset.selectedRequest !== ''")
             result.update(draw_ms=sorted(draws)[len(draws) // 2], click_to_select_ms=round(1000 * (time.perf_counter() - t), 1),
                           row_height_px=row_h)
+            if screenshot is not None:
+                canvas.hover(position={"x": 400, "y": 100 * row_h + row_h / 2})
+                page.locator(life_sel).screenshot(path=str(screenshot))
     return result
 
 
