@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from browser.lab import chromium_page, jupyterlab, missing, open_notebook, run_all, write_notebook
+from pool_reference import bucket_summary
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
@@ -145,15 +146,6 @@ dash.to_html("scale.html")
 np.savez("pool.npz", state=a["state"], ref_count=a["ref_count"], step=mid)""",
 ]
 FREE = (0xE9, 0xEC, 0xEF)  # KVS_COLORS.free
-
-
-def bucket_summary(state, ref_count, bucket: int):
-    """The numpy reference of pool.js's poolBuckets: per cell of ``bucket`` blocks, the highest
-    code (0 free, 1 cached, 2 used, 3 shared) and the number of blocks not free."""
-    code = np.select([state == 2, (state == 1) & (ref_count > 1), state == 1], [1, 3, 2], 0).astype(np.uint8)
-    pad = -len(code) % bucket
-    cells = np.concatenate([code, np.zeros(pad, np.uint8)]).reshape(-1, bucket)
-    return cells.max(axis=1), (cells > 0).sum(axis=1)
 
 
 def cell_center(page, k: int) -> tuple[float, float]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -13,12 +15,14 @@ pytest.importorskip("anywidget")
 pytest.importorskip("plotly")
 
 from engine_helpers import greedy, make_llm, token_ids  # noqa: E402
+from pool_reference import bucket_summary  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
 from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
+from kvscope.widgets.views import STATIC  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -276,3 +280,33 @@ def test_queues_view_shows_each_ranks_kv_shard():
     view = QueuesView(trace)
     assert view.queues["kv_shards"] == shards
     assert [(s["kv_head_start"], s["kv_head_end"]) for s in shards] == [(0, 1), (1, 2)]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")
+def test_overview_buckets_in_javascript_equal_the_numpy_reference():
+    """pool.js's poolBuckets, run by node on random pools (used, shared, cached, free; a bucket
+    that does not divide the range; the "live only" block list), against numpy."""
+    rng = np.random.default_rng(0)
+    n = 10_007
+    state = rng.choice(np.array([0, 1, 2], np.uint8), n, p=[0.9, 0.06, 0.04])
+    refs = np.where(state == 1, rng.integers(1, 4, n), 0).astype(np.int32)
+    live = np.flatnonzero(state).astype(np.int32)
+    cases = [(None, 0, n, 1), (None, 0, n, 7), (None, 123, 5000, 64), (live, 0, len(live), 5), (live, 10, 97, 3)]
+    module = (STATIC / "common.js").read_text() + (STATIC / "pool.js").read_text()
+    script = module.replace("export default { render };", "") + """
+const input = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const state = Uint8Array.from(input.state), refs = Int32Array.from(input.refs);
+console.log(JSON.stringify(input.cases.map(([ids, lo, count, bucket]) => {
+  const { top, busy } = poolBuckets(state, refs, ids && Int32Array.from(ids), lo, count, bucket);
+  return [Array.from(top), Array.from(busy)];
+})));
+"""
+    payload = {"state": state.tolist(), "refs": refs.tolist(),
+               "cases": [[None if ids is None else ids.tolist(), lo, count, b] for ids, lo, count, b in cases]}
+    run = subprocess.run(["node", "--input-type=commonjs", "-e", script], input=json.dumps(payload),
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for (ids, lo, count, bucket), (top, busy) in zip(cases, json.loads(run.stdout)):
+        chosen = (np.arange(n) if ids is None else ids)[lo:lo + count]
+        want_top, want_busy = bucket_summary(state, refs, bucket, chosen)
+        assert top == want_top.tolist() and busy == want_busy.tolist()

@@ -53,7 +53,7 @@ function poolLayout(count, width, maxHeight) {
 
 /** Per cell of `count` blocks from position `lo` (block `ids[p]`, or block `p` without `ids`),
  * `bucket` blocks a cell: the highest code (0 free, 1 cached, 2 used, 3 shared) and how many
- * blocks are not free. tests/test_browser.py checks this against a numpy reference. */
+ * blocks are not free. tests/test_widgets.py and test_browser.py check it against numpy. */
 function poolBuckets(state, refs, ids, lo, count, bucket) {
   const cells = Math.ceil(count / bucket);
   const top = new Uint8Array(cells), busy = new Uint32Array(cells);
