@@ -248,9 +248,10 @@ function render({ model, el }) {
     );
     const what = ids ? `live blocks ${lo}\u2013${hi - 1} of ${all} (used and cached only)`
       : count === n ? `all ${n} blocks` : `blocks ${lo}\u2013${hi - 1} of ${n}`;
+    const held = poolLive(s); // where the used and cached blocks are, for a pool that is mostly free
     scale.textContent = `${what} \u00d7 ${model.get("block_size")} tokens \u00b7 ` + (bucket > 1
       ? `1 cell = ${bucket} blocks (its highest state; paler = fewer of them in use) \u00b7 drag or click to zoom`
-      : "1 cell = 1 block");
+      : "1 cell = 1 block") + (held.length ? ` \u00b7 used and cached blocks lie in ${held[0]}\u2013${held[held.length - 1]}` : "");
   }
 
   /** The cell under a mouse event, or -1. */
