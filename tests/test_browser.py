@@ -7,14 +7,17 @@ Skipped when chromium, playwright or jupyterlab is missing.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from browser.lab import chromium_page, jupyterlab, missing, open_notebook, run_all
+from browser.lab import chromium_page, jupyterlab, missing, open_notebook, run_all, write_notebook
+from pool_reference import bucket_summary
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
@@ -23,6 +26,7 @@ NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 SHOTS = ROOT / "assets" / "screenshots"
 
 POOL = "[data-kvscope-view=pool]"
+LIFE = "[data-kvscope-view=lifecycle]"
 STATUS = ".kvscope-status"
 
 
@@ -121,25 +125,155 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         page.screenshot(path=str(SHOTS / "export.png"), full_page=True)
 
 
-def test_pool_view_draws_131072_blocks_quickly(tmp_path: Path):
-    """A 128k-block pool stays responsive: one canvas cell per block, drawn in milliseconds."""
-    from engine_helpers import greedy, make_llm
+GPU_SCALE_CELLS = [
+    """import numpy as np
+import kvscope
+from kvscope import SamplingParams
+from engine_helpers import make_llm
+# A pool the size of a GPU's: one million blocks of one token each.
+llm = make_llm(num_kv_blocks=1_000_000, block_size=1, validate=False, max_num_seqs=8, max_num_batched_tokens=48)
+dash = kvscope.dashboard(llm)
+dash""",
+    """prompts = [f"request {i}: " + "the quick brown fox jumps over the lazy dog " * (1 + i % 2) for i in range(16)]
+params = [SamplingParams(temperature=0, max_tokens=2 + (3 * i) % 7, ignore_eos=True) for i in range(16)]
+llm.generate(prompts, params, use_tqdm=False)
+dash.detach()
+trace = dash.trace
+mid = trace.step_ids[len(trace.step_ids) // 2]
+dash.slider.value = mid
+a = trace.pool_arrays(mid)
+dash.to_html("scale.html")
+np.savez("pool.npz", state=a["state"], ref_count=a["ref_count"], step=mid)""",
+]
+FREE = (0xE9, 0xEC, 0xEF)  # KVS_COLORS.free
 
-    from kvscope.widgets import export_html
 
-    num_blocks = 131072
-    llm = make_llm(num_kv_blocks=num_blocks, block_size=1, validate=False)
-    with llm.record() as trace:
-        llm.generate(["the quick brown fox jumps over the lazy dog"] * 4, greedy(3), use_tqdm=False)
-    page_path = export_html(trace, tmp_path / "big.html", include_plotlyjs=False)
-    with chromium_page() as page:
-        page.goto(page_path.as_uri())
-        page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=30_000)
-        data = page.eval_on_selector(POOL, "el => ({...el.dataset})")
-        assert int(data["numBlocks"]) == num_blocks and int(data["used"]) + int(data["cached"]) > 0
-        page.fill("#kvscope-slider", "0")
-        page.dispatch_event("#kvscope-slider", "input")
-        redraw = page.eval_on_selector(POOL, "el => ({...el.dataset})")
-        assert int(redraw["step"]) == trace.step_ids[0] and int(redraw["draws"]) > int(data["draws"])
-        page.screenshot(path=str(SHOTS / "pool_131072_blocks.png"))
-    assert float(redraw["drawMs"]) < 250, f"drawing {num_blocks} blocks took {redraw['drawMs']} ms"
+def cell_center(page, k: int) -> tuple[float, float]:
+    box = page.locator(f"{POOL} canvas").first.bounding_box()
+    d = page.eval_on_selector(POOL, "el => ({...el.dataset})")
+    cell, cols = int(d["cell"]), int(d["cols"])
+    return box["x"] + (k % cols) * cell + cell / 2, box["y"] + (k // cols) * cell + cell / 2
+
+
+def pool_data(page) -> dict:
+    return page.eval_on_selector(POOL, "el => ({...el.dataset})")
+
+
+def test_million_block_pool_and_lifecycle_in_jupyterlab(tmp_path: Path):
+    """A GPU-sized pool live in JupyterLab: the overview shows every used block (read back from
+    the canvas' pixels), zooming reaches single blocks with hover and click, "live only"
+    compacts, and the lifecycle view selects requests in the pool and back."""
+    work = tmp_path / "nb"
+    work.mkdir()
+    write_notebook(work / "scale.ipynb", GPU_SCALE_CELLS)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with jupyterlab(work, tmp_path) as url, chromium_page() as page:
+        open_notebook(page, url, "scale.ipynb")
+        run_all(page)
+        wait_until(lambda: (work / "pool.npz").exists(), 240, "the run to finish")
+        time.sleep(0.5)
+        saved = np.load(work / "pool.npz")
+        state, refs, mid = saved["state"], saved["ref_count"], int(saved["step"])
+        page.wait_for_function(f"() => document.querySelector('{POOL}').dataset.step === '{mid}'", timeout=60_000)
+        data = pool_data(page)
+        assert int(data["numBlocks"]) == 1_000_000 and int(data["bucket"]) > 1
+        assert int(data["used"]) == int((state == 1).sum()) > 0
+
+        # The overview's buckets are the numpy reference's, over the whole pool ...
+        ov = page.eval_on_selector(POOL, "el => el.kvsOverview()")
+        top, busy = bucket_summary(state, refs, ov["bucket"])
+        assert ov["lo"] == 0 and ov["count"] == 1_000_000
+        assert ov["top"] == top.tolist() and ov["busy"] == busy.tolist()
+        # ... and every cell holding a used, cached or shared block is drawn in a colour apart from free.
+        cells = np.flatnonzero(top).tolist()
+        idle = np.flatnonzero(top == 0)[:: max(1, len(top) // 500)].tolist()
+        pixels = page.eval_on_selector(POOL, """(el, cells) => {
+            const c = el.querySelector("canvas"), ctx = c.getContext("2d");
+            const cell = +el.dataset.cell, cols = +el.dataset.cols;
+            return cells.map((k) => Array.from(ctx.getImageData((k % cols) * cell, Math.floor(k / cols) * cell, 1, 1).data));
+        }""", cells + idle)
+        for k, px in zip(cells, pixels):
+            assert max(abs(a - b) for a, b in zip(px[:3], FREE)) >= 24, f"cell {k} (code {top[k]}) is not visible: {px}"
+        assert all(tuple(px[:3]) == FREE for px in pixels[len(cells):])
+        page.locator("[data-kvscope-view=lifecycle]").first.scroll_into_view_if_needed()
+        page.locator(POOL).first.scroll_into_view_if_needed()
+        page.locator(".kvscope-dashboard").first.screenshot(path=str(SHOTS / "pool_1000000_blocks.png"))
+        draw_ms = float(data["drawMs"])
+
+        # A click on an overview cell zooms to single blocks around it; hover asks the kernel for tokens.
+        used = int(np.flatnonzero(state == 1)[0])
+        page.mouse.click(*cell_center(page, used // ov["bucket"]))
+        page.wait_for_function(f"() => document.querySelector('{POOL}').dataset.bucket === '1'", timeout=10_000)
+        data = pool_data(page)
+        lo, hi = int(data["viewLo"]), int(data["viewHi"])
+        assert lo <= used < hi
+        page.mouse.move(*cell_center(page, used - lo))
+        page.wait_for_function(f"() => document.querySelector('{POOL} .kvs-tip').textContent.includes('tokens (')",
+                               timeout=10_000)
+        assert page.inner_text(f"{POOL} .kvs-tip").startswith(f"block {used}")
+        page.mouse.click(*cell_center(page, used - lo))  # selects its request, everywhere
+        page.wait_for_function(f"() => document.querySelector('{POOL}').dataset.selectedRequest !== ''", timeout=10_000)
+        chosen = pool_data(page)["selectedRequest"]
+        page.wait_for_function(
+            f"() => document.querySelector('{LIFE}').dataset.selectedRequest === '{chosen}'", timeout=10_000)
+        page.locator(".kvscope-dashboard").first.screenshot(path=str(SHOTS / "pool_zoomed.png"))
+
+        # Drag over a range of the overview: that range, down to single blocks.
+        page.locator(f"{POOL} .kvs-zoom-reset").first.click()
+        page.mouse.move(*cell_center(page, 0))
+        page.mouse.down()
+        page.mouse.move(*cell_center(page, 30), steps=5)
+        page.mouse.up()
+        data = pool_data(page)
+        assert (int(data["viewLo"]), int(data["viewHi"])) == (0, 31 * ov["bucket"]) and data["bucket"] == "1"
+
+        # "live only": just the used and cached blocks, side by side.
+        page.locator(f"{POOL} .kvs-live-only").first.check()
+        data = pool_data(page)
+        assert data["liveOnly"] == "1" and int(data["cells"]) == int((state != 0).sum())
+
+        # The lifecycle: a row per request; clicking one selects it in the pool and the tables.
+        life = pool_data_of(page, LIFE)
+        assert int(life["numRequests"]) == 16 and int(life["step"]) == mid
+        canvas = page.locator(f"{LIFE} canvas").first
+        row_h, width = int(life["rowHeight"]), canvas.bounding_box()["width"]
+        in_tables = page.locator("[data-kvscope-view=tables] .kvs-rid").all_inner_texts()
+
+        def row_of(r: int) -> str:  # the request a row shows, read from its hover tip
+            canvas.hover(position={"x": width * 0.5, "y": r * row_h + row_h / 2})
+            return page.inner_text(f"{LIFE} .kvs-tip").split(" ")[1]
+
+        row = next(r for r in range(16) if row_of(r) not in (chosen, "") and row_of(r) in in_tables)
+        canvas.click(position={"x": width * 0.5, "y": row * row_h + row_h / 2})
+        picked = row_of(row)
+        page.wait_for_function(
+            f"() => document.querySelector('{POOL}').dataset.selectedRequest === '{picked}'", timeout=10_000)
+        assert page.locator("[data-kvscope-view=tables] tr.kvs-selected .kvs-rid").inner_text() == picked
+        assert int(pool_data(page)["selectedBlocks"]) > 0
+        tip = page.inner_text(f"{LIFE} .kvs-tip")
+        assert tip.startswith(f"request {picked}") and "TTFT" in tip and "preemptions" in tip
+        page.locator(LIFE).first.screenshot(path=str(SHOTS / "lifecycle.png"))
+
+        # "zoom to live": from the first to the last block in use, whatever the pool's size.
+        page.locator(f"{POOL} .kvs-live-only").first.uncheck()
+        page.locator(f"{POOL} .kvs-zoom-live").first.click()
+        live = np.flatnonzero(state)
+        data = pool_data(page)
+        assert (int(data["viewLo"]), int(data["viewHi"])) == (live[0], live[-1] + 1)
+
+        # The static export: the pool rebuilt from block deltas, moving the slider either way.
+        page.goto((work / "scale.html").as_uri())
+        page.wait_for_function("() => document.body.dataset.ready === '1'", timeout=60_000)
+        steps = json.loads(page.eval_on_selector("#kvscope-slider", "el => JSON.stringify([+el.max])"))[0] + 1
+        for i in (steps - 1, 0, 1, mid - 1, mid - 2, mid - 1):  # 0-based slider positions; step ids start at 1
+            page.fill("#kvscope-slider", str(i))
+            page.dispatch_event("#kvscope-slider", "input")
+        data = pool_data(page)
+        assert int(data["step"]) == mid and int(data["used"]) == int((state == 1).sum())
+        assert int(data["cached"]) == int((state == 2).sum())
+        assert pool_data_of(page, LIFE)["numRequests"] == "16"
+    assert draw_ms < 1000, f"drawing the 1,000,000-block overview took {draw_ms} ms"
+
+
+def pool_data_of(page, selector: str) -> dict:
+    return page.eval_on_selector(selector, "el => ({...el.dataset})")

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
+import shutil
+import subprocess
 import time
 
 import numpy as np
@@ -12,10 +15,14 @@ pytest.importorskip("anywidget")
 pytest.importorskip("plotly")
 
 from engine_helpers import greedy, make_llm, token_ids  # noqa: E402
+from pool_reference import bucket_summary  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
+from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
+from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
+from kvscope.widgets.views import STATIC  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -32,19 +39,61 @@ def wait_for(cond, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+class BrowserPool:
+    """The pool as a browser holds it: every message the view sends is taken off the wire and
+    applied in order; an update that does not follow the version held asks for a keyframe,
+    as ``pool.js`` does."""
+
+    def __init__(self, view: BlockPoolView) -> None:
+        self.view, self.version = view, None
+        self.model = view.get_state(["delta", "delta_base", "version"])  # what a browser opened now gets
+        self.state = self.ref_count = None
+        self.sizes: list[int] = []  # bytes of each pool update on the wire
+        self.keyframes = 0
+        send = view._send
+
+        def wire(msg, buffers=None):
+            send(msg, buffers)
+            self.receive(msg["state"], msg["buffer_paths"], buffers or [])
+
+        view._send = wire
+        view._on_msg(view, {"type": "resync"}, [])  # attached late, as a browser opened after the run
+
+    def receive(self, state: dict, paths: list, buffers: list) -> None:
+        """One update message; traits it leaves out keep their last value (as in the browser's model)."""
+        state = dict(state)
+        for path, buf in zip(paths, buffers):
+            state[path[0]] = bytes(buf)
+        self.model.update(state)
+        if "version" not in state:
+            return
+        m = self.model
+        self.sizes.append(len(json.dumps({k: v for k, v in state.items() if k != "delta"})) + len(state.get("delta", b"")))
+        update = PoolUpdate(m["delta"], m["delta_base"], m["version"])
+        if update.base == KEYFRAME:
+            self.keyframes += 1
+            n = self.view.num_blocks
+            self.state, self.ref_count = np.zeros(n, np.uint8), np.zeros(n, np.int32)
+        elif update.base != self.version:
+            self.view._on_msg(self.view, {"type": "resync"}, [])
+            return
+        apply_update(self.state, self.ref_count, update)
+        self.version = update.version
+
+
 def tables_of(trace, step) -> dict[str, list[int]]:
     df = trace.block_tables(step).sort_values(["request_id", "logical_block"], kind="stable")
     return {rid: g["physical_block"].tolist() for rid, g in df.groupby("request_id", sort=False)}
 
 
-def check_views(dash: Dashboard, step: int) -> None:
-    """Every view at ``step`` against the trace read directly."""
+def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
+    """Every view at ``step`` against the trace read directly; the pool as the browser holds it."""
     trace, v = dash.trace, dash.views
     arrays = trace.pool_arrays(step)
     pool = v["pool"]
     assert pool.step == step and pool.num_blocks == trace.num_blocks
-    assert pool.state == arrays["state"].astype(np.uint8).tobytes()
-    assert pool.ref_count == arrays["ref_count"].astype(np.int32).tobytes()
+    assert (browser.state == arrays["state"]).all()
+    assert (browser.ref_count == arrays["ref_count"]).all()
     assert pool.tables == tables_of(trace, step)
     assert {r["id"]: r["blocks"] for r in v["tables"].rows} == tables_of(trace, step)
     for row in v["tables"].rows:
@@ -60,6 +109,16 @@ def check_views(dash: Dashboard, step: int) -> None:
         want = q[q["queue"] == lane].sort_values("position")["request_id"].tolist()
         assert v["queues"].queues[lane] == want
     assert v["timeline"].data[0].x[-1] == trace.step_ids[-1]
+    life, want = v["lifecycle"], trace.lifecycle
+    cols = np.frombuffer(life.intervals, np.int32).reshape(-1, 6)
+    assert [life.requests[i]["id"] for i in cols[:, 0]] == want["request_id"].tolist()
+    assert [life.states[c] for c in cols[:, 1]] == want["state"].tolist()
+    assert cols[:, 2:].tolist() == want[["start_step", "end_step", "num_tokens", "num_cached_tokens"]].to_numpy().tolist()
+    req = trace.requests.set_index("request_id")
+    for r in life.requests:
+        assert r["num_preemptions"] == req.at[r["id"], "num_preemptions"]
+        ttft = req.at[r["id"], "ttft_s"]
+        assert r["ttft_s"] is None if np.isnan(ttft) else r["ttft_s"] == pytest.approx(ttft)
 
 
 def test_live_views_equal_trace_and_engine_after_each_step():
@@ -69,13 +128,16 @@ def test_live_views_equal_trace_and_engine_after_each_step():
     for p in PROMPTS:
         llm.add_request(p, greedy(10))
     n = 0
+    browser = None
     while llm.has_unfinished_requests():
         llm.step()
         n += 1
-        wait_for(lambda: dash.step == n)
-        check_views(dash, n)
-        # ... and the engine itself agrees with what the browser gets
-        assert dash.views["pool"].ref_count == engine.block_manager.ref_count.tobytes()
+        wait_for(lambda: dash.step == n or dash.last_error, 10)
+        assert dash.last_error is None, dash.last_error
+        browser = browser or BrowserPool(dash.views["pool"])
+        check_views(dash, n, browser)
+        # ... and the engine itself agrees with what the browser holds
+        assert (browser.ref_count == engine.block_manager.ref_count).all()
         assert dash.views["queues"].queues["running"] == [s.request_id for s in engine.scheduler.running]
     assert dash.trace.steps["num_preemptions"].sum() > 0, "the workload should exercise preemption"
     dash.detach()
@@ -88,27 +150,55 @@ def test_replay_of_a_loaded_trace_shows_the_same_steps(tmp_path):
         llm.generate(PROMPTS, greedy(8), use_tqdm=False)
     loaded = Trace.load(trace.save(tmp_path / "t"))
     live, replay = Dashboard(trace), Dashboard(loaded)
-    for step in trace.step_ids[::3]:
+    browser = BrowserPool(replay.views["pool"])
+    for step in trace.step_ids[::-3]:  # backwards: each update is a delta back in time
         replay.slider.value = step  # what dragging the slider does
         live.show_step(step)
-        check_views(replay, step)
+        check_views(replay, step, browser)
+        assert (browser.state == block_states(trace.blocks(step))).all()  # the full level's snapshots
         for name in ("pool", "tables", "slots", "queues"):
             a, b = live.views[name], replay.views[name]
-            keys = [k for k in a.keys if not k.startswith("_") and k not in ("layout", "tabbable", "tooltip")]
+            keys = [k for k in a.keys if not k.startswith("_")
+                    and k not in ("layout", "tabbable", "tooltip", "delta", "delta_base", "version")]
             assert a.get_state(keys) == b.get_state(keys)
 
 
-def test_a_huge_pool_draws_its_first_blocks(monkeypatch):
-    from kvscope.widgets import snapshot
+def block_states(blocks) -> np.ndarray:
+    return blocks["state"].map({"free": 0, "used": 1, "cached": 2}).to_numpy(np.uint8)
 
-    monkeypatch.setattr(snapshot, "MAX_POOL_BLOCKS", 8)
-    llm = make_llm(**ENGINE)  # 12 blocks, more than the 8 drawn
-    with llm.record() as trace:
-        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
-    pool = BlockPoolView(trace, step=2)
-    assert pool.num_blocks == 12
-    assert pool.state == trace.pool_arrays(2)["state"][:8].tobytes()
-    assert pool.ref_count == trace.pool_arrays(2)["ref_count"][:8].astype(np.int32).tobytes()
+
+def pool_updates(num_kv_blocks: int) -> tuple[list[int], list[int], BrowserPool]:
+    """Replay one workload on a pool of ``num_kv_blocks``: the bytes of each update after the
+    keyframe, and the blocks whose state or refcount changed from the step before."""
+    llm = make_llm(num_kv_blocks=num_kv_blocks, block_size=4, max_num_batched_tokens=64, validate=False)
+    with llm.record(level="full") as trace:
+        llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    steps = trace.step_ids
+    view = BlockPoolView(trace, step=steps[0])
+    browser = BrowserPool(view)
+    changed = []
+    for prev, step in zip(steps, steps[1:]):
+        view.update_from(trace, step)
+        a, b = trace.blocks(prev), trace.blocks(step)
+        changed.append(int(((block_states(a) != block_states(b)) | (a["ref_count"] != b["ref_count"])).sum()))
+        assert (browser.state == block_states(b)).all() and (browser.ref_count == b["ref_count"]).all()
+    return browser.sizes[1:], changed, browser
+
+
+def test_pool_updates_are_block_deltas_whose_size_follows_the_changes():
+    small, changed_small, _ = pool_updates(64)
+    big, changed_big, browser = pool_updates(64 * 256)
+    assert changed_small == changed_big  # the same workload changes the same number of blocks
+    assert max(changed_big) > 0 and browser.keyframes == 1  # after it, every update follows the one before
+    # the same bytes on the wire for a pool 256 times larger: 9 per changed block, plus the
+    # step's block tables and a small envelope
+    assert big == small
+    assert all(size >= 9 * c for size, c in zip(big, changed_big))
+    # a keyframe costs the blocks in use, not the pool
+    view = browser.view
+    view._on_msg(view, {"type": "resync"}, [])
+    assert browser.model["delta_base"] == KEYFRAME
+    assert len(browser.model["delta"]) == 9 * int((browser.state != 0).sum()) < view.num_blocks
 
 
 def test_a_view_is_usable_alone():
@@ -116,7 +206,7 @@ def test_a_view_is_usable_alone():
     with llm.record() as trace:  # "blocks" level: the pool is replayed from events
         llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     pool = BlockPoolView(trace, step=2)
-    assert pool.step == 2 and pool.state == trace.pool_arrays(2)["state"].tobytes()
+    assert pool.step == 2 and (BrowserPool(pool).state == trace.pool_arrays(2)["state"]).all()
     sent = []
     pool.send = lambda content, buffers=None: sent.append(content)
     b = int(np.flatnonzero(trace.pool_arrays(2)["num_tokens"])[0])
@@ -163,12 +253,18 @@ def test_html_export_contains_the_pool(tmp_path):
     assert '<section id="kvscope-pool">' in page and "poolGeometry" in page
     payload = load_payload(page)
     assert payload["steps"] == trace.step_ids
+    state, refs = np.zeros(trace.num_blocks, np.uint8), np.zeros(trace.num_blocks, np.int32)
+    for step, pool in zip(trace.step_ids, payload["views"]["pool"]):  # the deltas, folded in order
+        apply_update(state, refs, PoolUpdate(base64.b64decode(pool["delta"]), pool["delta_base"], pool["version"]))
+        assert (state == trace.pool_arrays(step)["state"]).all() and (refs == trace.pool_arrays(step)["ref_count"]).all()
     last = trace.step_ids[-1]
-    pool = payload["views"]["pool"][-1]
-    assert base64.b64decode(pool["state"]) == trace.pool_arrays(last)["state"].tobytes()
     assert pool["tables"] == tables_of(trace, last)
-    cached = np.flatnonzero(trace.pool_arrays(last)["num_tokens"])
-    assert sorted(map(int, payload["details"][-1])) == cached.tolist()
+    facts = {}  # each step lists the blocks whose hover facts it changed
+    for changed in payload["details"]:
+        facts.update(changed)
+    held = np.flatnonzero(trace.pool_arrays(last)["num_tokens"])
+    assert sorted(int(b) for b, f in facts.items() if f["tokens"]) == held.tolist()
+    assert facts == block_details(StepData(trace, last), list(map(int, facts)))
     small = export_html(trace, tmp_path / "small.html", max_steps=5, include_plotlyjs="cdn")
     assert len(load_payload(small.read_text())["steps"]) == 5
 
@@ -184,3 +280,33 @@ def test_queues_view_shows_each_ranks_kv_shard():
     view = QueuesView(trace)
     assert view.queues["kv_shards"] == shards
     assert [(s["kv_head_start"], s["kv_head_end"]) for s in shards] == [(0, 1), (1, 2)]
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")
+def test_overview_buckets_in_javascript_equal_the_numpy_reference():
+    """pool.js's poolBuckets, run by node on random pools (used, shared, cached, free; a bucket
+    that does not divide the range; the "live only" block list), against numpy."""
+    rng = np.random.default_rng(0)
+    n = 10_007
+    state = rng.choice(np.array([0, 1, 2], np.uint8), n, p=[0.9, 0.06, 0.04])
+    refs = np.where(state == 1, rng.integers(1, 4, n), 0).astype(np.int32)
+    live = np.flatnonzero(state).astype(np.int32)
+    cases = [(None, 0, n, 1), (None, 0, n, 7), (None, 123, 5000, 64), (live, 0, len(live), 5), (live, 10, 97, 3)]
+    module = (STATIC / "common.js").read_text() + (STATIC / "pool.js").read_text()
+    script = module.replace("export default { render };", "") + """
+const input = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const state = Uint8Array.from(input.state), refs = Int32Array.from(input.refs);
+console.log(JSON.stringify(input.cases.map(([ids, lo, count, bucket]) => {
+  const { top, busy } = poolBuckets(state, refs, ids && Int32Array.from(ids), lo, count, bucket);
+  return [Array.from(top), Array.from(busy)];
+})));
+"""
+    payload = {"state": state.tolist(), "refs": refs.tolist(),
+               "cases": [[None if ids is None else ids.tolist(), lo, count, b] for ids, lo, count, b in cases]}
+    run = subprocess.run(["node", "--input-type=commonjs", "-e", script], input=json.dumps(payload),
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for (ids, lo, count, bucket), (top, busy) in zip(cases, json.loads(run.stdout)):
+        chosen = (np.arange(n) if ids is None else ids)[lo:lo + count]
+        want_top, want_busy = bucket_summary(state, refs, bucket, chosen)
+        assert top == want_top.tolist() and busy == want_busy.tolist()

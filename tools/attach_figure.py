@@ -18,7 +18,7 @@ from playwright.sync_api import sync_playwright
 
 import kvscope
 from kvscope import LLM, SamplingParams
-from kvscope.widgets import demo_prompts
+from kvscope.demo import demo_prompts
 
 LOOPBACK = "tcp://127.0.0.1:*"
 

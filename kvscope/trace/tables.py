@@ -56,6 +56,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "step": _I, "type": _S, "block_hashes": _L, "parent_block_hash": _H, "token_ids": _L,
         "block_size": _H, "lora_id": _H, "medium": _S, "block_id": _H, "ref_count": _H,
     },
+    "lifecycle": {
+        "request_id": _S, "state": _S, "start_step": _I, "end_step": _I, "num_steps": _I,
+        "start_time": _F, "end_time": _F, "num_tokens": _I, "num_cached_tokens": _I,
+    },
     "tokens": {"token_id": _I, "text": _S},
     "baseline_tables": {"request_id": _S, "num_computed_tokens": _I, "block_table": _L},
     # a saved ``full`` trace's PoolDelta per step: changed blocks, and each live table's last block

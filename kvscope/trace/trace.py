@@ -21,6 +21,7 @@ import pandas as pd
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.hooks import BlockEvent
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
+from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
@@ -77,6 +78,7 @@ class Trace:
         self._cursor_step: int | None = None
         self._cursor_arrays: dict[str, np.ndarray] | None = None
         self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
+        self._lifecycle: LifecycleBuilder | None = None
         self._snapshots = (SnapshotCursor(self.num_blocks, self.block_size)  # the full level's pool snapshots
                            if self.level == "full" else None)
 
@@ -127,6 +129,21 @@ class Trace:
         self._need_blocks("block_events")
         return self._cached("block_events", block_events_frame)
 
+    @property
+    def lifecycle(self) -> pd.DataFrame:
+        """One row per request per state interval (``waiting``, ``prefill``, ``recompute``,
+        ``decode``, ``preempted``, ``idle``), and a zero-length ``finished`` / ``aborted`` row
+        closing each life; see docs/TRACE_API.md."""
+        self._need_blocks("lifecycle")
+        recs = self._records()
+        with self._lock:  # grows with new steps; rebuilt when the ring buffer dropped one
+            b = self._lifecycle
+            if b is None or not recs or b.first_step != recs[0].step or (b.last_step or -1) > recs[-1].step:
+                b = self._lifecycle = LifecycleBuilder()
+            for rec in recs[bisect.bisect_right(recs, b.last_step, key=_STEP) if b.last_step is not None else 0:]:
+                b.add(rec)
+            return frame("lifecycle", b.rows())
+
     def scheduled(self, step: int | None = None) -> pd.DataFrame:
         """Per step and request: ``start``, ``num_new_tokens``, ``num_cached_tokens`` (admissions),
         ``is_prefill`` (prefill chunk, else decode), ``sample`` and the ``token_ids`` computed."""
@@ -163,24 +180,31 @@ class Trace:
                     a.flags.writeable = False  # shared by every caller until the cursor moves
             return dict(self._cursor_arrays)
 
-    def blocks(self, step: int) -> pd.DataFrame:
-        """The whole pool after ``step``, one row per block, with the requests owning it."""
+    def blocks(self, step: int, block_ids: Sequence[int] | None = None) -> pd.DataFrame:
+        """The pool after ``step``, one row per block, with the requests owning it: the whole
+        pool, or only ``block_ids`` (a hover on a pool of millions asks for a few)."""
         arrays = self.pool_arrays(step)
+        ids = np.arange(self.num_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            raise ValueError(f"block_ids must lie in 0..{self.num_blocks - 1}")
+        row_of = {int(b): i for i, b in enumerate(ids)} if block_ids is not None else None
         with self._lock:
             self._move(step)
-            owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
+            owners: list[list[str]] = [[] for _ in range(len(ids))]
             for rid, table in self._cursor.tables.items():
                 for b in table:
-                    owners[b].append(rid)
-        h = arrays["block_hash"]
+                    i = b if row_of is None else row_of.get(b)
+                    if i is not None:
+                        owners[i].append(rid)
+        h = arrays["block_hash"][ids]
         hashes = pd.array(h, dtype="Int64")
         hashes[h == NO_HASH] = pd.NA
         return frame("blocks", {
-            "block_id": np.arange(self.num_blocks),
-            "state": np.asarray(STATE_NAMES, dtype=object)[arrays["state"]],
-            "ref_count": arrays["ref_count"],
+            "block_id": ids,
+            "state": np.asarray(STATE_NAMES, dtype=object)[arrays["state"][ids]],
+            "ref_count": arrays["ref_count"][ids],
             "block_hash": hashes,
-            "num_tokens": arrays["num_tokens"],
+            "num_tokens": arrays["num_tokens"][ids],
             "owners": owners,
         })
 

@@ -10,6 +10,7 @@ from kvscope.widgets.export import export_html
 from kvscope.widgets.views import (
     BlockPoolView,
     BlockTablesView,
+    LifecycleView,
     QueuesView,
     SlotMappingView,
     TimelineView,
@@ -17,5 +18,5 @@ from kvscope.widgets.views import (
 
 __all__ = [
     "AttachDashboard", "Dashboard", "dashboard", "export_html",
-    "BlockPoolView", "BlockTablesView", "QueuesView", "SlotMappingView", "TimelineView",
+    "BlockPoolView", "BlockTablesView", "LifecycleView", "QueuesView", "SlotMappingView", "TimelineView",
 ]

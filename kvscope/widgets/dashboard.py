@@ -27,7 +27,7 @@ from kvscope.widgets.views import VIEW_CLASSES
 if TYPE_CHECKING:
     from kvscope.widgets.attach_view import AttachDashboard
 
-DEFAULT_VIEWS = ("pool", "queues", "tables", "slots", "timeline")
+DEFAULT_VIEWS = ("pool", "queues", "tables", "lifecycle", "slots", "timeline")
 
 
 class StepGate:
@@ -69,7 +69,7 @@ class StepGate:
 
 
 class Dashboard:
-    """Block pool, queues, block tables, slot mapping and timeline over one trace.
+    """Block pool, queues, block tables, request lifecycle, slot mapping and timeline over one trace.
 
     ``Dashboard(llm)`` is live: every later ``llm.generate`` (in any cell) updates it, until
     :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
@@ -159,7 +159,7 @@ class Dashboard:
         side = [W.Box([v[n]], layout=W.Layout(flex="1 1 0", min_width="320px")) for n in ("queues", "tables") if n in v]
         if side:
             body.append(W.HBox(side, layout=W.Layout(width="100%", grid_gap="12px")))
-        body += [v[n] for n in ("slots", "timeline") if n in v]
+        body += [v[n] for n in ("lifecycle", "slots", "timeline") if n in v]
         self.widget = W.VBox(body, layout=W.Layout(width="100%"))
         self.widget.add_class("kvscope-dashboard")
         self._set_status()
@@ -211,8 +211,11 @@ class Dashboard:
                 self.slider.value = ids[-1]  # the observer shows it
             elif follow:
                 self.show_step(ids[-1])
-            elif "timeline" in self.views and self._shown is not None:
-                self.views["timeline"].show(StepData(self.trace, self._shown, self.series))
+            elif self._shown is not None:  # not following: the views over all steps still grow
+                data = StepData(self.trace, self._shown, self.series)
+                for name in ("lifecycle", "timeline"):
+                    if name in self.views:
+                        self.views[name].show(data)
 
     # --------------------------------------------------------------------- live
     def _on_step(self, record: Any) -> None:

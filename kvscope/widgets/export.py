@@ -1,12 +1,14 @@
 """A static, self-contained HTML page of a trace: the dashboard's views with a step slider.
 
 The page runs the same ES modules as the Jupyter views, each driven by an in-page model, so
-it opens in any browser without a kernel or a network connection (plotly.js is inlined unless
-``include_plotlyjs="cdn"``). All exported steps travel as one deflated JSON payload.
+it opens in any browser without a kernel or a network connection (plotly.js is inlined,
+deflated, unless ``include_plotlyjs="cdn"``). All exported steps travel as one deflated JSON
+payload, the pool as block deltas, so the page grows with what changed, not with the pool.
 """
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import json
 import zlib
@@ -18,16 +20,19 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 from kvscope.widgets import snapshot
+from kvscope.widgets.pool_sync import PoolSync, decode_blocks
 from kvscope.widgets.snapshot import StepData
 from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
 
-# view name -> (snapshot function, traits sent as binary)
-EXPORTED_VIEWS = {
-    "pool": (snapshot.pool_state, ("state", "ref_count")),
-    "queues": (snapshot.queues_state, ()),
-    "tables": (snapshot.tables_state, ()),
-    "slots": (snapshot.slots_state, ()),
+EXPORTED_VIEWS = {  # view name -> snapshot function
+    "pool": snapshot.pool_state,
+    "queues": snapshot.queues_state,
+    "tables": snapshot.tables_state,
+    "slots": snapshot.slots_state,
+    "lifecycle": snapshot.lifecycle_state,
 }
+BINARY = {"pool": ("delta",), "lifecycle": ("intervals",)}  # traits sent as base64
+ACROSS_STEPS = ("lifecycle",)  # views of all steps at once: exported once, with the step per slider position
 
 
 def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
@@ -40,19 +45,32 @@ def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
 
 
 def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
-    """Every view's state at each of ``steps``, plus hover facts for the blocks holding tokens."""
+    """Every view's state at each of ``steps``, plus hover facts of the blocks.
+
+    The pool goes as block deltas from one exported step to the next (the first is a
+    keyframe), and the hover facts likewise (a step lists the blocks whose facts it changed),
+    so the page grows with what changed, not with the pool's size.
+    """
     views: dict[str, list[dict[str, Any]]] = {name: [] for name in EXPORTED_VIEWS}
     details = []
+    sync = PoolSync()
     for step in steps:
         data = StepData(trace, step)
-        for name, (fn, binary) in EXPORTED_VIEWS.items():
-            state = fn(data)
-            for key in binary:
-                state[key] = base64.b64encode(state[key]).decode("ascii")
-            views[name].append(state)
-        details.append(snapshot.block_details(data, np.flatnonzero(data.arrays["num_tokens"]).tolist()))
-    return {"steps": steps, "views": views, "details": details,
-            "binary": {name: list(binary) for name, (_fn, binary) in EXPORTED_VIEWS.items()}}
+        for name, fn in EXPORTED_VIEWS.items():
+            views[name].append({"step": step} if name in ACROSS_STEPS else fn(data))
+        update = sync.update(*snapshot.pool_arrays(data))
+        views["pool"][-1].update(delta=update.delta, delta_base=update.base, version=update.version)
+        # hover facts change only where the state or refcount did, or tokens were written
+        touched = np.union1d(decode_blocks(update.delta)[0], data.slot_mapping["block_id"].to_numpy())
+        details.append(snapshot.block_details(data, touched.tolist()))
+    fixed = {name: EXPORTED_VIEWS[name](StepData(trace, steps[-1])) for name in ACROSS_STEPS}
+    for name, keys in BINARY.items():
+        for state in views[name] + [fixed.get(name, {})]:
+            for key in keys:
+                if key in state:
+                    state[key] = base64.b64encode(state[key]).decode("ascii")
+    return {"steps": steps, "views": views, "fixed": fixed, "details": details,
+            "binary": {k: list(v) for k, v in BINARY.items()}}
 
 
 def export_html(
@@ -80,8 +98,8 @@ def export_html(
             "selected_request": selected_request, "num_steps_recorded": len(ids),
             "model": str(trace.meta.get("model", ""))}
     modules = {name: esm_source(name) for name in EXPORTED_VIEWS}
-    if include_plotlyjs is True:
-        plotly_tag = f"<script>{get_plotlyjs()}</script>"
+    if include_plotlyjs is True:  # inflated by export.js: a third of plotly.js's size
+        plotly_tag = f'<script type="application/octet-stream" id="kvscope-plotly">{_plotly_deflated()}</script>'
     elif include_plotlyjs == "cdn":
         plotly_tag = f'<script src="https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"></script>'
     else:
@@ -106,12 +124,18 @@ section {{ margin: 10px 0; }}
 <script type="application/json" id="kvscope-modules">{_json_script(modules)}</script>
 <script type="application/json" id="kvscope-figure">{_json_script_raw(pio.to_json(timeline_figure(trace)))}</script>
 <script type="application/octet-stream" id="kvscope-data">{base64.b64encode(payload).decode("ascii")}</script>
-<script type="module">{(STATIC / "export.js").read_text()}</script>
+<script type="module">{(STATIC / "common.js").read_text()}
+{(STATIC / "export.js").read_text()}</script>
 </body></html>
 """
     path = Path(path)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+@functools.lru_cache(maxsize=1)
+def _plotly_deflated() -> str:
+    return base64.b64encode(zlib.compress(get_plotlyjs().encode(), 1)).decode("ascii")
 
 
 def _json_script_raw(text: str) -> str:

@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvscope.trace.lifecycle import LIFECYCLE_STATES
+
 MAX_SLOT_TOKENS = 128  # tokens per request sent to the slot-mapping view (the rest are counted)
-# Blocks the pool view draws: a larger pool (a tiny model on a big GPU has millions) shows its
-# first ones, where allocation starts, so each update stays ~1 MB.
-MAX_POOL_BLOCKS = 1 << 18
 
 
 # The ``trace.steps`` columns the views use.
@@ -102,6 +101,10 @@ class StepData:
         splits = np.flatnonzero(np.diff(codes[order])) + 1
         return {str(r): chunk.tolist() for r, chunk in zip(request_ids, np.split(blocks, splits))}
 
+    @cached_property
+    def slot_mapping(self) -> pd.DataFrame:
+        return self.trace.slot_mapping(self.step)
+
     @property
     def row(self) -> dict[str, Any]:
         """The step's summary (``trace.steps`` row, ``STEP_FIELDS`` only)."""
@@ -109,17 +112,19 @@ class StepData:
 
 
 def pool_state(d: StepData) -> dict[str, Any]:
-    """Traits of ``BlockPoolView``: the pool (its first ``MAX_POOL_BLOCKS``) as binary arrays
-    plus the block tables."""
-    shown = slice(0, MAX_POOL_BLOCKS)
+    """Traits of ``BlockPoolView`` besides the pool itself, which goes as block deltas
+    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables."""
     return {
         "step": d.step,
         "block_size": int(d.trace.block_size),
         "num_blocks": int(d.trace.num_blocks),
-        "state": np.ascontiguousarray(d.arrays["state"][shown], dtype=np.uint8).tobytes(),
-        "ref_count": np.ascontiguousarray(d.arrays["ref_count"][shown], dtype=np.int32).tobytes(),
         "tables": d.tables,
     }
+
+
+def pool_arrays(d: StepData) -> tuple[np.ndarray, np.ndarray]:
+    """The step's ``state`` (uint8) and ``ref_count`` (int32) per block, as the pool view sends them."""
+    return d.arrays["state"].astype(np.uint8, copy=False), d.arrays["ref_count"].astype(np.int32, copy=False)
 
 
 def tables_state(d: StepData) -> dict[str, Any]:
@@ -135,7 +140,7 @@ def tables_state(d: StepData) -> dict[str, Any]:
 def slots_state(d: StepData) -> dict[str, Any]:
     """Traits of ``SlotMappingView``: the step's tokens grouped by request, prefill or decode."""
     trace = d.trace
-    df = trace.slot_mapping(d.step)
+    df = d.slot_mapping
     sched = trace.scheduled(d.step)
     kinds = dict(zip(sched["request_id"], np.where(sched["is_prefill"], "prefill", "decode")))
     # Rows come grouped by request, positions ascending (the runner's packing order).
@@ -177,15 +182,42 @@ def queues_state(d: StepData) -> dict[str, Any]:
     }
 
 
+def lifecycle_state(d: StepData) -> dict[str, Any]:
+    """Traits of ``LifecycleView``: ``Trace.lifecycle`` as int32 columns (request index, state
+    code, start step, end step, tokens, cached tokens; one binary buffer), each request's hover
+    facts from ``Trace.requests``, and the recorded steps' range."""
+    life = d.trace.lifecycle
+    req = d.trace.requests
+    order = pd.unique(life["request_id"])
+    facts = req.set_index("request_id").reindex(order)
+    states = {s: i for i, s in enumerate(LIFECYCLE_STATES)}
+    cols = np.stack([
+        pd.Index(order).get_indexer(life["request_id"]), life["state"].map(states).to_numpy(),
+        life["start_step"].to_numpy(), life["end_step"].to_numpy(),
+        life["num_tokens"].to_numpy(), life["num_cached_tokens"].to_numpy(),
+    ], axis=1).astype(np.int32) if len(life) else np.zeros((0, 6), np.int32)
+    keys = ("prompt_len", "output_len", "num_cached_tokens", "num_preemptions", "ttft_s", "mean_itl_s", "finish_reason")
+    requests = [{"id": str(rid), **{k: _plain(facts.at[rid, k]) for k in keys}} for rid in order]
+    ids = d.trace.step_ids
+    return {"step": d.step, "first_step": int(ids[0]), "last_step": int(ids[-1]), "states": list(LIFECYCLE_STATES),
+            "requests": requests, "intervals": cols.tobytes()}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-ready scalar (NaN and NA as None)."""
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return None
+    return v if isinstance(v, str) else v.item() if hasattr(v, "item") else v
+
+
 def block_details(d: StepData, block_ids: list[int]) -> dict[str, dict[str, Any]]:
     """Hover facts of some blocks after the step: content hash, tokens, their text, owners."""
-    blocks = d.trace.blocks(d.step)
+    blocks = d.trace.blocks(d.step, block_ids=[int(b) for b in block_ids])
     out = {}
-    for b in map(int, block_ids):
-        row = blocks.iloc[b]
+    for b, h, owners in zip(blocks["block_id"].tolist(), blocks["block_hash"], blocks["owners"]):
         tokens = d.trace.block_tokens(d.step, b)
         out[str(b)] = {
-            "hash": None if pd.isna(row["block_hash"]) else f"{int(row['block_hash']):016x}",
-            "tokens": tokens, "text": d.trace.decode(tokens), "owners": [str(o) for o in row["owners"]],
+            "hash": None if pd.isna(h) else f"{int(h):016x}",
+            "tokens": tokens, "text": d.trace.decode(tokens), "owners": [str(o) for o in owners],
         }
     return out

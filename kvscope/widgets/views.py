@@ -7,6 +7,7 @@ the trace, through :mod:`kvscope.widgets.snapshot`.
 """
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from typing import Any, Callable
 
@@ -17,6 +18,7 @@ import traitlets
 from plotly.subplots import make_subplots
 
 from kvscope.widgets import snapshot
+from kvscope.widgets.pool_sync import KEYFRAME, PoolSync, PoolUpdate
 from kvscope.widgets.snapshot import StepData, StepSeries
 
 STATIC = resources.files("kvscope.widgets") / "static"
@@ -66,30 +68,55 @@ class _StepView(_ShowsSteps, anywidget.AnyWidget):
 
 
 class BlockPoolView(_StepView):
-    """Every physical KV block as one canvas cell: free, used (shaded by refcount), cached.
+    """The KV pool on one canvas: free, used (shaded by refcount), cached, at any pool size.
 
-    Hover a block for its id, refcount, hash, tokens and owners; click it to select its
-    request (clicking a shared block again cycles through its owners).
+    A pool larger than the canvas is drawn as an overview, one cell per bucket of blocks
+    coloured by its highest state; drag to zoom into a range, down to single blocks, or tick
+    "live only" to see just the used and cached blocks. Hover a block for its id, refcount,
+    hash, tokens and owners; click it to select its request (clicking a shared block again
+    cycles through its owners). Updates carry only the blocks that changed
+    (:mod:`kvscope.widgets.pool_sync`).
     """
 
     _esm = traitlets.Unicode(esm_source("pool")).tag(sync=True)
     snapshot_fn = staticmethod(snapshot.pool_state)
     block_size = traitlets.Int(0).tag(sync=True)
-    num_blocks = traitlets.Int(0).tag(sync=True)  # the whole pool's; ``state`` may hold fewer
-    state = traitlets.Bytes(b"").tag(sync=True)
-    ref_count = traitlets.Bytes(b"").tag(sync=True)
+    num_blocks = traitlets.Int(0).tag(sync=True)
+    delta = traitlets.Bytes(b"").tag(sync=True)   # the blocks changed since version ``delta_base``
+    delta_base = traitlets.Int(KEYFRAME).tag(sync=True)
+    version = traitlets.Int(0).tag(sync=True)     # the version the browser holds after ``delta``
     tables = traitlets.Dict().tag(sync=True)
     selected_block = traitlets.Int(-1).tag(sync=True)
     max_height = traitlets.Int(360).tag(sync=True)
 
     def __init__(self, trace: Any = None, step: int | None = None, **kwargs: Any) -> None:
+        self.pool_sync = PoolSync()
+        # hold_sync is per widget, not per thread: a resync (kernel thread) during an update
+        # (dashboard thread) would lose its traits, so the two take turns
+        self._sending = threading.RLock()
         super().__init__(trace, step, **kwargs)
         self.on_msg(self._on_msg)
 
+    def show(self, data: StepData) -> None:
+        """Show one step: its traits and the blocks that changed, in one message."""
+        self.trace = data.trace
+        with self._sending, self.hold_sync():
+            update = self.pool_sync.update(*snapshot.pool_arrays(data))
+            for name, value in snapshot.pool_state(data).items():
+                setattr(self, name, value)
+            self._set_update(update)
+
+    def _set_update(self, update: PoolUpdate) -> None:
+        self.delta, self.delta_base, self.version = update
+
     def _on_msg(self, _widget: Any, content: dict[str, Any], _buffers: list[bytes]) -> None:
+        kind = content.get("type")
+        if kind == "resync":  # a view that attached late, or missed an update
+            with self._sending, self.hold_sync():
+                self._set_update(self.pool_sync.keyframe())
         # The browser asks for the tokens of a hovered block; they are not sent up front
         # because a large pool would make every update heavy.
-        if content.get("type") == "inspect" and self.trace is not None:
+        elif kind == "inspect" and self.trace is not None:
             step = int(content["step"])
             self.send({"type": "details", "step": step,
                        "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"])})
@@ -118,6 +145,21 @@ class QueuesView(_StepView):
     _esm = traitlets.Unicode(esm_source("queues")).tag(sync=True)
     snapshot_fn = staticmethod(snapshot.queues_state)
     queues = traitlets.Dict().tag(sync=True)
+
+
+class LifecycleView(_StepView):
+    """One row per request across steps: waiting, prefill chunks (the cached prefix apart),
+    decode, preempted, recompute, finished or aborted; from ``Trace.lifecycle``. Hover a row
+    for the request's TTFT, ITL, tokens, cached tokens and preemptions; click it to select the
+    request (linked with the pool and the block tables)."""
+
+    _esm = traitlets.Unicode(esm_source("lifecycle")).tag(sync=True)
+    snapshot_fn = staticmethod(snapshot.lifecycle_state)
+    first_step = traitlets.Int(0).tag(sync=True)
+    last_step = traitlets.Int(0).tag(sync=True)
+    states = traitlets.List().tag(sync=True)
+    requests = traitlets.List().tag(sync=True)
+    intervals = traitlets.Bytes(b"").tag(sync=True)
 
 
 # --------------------------------------------------------------------------- timeline
@@ -199,5 +241,6 @@ VIEW_CLASSES: dict[str, type] = {
     "tables": BlockTablesView,
     "slots": SlotMappingView,
     "queues": QueuesView,
+    "lifecycle": LifecycleView,
     "timeline": TimelineView,
 }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--no-first-run", "--disable-sync", "--disable-quic"]
 
@@ -52,12 +53,15 @@ def jupyterlab(root: Path, tmp: Path) -> Iterator[str]:
     port = _free_port()
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": "1"}  # see tests/test_notebooks.py
+           "OMP_NUM_THREADS": "1",  # see tests/test_notebooks.py
+           # the kernel imports this checkout's kvscope (and the tests' helpers), whatever is installed
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
     log = open(tmp / "jupyterlab.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
          "--ServerApp.port_retries=0", f"--ServerApp.root_dir={root}", "--IdentityProvider.token=",
-         "--ServerApp.password=", "--LabApp.expose_app_in_browser=True"],
+         "--ServerApp.password=", "--LabApp.expose_app_in_browser=True",
+         "--KernelManager.shutdown_wait_time=1"],  # the test is over: do not wait on the kernel
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
     )
     url = f"http://127.0.0.1:{port}"
@@ -104,6 +108,16 @@ def open_notebook(page: "playwright.sync_api.Page", url: str, name: str, timeout
     """Open ``name`` in Lab and wait until its kernel is really ready."""
     page.goto(f"{url}/lab/tree/{name}")
     page.wait_for_function(KERNEL_READY, timeout=timeout_ms)
+
+
+def write_notebook(path: Path, cells: list[str]) -> Path:
+    """A notebook of code cells, with the kernelspec Lab needs to start a kernel."""
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [], "source": c}
+                    for c in cells],
+          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(nb))
+    return path
 
 
 def run_all(page: "playwright.sync_api.Page") -> None:  # noqa: F821

@@ -45,6 +45,15 @@ function kvsWatch(model, names, fn) {
   return () => model.off(events, fn);
 }
 
+/** Like `kvsWatch`, but one call for all the traits that one update changes (they change one
+ * by one, synchronously, so the call waits for the end of the current task). */
+function kvsWatchBatched(model, names, fn) {
+  let queued = false;
+  return kvsWatch(model, names, () => {
+    if (!queued) { queued = true; queueMicrotask(() => { queued = false; fn(); }); }
+  });
+}
+
 /** Toggle the shared `selected_request` trait (empty string: nothing selected). */
 function kvsSelect(model, requestId) {
   const next = model.get("selected_request") === requestId ? "" : requestId;
@@ -54,4 +63,18 @@ function kvsSelect(model, requestId) {
 
 function kvsChip(text, cls, title, onclick) {
   return h("span", { class: `kvs-chip ${cls || ""}`, title, onclick }, text);
+}
+
+/** A block delta (kvscope/widgets/pool_sync.py): int32 ids | int32 refcounts | uint8 states. */
+function kvsDecodeDelta(buf) {
+  const n = buf.byteLength / 9;
+  return { ids: new Int32Array(buf, 0, n), refs: new Int32Array(buf, 4 * n, n), states: new Uint8Array(buf, 8 * n, n) };
+}
+
+/** The delta of `blocks` (a Map: block id -> [state, ref]) that are not free, ids ascending. */
+function kvsEncodeDelta(blocks) {
+  const ids = [...blocks.keys()].filter((b) => blocks.get(b)[0] !== 0).sort((a, b) => a - b);
+  const d = kvsDecodeDelta(new ArrayBuffer(9 * ids.length));
+  ids.forEach((b, i) => { d.ids[i] = b; [d.states[i], d.refs[i]] = blocks.get(b); });
+  return d.ids.buffer;
 }

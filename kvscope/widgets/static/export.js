@@ -1,5 +1,6 @@
 // Boots a static kvscope page: the same view modules as in Jupyter, each driven by a small
-// in-page model instead of a kernel. All steps' states are in one deflated JSON payload.
+// in-page model instead of a kernel. All steps' states are in one deflated JSON payload; the
+// pool goes as block deltas from one exported step to the next (the first one a keyframe).
 
 class StaticModel {
   constructor(hub, state) { this.hub = hub; this.state = state; this.handlers = {}; }
@@ -12,7 +13,7 @@ class StaticModel {
   on(events, fn) { for (const e of events.split(" ")) (this.handlers[e] ||= []).push(fn); }
   off(events, fn) { for (const e of events.split(" ")) this.handlers[e] = (this.handlers[e] || []).filter((f) => f !== fn); }
   save_changes() {}
-  send() {} // no kernel: hover facts come with the page
+  send(msg) { if (this.onsend) this.onsend(msg); } // no kernel: hover facts come with the page
 }
 
 class Hub {
@@ -37,25 +38,30 @@ function b64bytes(s) {
   return out;
 }
 
-async function inflateJson(b64) {
+async function inflateText(b64) {
   const stream = new Blob([b64bytes(b64)]).stream().pipeThrough(new DecompressionStream("deflate"));
-  return JSON.parse(await new Response(stream).text());
+  return new Response(stream).text();
 }
 
 async function main() {
   const byId = (id) => document.getElementById(id);
   const meta = JSON.parse(byId("kvscope-meta").textContent);
   const modules = JSON.parse(byId("kvscope-modules").textContent);
-  const data = await inflateJson(byId("kvscope-data").textContent.trim());
+  const data = JSON.parse(await inflateText(byId("kvscope-data").textContent.trim()));
+  for (const [name, s] of Object.entries(data.fixed)) for (const key of data.binary[name] || []) s[key] = b64bytes(s[key]).buffer;
+  const plotly = byId("kvscope-plotly");
+  if (plotly) document.head.append(h("script", {}, await inflateText(plotly.textContent.trim())));
   const hub = new Hub();
   const models = {};
+  let shown = 0; // the exported step the views show
   for (const [name, src] of Object.entries(modules)) {
     const url = URL.createObjectURL(new Blob([src], { type: "text/javascript" }));
     const mod = (await import(url)).default;
     const model = new StaticModel(hub, { selected_request: meta.selected_request, selected_block: -1 });
     hub.models.push(model);
     models[name] = model;
-    hub.update(model, stateOf(name, data, 0));
+    if (name === "pool") model.onsend = (msg) => { if (msg.type === "resync") hub.update(model, poolKeyframe(data, shown)); };
+    hub.update(model, stateOf(name, data, 0, -1));
     mod.render({ model, el: byId(`kvscope-${name}`) });
   }
   const slider = byId("kvscope-slider"), label = byId("kvscope-step");
@@ -63,7 +69,8 @@ async function main() {
   slider.value = Math.max(0, data.steps.indexOf(meta.step));
   function show() {
     const i = Number(slider.value);
-    for (const [name, model] of Object.entries(models)) hub.update(model, stateOf(name, data, i));
+    for (const [name, model] of Object.entries(models)) hub.update(model, stateOf(name, data, i, shown));
+    shown = i;
     label.textContent = `step ${data.steps[i]} (${i + 1} of ${data.steps.length} exported)`;
     const plot = byId("kvscope-timeline");
     if (window.Plotly && plot.data) Plotly.relayout(plot, { "shapes[0].x0": data.steps[i], "shapes[0].x1": data.steps[i], "shapes[0].visible": true });
@@ -78,12 +85,32 @@ async function main() {
   document.body.dataset.ready = "1";
 }
 
-/** One view's state at exported step `i`; binary arrays arrive base64-encoded. */
-function stateOf(name, data, i) {
-  const s = { ...data.views[name][i] };
-  for (const key of data.binary[name] || []) s[key] = b64bytes(s[key]).buffer;
-  if (name === "pool") s.details = data.details[i];
+/** One view's state at exported step `i`, coming from step `prev`; binary arrays arrive base64-encoded. */
+function stateOf(name, data, i, prev) {
+  if (name === "pool" && i !== prev + 1) return poolKeyframe(data, i);
+  const s = { ...(data.fixed[name] || {}), ...data.views[name][i] };
+  for (const key of data.binary[name] || []) if (typeof s[key] === "string") s[key] = b64bytes(s[key]).buffer;
+  if (name === "pool") s.details = detailsAt(data, i);
   return s;
+}
+
+/** The pool at exported step `i` as a keyframe: the deltas of steps 0..i folded together. */
+function poolKeyframe(data, i) {
+  const blocks = new Map();
+  for (let j = 0; j <= i; j++) {
+    const d = kvsDecodeDelta(b64bytes(data.views.pool[j].delta).buffer);
+    for (let k = 0; k < d.ids.length; k++) blocks.set(d.ids[k], [d.states[k], d.refs[k]]);
+  }
+  return { ...data.views.pool[i], delta: kvsEncodeDelta(blocks), delta_base: -1, details: detailsAt(data, i) };
+}
+
+/** Hover facts at exported step `i`: each step lists the blocks whose facts it changed. */
+function detailsAt(data, i) {
+  let at = data.detailsAt; // the last one folded: {i, facts}
+  if (!at || at.i > i) at = { i: -1, facts: {} };
+  for (let j = at.i + 1; j <= i; j++) at = { i: j, facts: { ...at.facts, ...data.details[j] } };
+  data.detailsAt = at;
+  return at.facts;
 }
 
 main().catch((e) => { document.body.dataset.error = String(e); console.error(e); });

@@ -1,0 +1,94 @@
+"""Each request's life across steps, as state intervals: the data of ``Trace.lifecycle``.
+
+Derived from what every ``blocks``-level record holds: the scheduled rows (prefill chunk or
+decode, tokens, prefix-cache hit at admission), the queues after the step, and the requests
+preempted and finished in it. A request that leaves every queue without finishing was
+aborted. The builder takes records one at a time, so a live view pays for new steps only.
+"""
+from __future__ import annotations
+
+from kvscope.trace.record import StepRecord
+
+# Per step a request is in exactly one of these (the last two close its life: zero-length rows).
+LIFECYCLE_STATES: tuple[str, ...] = (
+    "waiting",    # queued, not yet scheduled
+    "prefill",    # computing its prompt (a chunk per step)
+    "recompute",  # computing again what a preemption dropped
+    "decode",     # one token per step
+    "preempted",  # its KV freed; waiting to be recomputed
+    "idle",       # running but not scheduled this step (e.g. prefill_first's prefill steps)
+    "finished",
+    "aborted",
+)
+
+# A row of ``Trace.lifecycle`` while it is open: [state, start_step, end_step, num_steps,
+# start_time, end_time, num_tokens, num_cached_tokens].
+Row = list
+
+
+class LifecycleBuilder:
+    """Turns step records, in order, into lifecycle rows (see ``docs/TRACE_API.md``)."""
+
+    def __init__(self) -> None:
+        self.closed: list[tuple] = []
+        self._open: dict[str, Row] = {}
+        self._preempted: set[str] = set()  # preempted, and not decoding again yet
+        self._order: dict[str, int] = {}  # request id -> when first seen
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def add(self, rec: StepRecord) -> None:
+        """Take in the next recorded step."""
+        if self.first_step is None:
+            self.first_step = rec.step
+        now: dict[str, tuple[str, int, int]] = {}  # request id -> (state, tokens, cached tokens)
+        sched = rec.scheduled
+        for rid, prefill, start, n, cached in zip(
+                sched.request_ids, sched.is_prefill.tolist(), sched.start.tolist(),
+                sched.num_new_tokens.tolist(), sched.num_cached_tokens.tolist()):
+            if prefill:
+                state = "recompute" if rid in self._preempted else "prefill"
+            else:
+                state = "decode"
+                self._preempted.discard(rid)
+            # an admission starts right after its cached prefix; later chunks carry no hit
+            now[rid] = (state, n, cached if start == cached else 0)
+        for rid in rec.preempted:
+            now[rid] = ("preempted", 0, 0)
+            self._preempted.add(rid)
+        for rid in rec.waiting:
+            now.setdefault(rid, ("preempted" if rid in self._preempted else "waiting", 0, 0))
+        for rid in rec.running:
+            now.setdefault(rid, ("idle", 0, 0))
+        start, end = rec.time_s, rec.time_s + rec.duration_s
+        for rid in now:
+            self._order.setdefault(rid, len(self._order))
+        for rid, (state, n, cached) in now.items():
+            row = self._open.get(rid)
+            if row is not None and row[0] == state and row[2] == self.last_step:
+                row[2], row[3], row[5], row[6], row[7] = rec.step, row[3] + 1, end, row[6] + n, row[7] + cached
+                continue
+            if row is not None:
+                self._close(rid)
+            self._open[rid] = [state, rec.step, rec.step, 1, start, end, n, cached]
+        for rid in rec.finished:  # scheduled in its last step, then gone
+            if rid in self._open:
+                self._close(rid)
+            self._preempted.discard(rid)
+            self.closed.append((rid, "finished", rec.step, rec.step, 0, end, end, 0, 0))
+            now.pop(rid, None)
+        for rid in [r for r in self._open if r not in now]:  # gone without finishing: aborted between steps
+            self._close(rid)
+            self._preempted.discard(rid)
+            self.closed.append((rid, "aborted", rec.step, rec.step, 0, start, start, 0, 0))
+        self.last_step = rec.step
+
+    def rows(self) -> list[tuple]:
+        """Every row so far, the open ones as they stand: requests in the order they were first
+        seen, each one's rows by start step (its closing row last)."""
+        rows = self.closed + [(rid, *row) for rid, row in self._open.items()]
+        order = self._order
+        return sorted(rows, key=lambda r: (order.get(r[0], -1), r[2], r[4] == 0))
+
+    def _close(self, rid: str) -> None:
+        self.closed.append((rid, *self._open.pop(rid)))

@@ -1,0 +1,76 @@
+"""``Trace.lifecycle``: each request's states across steps, checked against the engine's own
+request metrics and against the recording's step coverage."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pandas")
+
+from engine_helpers import greedy, make_llm  # noqa: E402
+
+from kvscope.trace import Trace  # noqa: E402
+
+PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
+    "a paged key value cache stores attention keys and values in blocks",
+    "every sequence owns a block table",
+]
+ENGINE = dict(num_kv_blocks=12, block_size=8, max_num_batched_tokens=32)
+
+
+def run(policy: str = "unified", abort_at: int | None = None):
+    """The PROMPTS on a pool small enough to preempt; the last request aborted at step ``abort_at``."""
+    llm = make_llm(scheduling_policy=policy, **ENGINE)
+    with llm.record() as trace:
+        ids = [llm.add_request(p, greedy(10)) for p in PROMPTS]
+        mid = None
+        while llm.has_unfinished_requests():
+            llm.step()
+            if trace.step_ids[-1] == abort_at:
+                llm.abort_request(ids[-1])
+            if mid is None and len(trace.step_ids) == 6:
+                mid = trace.lifecycle  # read while recording: later reads extend it
+    return trace, mid
+
+
+def lives(trace) -> dict:
+    return {rid: g for rid, g in trace.lifecycle.groupby("request_id", sort=False)}
+
+
+@pytest.mark.parametrize("policy", ["unified", "prefill_first"])
+def test_lifecycle_agrees_with_the_engines_request_metrics(policy):
+    trace, _ = run(policy)
+    req = trace.requests.set_index("request_id")
+    assert req["num_preemptions"].sum() > 0, "the workload should exercise preemption"
+    steps = set(trace.step_ids)
+    for rid, life in lives(trace).items():
+        r = req.loc[rid]
+        body, end = life[life["num_steps"] > 0], life[life["num_steps"] == 0]
+        # one closing row, after every step the request lived through, each covered once
+        assert end["state"].tolist() == ["finished"] and end["end_step"].item() == body["end_step"].max()
+        covered = [s for a, b in zip(body["start_step"], body["end_step"]) for s in range(a, b + 1)]
+        assert covered == sorted(set(covered)) == [s for s in sorted(steps) if covered[0] <= s <= covered[-1]]
+        assert (body["num_steps"] == body["end_step"] - body["start_step"] + 1).all()
+        # the engine's own counters
+        assert (life["state"] == "preempted").sum() == r["num_preemptions"]
+        first = body[body["state"] == "prefill"].iloc[0]
+        assert first["num_cached_tokens"] == r["num_cached_tokens"]
+        assert first["start_time"] <= r["first_scheduled_time"] <= body[body["state"] == "prefill"]["end_time"].max()
+        if r["num_preemptions"] == 0:
+            assert body.loc[body["state"] == "prefill", ["num_tokens", "num_cached_tokens"]].to_numpy().sum() == r["prompt_len"]
+            assert body.loc[body["state"] == "decode", "num_steps"].sum() == r["output_len"] - 1
+        else:
+            assert "recompute" in set(body["state"])
+    if policy == "prefill_first":  # decodes wait while others prefill
+        assert (trace.lifecycle["state"] == "idle").any()
+
+
+def test_lifecycle_read_live_extends_to_the_same_table_as_a_loaded_trace(tmp_path):
+    trace, mid = run(abort_at=4)
+    whole = trace.lifecycle
+    loaded = Trace.load(trace.save(tmp_path / "t")).lifecycle  # built from scratch
+    assert whole.equals(loaded)
+    assert len(mid) < len(whole) and mid["end_step"].max() < whole["end_step"].max()
+    aborted = whole[whole["state"] == "aborted"]
+    assert aborted["request_id"].tolist() == [r for r, why in zip(trace.requests["request_id"], trace.requests["finish_reason"])
+                                              if why == "abort"]
+    assert aborted["start_step"].item() == 5  # aborted after step 4: gone from the queues of step 5
