@@ -76,6 +76,7 @@ class LLMEngine:
         self._num_aborts = 0
         self._stepping = False               # inside step(), before its step.end hooks
         self._aborted: list[Request] = []    # aborted requests the next step() reports
+        self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
 
     # ------------------------------------------------------------- requests
     @atomic
@@ -167,6 +168,8 @@ class LLMEngine:
         """
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
+            if not report and self._held:  # nor report an output a Ctrl-C held back
+                self._held = [o for o in self._held if o.request_id != request_id]
             return False
         if self._busy:
             self._pending_aborts.append((request_id, report))
@@ -221,7 +224,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether :meth:`step` has anything to do: requests to run, a step in flight, or
         aborted requests to report."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._aborted)
+        return (self.scheduler.has_unfinished() or self._in_flight is not None
+                or bool(self._aborted) or bool(self._held))
 
     @atomic
     def reset_prefix_cache(self) -> bool:
@@ -265,6 +269,11 @@ class LLMEngine:
         outputs = [self._output(r) for r in reported]
         for req in finished:
             self._release(req)
+        if self._held:
+            outputs, self._held = self._held + outputs, []
+        if interrupt_pending():  # the caller gets KeyboardInterrupt instead: keep them for the next step
+            self._held = outputs
+            return []
         return outputs
 
     def _step(self) -> tuple[list[Request], list[Request]]:
