@@ -48,8 +48,10 @@ def deferred_interrupts() -> Iterator[None]:
 
 
 def interrupt_pending() -> bool:
-    """Whether a Ctrl-C is being held (an operation can then undo itself before it lands)."""
-    return bool(_held)
+    """Whether a held Ctrl-C will be raised when the current (outermost) block ends, so the
+    operation running in it can put its result aside before its caller gets the interrupt
+    instead. Inside a nested block the result still reaches its caller: False there."""
+    return bool(_held) and _depth == 1
 
 
 def _deliver(handler: object) -> None:
