@@ -46,10 +46,10 @@ class BatchPlan:
     batches: list[PaddedBatch]
 
 
-def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int,
-                   block_size: int) -> torch.Tensor:
+def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
+                   seqs: torch.Tensor | None) -> torch.Tensor:
     """``[b, length]`` flat pool slot of each key position; 0 past a sequence's history, where
-    the mask hides the key anyway."""
+    the mask hides the key anyway. ``seqs``: the step's sequence index of each row (for errors)."""
     if tables.shape[1] * block_size < length:
         raise ValueError(f"block_tables has {tables.shape[1]} pages per sequence, too few for "
                          f"max_seqlen_k={length} at block_size={block_size}")
@@ -59,7 +59,8 @@ def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int
     missing = (pages < 0) & in_history
     if bool(missing.any()):
         i = int(missing.any(dim=1).nonzero()[0])
-        raise ValueError(f"sequence {i}: block table has no page for context length {int(context_lens[i])}")
+        seq = i if seqs is None else int(seqs[i])
+        raise ValueError(f"sequence {seq}: block table has no page for context length {int(context_lens[i])}")
     return torch.where(in_history, pages * block_size + pos % block_size, 0)
 
 
@@ -77,7 +78,7 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
         length, slots, first_pos = n, None, torch.zeros_like(starts)
     else:
         length = meta.max_seqlen_k
-        slots = _history_slots(tables, context_lens, length, block_size).view(-1)
+        slots = _history_slots(tables, context_lens, length, block_size, seqs).view(-1)
         first_pos = context_lens - (ends - starts)
     # Query slot j of a sequence sits at position first_pos + j and sees the keys up to it;
     # that also keeps every real row inside its own history.
