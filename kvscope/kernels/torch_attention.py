@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvscope.kernels.torch_batched_attention import BatchPlan, attend_planned, plan_batches
+from kvscope.kernels.torch_batched_attention import PaddedBatch, attend_planned, plan_batches
 from kvscope.runner.forward_context import AttentionMetadata
 
 
@@ -102,7 +102,7 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         # The step layout is the same for every layer: planned at the first, reused by the rest.
-        self._planned: tuple[AttentionMetadata, tuple[int, int], BatchPlan] | None = None
+        self._planned: tuple[AttentionMetadata, tuple[int, int], list[PaddedBatch]] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -14,7 +14,7 @@ batch of their own (two calls per layer, still no loop over sequences).
 Grouped-query heads are never repeated: the ``G`` query heads that share a KV head become
 ``G * n`` query rows of that head, so each key is read once per KV head.
 
-Everything that depends only on the step's layout (:class:`BatchPlan`) is computed once per
+Everything that depends only on the step's layout (:func:`plan_batches`) is computed once per
 step and reused by every layer.
 """
 from __future__ import annotations
@@ -37,13 +37,6 @@ class PaddedBatch:
     slots: torch.Tensor | None    # [b * L] pool slot of each padded key; None: keys are this step's k/v
     visible: torch.Tensor         # [b, 1, 1, n, L] query slot may see key slot
     length: int                   # L
-
-
-@dataclass
-class BatchPlan:
-    """One step's batches (one, or decode rows + the rest); the same for every layer."""
-
-    batches: list[PaddedBatch]
 
 
 def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
@@ -88,17 +81,16 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
                        slots=slots, visible=visible[:, None, None], length=length)
 
 
-def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int) -> BatchPlan:
-    """Lay one step out as padded batches: decode rows apart from longer queries when both occur."""
+def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int) -> list[PaddedBatch]:
+    """Lay one step out as padded batches (the same for every layer): one, or the decode rows
+    apart from the longer queries when a step has both."""
     if meta.decode_only or meta.max_seqlen_q == 1:
-        return BatchPlan([_padded_batch(meta, None, 1, num_rows, block_size)])
-    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    decode = q_lens == 1
+        return [_padded_batch(meta, None, 1, num_rows, block_size)]
+    decode = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]) == 1
     if not bool(decode.any()):
-        return BatchPlan([_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size)])
-    return BatchPlan([_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size),
-                      _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows,
-                                    block_size)])
+        return [_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size)]
+    return [_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size),
+            _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size)]
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
@@ -122,14 +114,14 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     out[batch.out_rows] = o[batch.real].to(out.dtype)
 
 
-def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: BatchPlan,
-                   scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   plan: list[PaddedBatch], scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Attention of every real query row under ``plan``; padding rows come back as zeros."""
     hq, hkv = q.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
     out = torch.zeros_like(q)
-    for batch in plan.batches:
+    for batch in plan:
         _attend(q, k_cache, v_cache, batch, scale, k, v, out)
     return out
 
