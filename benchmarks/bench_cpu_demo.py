@@ -7,13 +7,13 @@ is timed ``--repeats`` times after a warm-up, the arms taking turns round by rou
 from other jobs on the machine falls on all of them alike; the median is reported, with the best
 run and the median CPU time of the process (less sensitive to other jobs taking the cores).
 
-Arms: kvscope for each ``--attention-backend`` (``torch``: the batched backend;
-``torch_reference``: the one-sequence-at-a-time reference, the backend before issue 19) and each
-``--cpu-threads`` (0 = kvscope's automatic choice); transformers for each ``--hf-threads``.
+Arms: kvscope for each ``--kvscope BACKEND:THREADS`` (``torch``: the batched backend;
+``torch_reference``: the one-sequence-at-a-time reference, the backend before issue 19;
+``auto`` threads: kvscope's automatic ``cpu_threads``); transformers for each ``--hf-threads``.
 Finally it checks that kvscope's tokens equal transformers' up to kvscope's first EOS.
 
-    python benchmarks/bench_cpu_demo.py [--attention-backend torch torch_reference]
-                                        [--cpu-threads 0 2] [--hf-threads 1 2] [--repeats 3]
+    python benchmarks/bench_cpu_demo.py [--kvscope torch:auto torch:2 torch_reference:auto]
+                                        [--hf-threads 1 2] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -84,9 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--attention-backend", nargs="+", default=["torch", "torch_reference"],
-                    choices=["torch", "torch_reference"])
-    ap.add_argument("--cpu-threads", type=int, nargs="+", default=[0, os.cpu_count() or 1])
+    ap.add_argument("--kvscope", nargs="+", metavar="BACKEND:THREADS",
+                    default=["torch:auto", f"torch:{os.cpu_count() or 1}", "torch_reference:auto"])
     ap.add_argument("--hf-threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -94,8 +93,14 @@ def main() -> None:
     from kvscope.widgets import demo_prompts
 
     prompts = demo_prompts(args.requests)
-    arms = [kvscope_arm(prompts, args.max_tokens, b, t or None)
-            for b in args.attention_backend for t in args.cpu_threads]
+    load = os.getloadavg()  # other jobs on the machine: the timings depend on it
+    arms = []
+    for spec in args.kvscope:
+        backend, _, threads = spec.partition(":")
+        if backend not in ("torch", "torch_reference") or not (threads == "auto" or threads.isdigit()):
+            ap.error(f"--kvscope takes BACKEND:THREADS, BACKEND torch or torch_reference and THREADS "
+                     f"auto or a number, got {spec!r}")
+        arms.append(kvscope_arm(prompts, args.max_tokens, backend, None if threads == "auto" else int(threads)))
     arms += [transformers_arm(prompts, args.max_tokens, t) for t in args.hf_threads]
     tokens = {name: run() for name, run in arms}  # warm-up, and the tokens compared below
     times: dict[str, list[float]] = {name: [] for name, _ in arms}
@@ -111,7 +116,8 @@ def main() -> None:
     rate = {name: new_tokens / statistics.median(ts) for name, ts in times.items()}
     best_hf = max((n for n in rate if n.startswith("transformers")), key=rate.get)
     print(f"{args.requests} x demo_prompts, {args.max_tokens} greedy new tokens each, fp32, "
-          f"median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} cores")
+          f"median of {args.repeats}, torch {torch.__version__}, {os.cpu_count()} cores, "
+          f"load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
     print("| arm | median wall time | tok/s | vs transformers' best | best wall time | median CPU time |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, ts in times.items():
