@@ -114,9 +114,9 @@ class TorchAttentionBackend:
         return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v)
 
 
-class TorchReferenceBackend(TorchAttentionBackend):
-    """The reference as a backend, one sequence at a time: the oracle an engine run with the
-    batched backend is compared against, and the "before" of ``benchmarks/bench_cpu_demo.py``."""
+class TorchReferenceBackend:
+    """The reference as a backend, one sequence at a time: the oracle the batched backend is
+    tested against step for step, and the "before" arm of ``benchmarks/bench_cpu_demo.py``."""
 
     name = "torch_reference"
 
