@@ -1,4 +1,5 @@
-"""The torch paged-attention backend against naive dense attention on random paged layouts."""
+"""The torch paged-attention backends (batched, and the reference) against naive dense attention
+on random paged layouts."""
 from __future__ import annotations
 
 import random
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from kvscope.kernels.torch_attention import (
-    TorchAttentionBackend, paged_attention_reference, store_kv, varlen_attention_no_cache,
+    TorchAttentionBackend, TorchReferenceBackend, paged_attention_reference, store_kv,
+    varlen_attention_no_cache,
 )
 from kvscope.layers.attention import Attention
 from kvscope.forward_context import forward_context
@@ -47,9 +49,10 @@ def random_layout(rng: random.Random, block_size: int):
     return shapes, tables, num_blocks
 
 
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, TorchReferenceBackend])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_backend_matches_dense(block_size: int, group: int) -> None:
+def test_backend_matches_dense(block_size: int, group: int, backend: type) -> None:
     rng = random.Random(block_size * 10 + group)
     gen = torch.Generator().manual_seed(block_size * 10 + group)
     hq, scale = HKV * group, D ** -0.5
@@ -69,8 +72,7 @@ def test_backend_matches_dense(block_size: int, group: int) -> None:
                             block_size)
     new_k = torch.cat([hk[length - n:] for (length, n), hk in zip(shapes, hist_k)])
     new_v = torch.cat([hv[length - n:] for (length, n), hv in zip(shapes, hist_v)])
-    out = TorchAttentionBackend().forward(torch.cat(queries), new_k, new_v, k_cache, v_cache,
-                                          meta, scale)
+    out = backend().forward(torch.cat(queries), new_k, new_v, k_cache, v_cache, meta, scale)
 
     expected = torch.cat([dense_attention(q, hk, hv, scale)
                           for q, hk, hv in zip(queries, hist_k, hist_v)])

@@ -1,4 +1,4 @@
-"""Picks the attention backend for a device: flash-attn, then Triton, then pure torch."""
+"""Picks the attention backend for a device: flash-attn, then Triton, then batched pure torch."""
 from __future__ import annotations
 
 import importlib
@@ -25,7 +25,8 @@ def select_backend(name: str, device: torch.device | str,
     """``auto`` takes the fastest backend that can run on ``device``.
 
     flash-attn serves only pages of a multiple of 256 slots, so ``auto`` picks it only when
-    ``block_size`` is given and fits; otherwise Triton on CUDA, else the torch reference.
+    ``block_size`` is given and fits; otherwise Triton on CUDA, else (on CPU) the batched torch
+    backend, whose few large tensor operations per layer are what a CPU runs fastest.
     """
     device = torch.device(device)
     if name == "auto":

@@ -1,8 +1,9 @@
 """Pure-torch paged attention: runs anywhere and is the reference the fast backends match.
 
-It favours obviousness over speed: one sequence at a time, the history gathered page by page
-through the block table, scores and softmax in float32. The fused Triton / flash-attn backends
-are tested against :func:`paged_attention_reference`.
+:func:`paged_attention_reference` favours obviousness over speed: one sequence at a time, the
+history gathered page by page through the block table, scores and softmax in float32. The
+batched torch path (:mod:`kvscope.kernels.torch_batched_attention`, what the ``torch`` backend
+runs) and the fused Triton / flash-attn backends are tested against it.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.torch_batched_attention import PaddedBatch, attend_planned, plan_batches
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -93,9 +95,30 @@ def varlen_attention_no_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class TorchAttentionBackend:
-    """:class:`~kvscope.kernels.base.AttentionBackend` in plain torch (CPU or GPU)."""
+    """:class:`~kvscope.kernels.base.AttentionBackend` in plain torch (CPU or GPU), batched:
+    a few tensor operations per layer whatever the number of sequences."""
 
     name = "torch"
+
+    def __init__(self) -> None:
+        # The step layout is the same for every layer: planned at the first, reused by the rest.
+        self._planned: tuple[AttentionMetadata, tuple[int, int], list[PaddedBatch]] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        shape = (q.shape[0], k_cache.shape[1])
+        if self._planned is None or self._planned[0] is not meta or self._planned[1] != shape:
+            self._planned = (meta, shape, plan_batches(meta, *shape))
+        return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v)
+
+
+class TorchReferenceBackend:
+    """The reference as a backend, one sequence at a time: the oracle the batched backend is
+    tested against step for step, and the "before" arm of ``benchmarks/bench_cpu_demo.py``."""
+
+    name = "torch_reference"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
