@@ -150,8 +150,9 @@ class LLM:
                 return self._run(ids, use_tqdm)
             finally:
                 with deferred_interrupts():
-                    for rid in ids:
+                    for rid in ids:  # (a nested generate may have stashed one of their outputs)
                         engine.abort_request(rid, report=False)
+                        self._undelivered.pop(rid, None)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -168,8 +168,9 @@ class LLMEngine:
         """
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
-            if not report and self._held:  # nor report an output a Ctrl-C held back
+            if not report:  # nor report what is still waiting to be reported
                 self._held = [o for o in self._held if o.request_id != request_id]
+                self._aborted = [r for r in self._aborted if r.request_id != request_id]
             return False
         if self._busy:
             self._pending_aborts.append((request_id, report))
