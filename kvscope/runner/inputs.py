@@ -129,21 +129,22 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
     q_lens, starts, input_ids = cols.num_new_tokens, cols.start, cols.token_ids
     b, t = len(q_lens), len(input_ids)
     ctx = starts + q_lens
-    cu_k = np.zeros(b + 1, dtype=np.int64)
+    cu_k = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(ctx, out=cu_k[1:])
     block_tables = tables.pack(tables.update(out))
     decode_only = t == b  # every row has at least one token
     if decode_only:
-        cu_q = np.arange(b + 1, dtype=np.int64)
-        row = cu_q[:-1]
+        row = np.arange(b)
+        cu_q = np.arange(b + 1, dtype=np.int32)
         positions = starts
         logits_indices = np.flatnonzero(cols.sample)
     else:
-        cu_q = np.zeros(b + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu_q[1:])
+        ends = np.cumsum(q_lens)
         row = np.repeat(np.arange(b), q_lens)
-        positions = np.arange(t, dtype=np.int64) - cu_q[:-1][row] + starts[row]
-        logits_indices = (cu_q[1:] - 1)[cols.sample]
+        positions = np.arange(t, dtype=np.int64) + (starts - ends + q_lens)[row]
+        logits_indices = (ends - 1)[cols.sample]
+        cu_q = np.zeros(b + 1, dtype=np.int32)
+        cu_q[1:] = ends
     block, offset = np.divmod(positions, block_size)
     slots = block_tables[row, block].astype(np.int64)
     slots *= block_size
@@ -152,13 +153,13 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
-        cu_seqlens_q=cu_q.astype(np.int32),
-        cu_seqlens_k=cu_k.astype(np.int32),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         context_lens=ctx.astype(np.int32),
         block_tables=block_tables,
         logits_indices=logits_indices,
         max_seqlen_q=1 if decode_only else int(q_lens.max()),
         max_seqlen_k=int(ctx.max()),
         decode_only=decode_only,
-        no_prefix=bool((starts == 0).all()),
+        no_prefix=not starts.any(),
     )
