@@ -107,8 +107,7 @@ class Scheduler:
             self._schedule_running(out, out.token_budget, prefill_only=False)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_only: bool) -> int:
-        bm = self.block_manager
-        bs = bm.block_size
+        bs = self.block_manager.block_size
         running = self.running
         rows = out.requests
         i = 0
@@ -122,24 +121,24 @@ class Scheduler:
             n = known - start if known - start < budget else budget
             # Only a row that crosses into a new block asks the block manager (a decode row
             # does once every block_size steps).
-            if start + n > len(req.block_table) * bs:
-                while not bm.allocate(req, start + n):
-                    victim = running[-1]
-                    self.preempt(victim, out)
-                    if victim is req:
-                        break
-                else:
-                    rows.append(self._scheduled(req, n))
-                    budget -= n
-                    i += 1
-                    continue
+            if start + n > len(req.block_table) * bs and not self._make_room(req, start + n, out):
                 if prefill_only:
                     break
-                continue
+                continue  # ``req`` preempted itself: the next request now stands at ``i``
             rows.append(self._scheduled(req, n))
             budget -= n
             i += 1
         return budget
+
+    def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Extend ``req``'s table to ``num_tokens``, preempting from the tail of ``running``
+        until the blocks fit; False when ``req`` itself had to go."""
+        while not self.block_manager.allocate(req, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
