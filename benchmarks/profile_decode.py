@@ -66,7 +66,7 @@ def main() -> None:
               f"cuda graph used: {timings[-1]['graph']}")
         for k in keys:
             print(f"  {k:14s} {statistics.median(t.get(k, 0.0) for t in timings) * 1e3:8.3f} ms")
-        host = statistics.median(t["schedule_s"] + t["prepare_s"] + t["postprocess_s"] for t in timings)
+        host = statistics.median(sum(t.get(k, 0.0) for k in ("schedule_s", "prepare_s", "postprocess_s")) for t in timings)
         print(f"  host work per step (schedule + prepare + postprocess): {host * 1e3:.3f} ms")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         llm.shutdown()
