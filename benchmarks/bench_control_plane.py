@@ -3,12 +3,22 @@
 256 sequences run with a model that does no compute (NullExecutor), so the time per step is
 exactly what the CPU side of the engine adds to every forward pass.
 
-    python benchmarks/bench_control_plane.py [--seqs 256] [--prompt 512] [--steps 200]
+    python benchmarks/bench_control_plane.py [--seqs 256] [--prompt 512] [--steps 200] [--profile 25]
+
+On a shared machine wall time swings with the neighbours' load, so besides the mean it prints
+the median over windows of ``block_size`` steps (each window holds one step where every
+sequence crosses into a new block) and the process's CPU time per step. A full garbage
+collection owed to the setup is run before the clock starts, so it does not land in the timed
+steps; the collections the steps themselves cause are counted in.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import gc
+import pstats
 import random
+import statistics
 import time
 
 from kvscope.config import EngineConfig
@@ -33,6 +43,8 @@ def main() -> None:
     ap.add_argument("--hooks", action="store_true", help="attach a no-op step.end hook")
     ap.add_argument("--record", default=None, choices=("summary", "blocks", "full"),
                     help="record a trace at this level while timing (its cost per step)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="cProfile the timed steps and print the N functions with the most own time")
     args = ap.parse_args()
 
     max_len = args.prompt + args.steps + 64
@@ -54,15 +66,32 @@ def main() -> None:
 
         recorder = Recorder(engine, args.record)
         recorder.start()
+    gc.collect()
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler is not None:
+        profiler.enable()
+    windows = []
+    c0 = time.process_time()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
+    for start in range(0, args.steps, args.block_size):
+        tw = time.perf_counter()
+        n = min(args.block_size, args.steps - start)
+        for _ in range(n):
+            engine.step()
+        windows.append((time.perf_counter() - tw) / n)
     dt = (time.perf_counter() - t0) / args.steps
+    cpu = (time.process_time() - c0) / args.steps
+    if profiler is not None:
+        profiler.disable()
     if recorder is not None:
         recorder.stop()
     print(f"control plane: {dt * 1e6:.0f} us/step with {args.seqs} running sequences "
           f"(decode, block_size {args.block_size}, prompt {args.prompt})"
           + (f", recording at {args.record!r}" if args.record else ""))
+    print(f"  median of {len(windows)} windows: {statistics.median(windows) * 1e6:.0f} us/step; "
+          f"cpu time {cpu * 1e6:.0f} us/step")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":

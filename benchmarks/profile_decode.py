@@ -1,10 +1,14 @@
 """Where a decode step's time goes on a GPU: host phases (from step.end timings) and top kernels.
 
-With ``--async-scheduling`` no hook is attached (a hook makes the engine step synchronously):
-it prints wall time per step and the host calls that cost the most CPU time (a blocking
-``cudaStreamSynchronize`` / ``cudaHostAlloc`` there means the overlap is lost).
+Both modes print the host's work per step: in synchronous mode the sum of the host phases
+(schedule, input preparation, post-processing); with ``--async-scheduling`` no hook is attached
+(a hook makes the engine step synchronously), so it prints the wall time per step, the part
+spent waiting for the GPU's tokens, and the rest, which is the host's; then the host calls that
+cost the most CPU time (a blocking ``cudaStreamSynchronize`` / ``cudaHostAlloc`` there means the
+overlap is lost).
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
+    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
 """
 from __future__ import annotations
 
@@ -62,21 +66,48 @@ def main() -> None:
               f"cuda graph used: {timings[-1]['graph']}")
         for k in keys:
             print(f"  {k:14s} {statistics.median(t.get(k, 0.0) for t in timings) * 1e3:8.3f} ms")
+        host = statistics.median(sum(t.get(k, 0.0) for k in ("schedule_s", "prepare_s", "postprocess_s")) for t in timings)
+        print(f"  host work per step (schedule + prepare + postprocess): {host * 1e3:.3f} ms")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
         llm.shutdown()
 
 
+class _TimedWaits:
+    """Wraps the executor so each launched step's ``result()`` (the wait for its tokens) is timed."""
+
+    def __init__(self, executor) -> None:
+        self.launch, self.waits = executor.execute_async, []
+        executor.execute_async = self._execute_async
+
+    def _execute_async(self, out):
+        handle = self.launch(out)
+        waits = self.waits
+
+        class Timed:
+            def result(self):
+                t = time.perf_counter()
+                r = handle.result()
+                waits.append(time.perf_counter() - t)
+                return r
+        return Timed()
+
+
 def _profile_async(llm) -> None:
     step = llm.llm_engine.step
+    timed = _TimedWaits(llm.llm_engine.executor)
     for _ in range(5):
         step()
     torch.cuda.synchronize()
     walls = []
+    timed.waits.clear()
     for _ in range(20):
         t = time.perf_counter()
         step()
         walls.append(time.perf_counter() - t)
-    print(f"async scheduling: {statistics.median(walls) * 1e3:.3f} ms per decode step (median of 20)")
+    host = [w - wait for w, wait in zip(walls, timed.waits)]  # each step reads back one launched step
+    print(f"async scheduling: {statistics.median(walls) * 1e3:.3f} ms per decode step (median of 20), "
+          f"of which waiting for the GPU's tokens {statistics.median(timed.waits) * 1e3:.3f} ms; "
+          f"host work per step {statistics.median(host) * 1e3:.3f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             step()

@@ -8,6 +8,7 @@ so the interrupt arrives with the engine in a consistent state.
 """
 from __future__ import annotations
 
+import _signal  # signal's C core: its wrapper turns each handler into an enum, via an exception for a function
 import contextlib
 import functools
 import signal
@@ -35,16 +36,21 @@ def deferred_interrupts() -> Iterator[None]:
         finally:
             _depth -= 1
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: _held.append(signum))
+    # Every step swaps the handler twice, so the swaps go through the C core (see the import).
+    previous = _signal.signal(signal.SIGINT, _hold)
     _depth = 1
     try:
         yield
     finally:
         _depth = 0
-        signal.signal(signal.SIGINT, previous)
+        _signal.signal(signal.SIGINT, previous)
         if _held:
             _held.clear()
             _deliver(previous)
+
+
+def _hold(signum: int, frame: object) -> None:
+    _held.append(signum)
 
 
 def interrupt_pending() -> bool:

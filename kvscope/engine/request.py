@@ -52,6 +52,8 @@ class Request:
     error: str | None = None  # set when the request failed alone inside a step
     final_only: bool = False  # report it only when it finishes (LLM.generate's requests)
     stop_strings: list[str] = field(init=False, default_factory=list)  # params'; read per token
+    # EOS and ``stop_token_ids`` together: one set lookup per token finds every token-level stop.
+    stop_token_set: frozenset[int] = field(init=False, default=frozenset())
     output_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""  # the final text, set when the request finishes
@@ -60,6 +62,7 @@ class Request:
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
         self.stop_strings = self.params.stop_strings
+        self.stop_token_set = self.eos_token_ids.union(self.params.stop_token_ids)
         if self.params.logprobs is not None:
             self.output_logprobs = []
 

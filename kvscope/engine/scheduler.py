@@ -85,6 +85,7 @@ class Scheduler:
         """Drop the rows of requests finished after they were scheduled, before the step runs
         (a hook aborted them while the step was being scheduled)."""
         out.requests = [r for r in out.requests if r.seq_id in self.requests]
+        out.__dict__.pop("columns", None)  # (if a hook already read them, they name the dropped rows)
         if not out.requests:  # the step will not reach the runner: keep its news for the next
             self._finished_seq_ids += out.finished_seq_ids
             out.finished_seq_ids = []
@@ -106,28 +107,38 @@ class Scheduler:
             self._schedule_running(out, out.token_budget, prefill_only=False)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill_only: bool) -> int:
+        bs = self.block_manager.block_size
+        running = self.running
+        rows = out.requests
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             start = req.num_computed_tokens
-            known = req.num_known_tokens
+            known = len(req.token_ids) + req.num_pending
             if (prefill_only and start >= req.prefill_len) or known >= req.max_total_tokens:
                 i += 1  # (the second case: its last token is in flight; the request ends then)
                 continue
-            n = min(known - start, budget)
-            while not self.block_manager.allocate(req, start + n):
-                victim = self.running[-1]
-                self.preempt(victim, out)
-                if victim is req:
+            n = known - start if known - start < budget else budget
+            # Only a row that crosses into a new block asks the block manager (a decode row
+            # does once every block_size steps).
+            if start + n > len(req.block_table) * bs and not self._make_room(req, start + n, out):
+                if prefill_only:
                     break
-            else:
-                out.requests.append(self._scheduled(req, n))
-                budget -= n
-                i += 1
-                continue
-            if prefill_only:
-                break
+                continue  # ``req`` preempted itself: the next request now stands at ``i``
+            rows.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
         return budget
+
+    def _make_room(self, req: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Extend ``req``'s table to ``num_tokens``, preempting from the tail of ``running``
+        until the blocks fit; False when ``req`` itself had to go."""
+        while not self.block_manager.allocate(req, num_tokens):
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
@@ -158,27 +169,27 @@ class Scheduler:
         """The step's share of ``req``; marks those tokens computed and the sample pending."""
         start = req.num_computed_tokens
         end = start + n
-        sample = end == req.num_known_tokens
-        token_ids = req.token_ids[start:end]
-        if end > len(req.token_ids):  # only a decode row's one input token can be in flight
+        tokens = req.token_ids
+        num_tokens = len(tokens)
+        pending = req.num_pending
+        sample = end == num_tokens + pending
+        token_ids = tokens[start:end]
+        if end > num_tokens:  # only a decode row's one input token can be in flight
             token_ids.append(PLACEHOLDER)
         table = req.block_table
+        sent = req.num_sent_blocks
+        # Positional arguments, in field order: keyword construction costs several times more
+        # and this runs once per row per step.
         row = ScheduledRequest(
-            seq_id=req.seq_id,
-            token_ids=token_ids,
-            start=start,
-            new_block_ids=table[req.num_sent_blocks:] if len(table) > req.num_sent_blocks else _NONE,
-            resumed_from_preemption=req.resumed,
-            is_prefill=start < req.prefill_len,
-            sample=sample,
-            num_cached_tokens=num_cached,
-            params=req.params if sample else None,
-            output_index=req.num_output_tokens + req.num_pending,
+            req.seq_id, token_ids, start, table[sent:] if len(table) > sent else _NONE, req.resumed,
+            start < req.prefill_len, sample, num_cached, req.params if sample else None,
+            num_tokens - req.num_prompt_tokens + pending,
         )
         req.num_sent_blocks = len(table)
         req.resumed = False
         req.num_computed_tokens = end
-        req.num_pending += sample
+        if sample:
+            req.num_pending = pending + 1
         return row
 
     def preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -207,24 +218,30 @@ class Scheduler:
         """
         progressed, finished = [], []
         bm = self.block_manager
+        bs = bm.block_size if bm.enable_prefix_caching else 0
+        live = self.requests
+        tokens, errors = result.tokens, result.errors
+        running = RequestStatus.RUNNING
         for r in out.requests:
-            req = self.requests.get(r.seq_id)
+            req = live.get(r.seq_id)
             if req is None:
                 continue  # finished or aborted while this step was in flight: its work is dropped
-            if req.status is RequestStatus.RUNNING:
+            # Hash only when a block just filled (never past a token still in flight).
+            if bs and req.status is running and (
+                    min(req.num_computed_tokens, len(req.token_ids)) // bs > req.num_hashed_blocks):
                 bm.hash_computed_blocks(req)
             m = req.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
             if not r.sample:
                 continue
-            if result.errors and r.seq_id in result.errors:  # this request failed alone
+            if errors and r.seq_id in errors:  # this request failed alone
                 req.num_pending -= 1
-                req.error = result.errors[r.seq_id]
+                req.error = errors[r.seq_id]
                 self.finish_request(req, "abort")
                 finished.append(req)
                 continue
-            token = result.tokens[r.seq_id]
+            token = tokens[r.seq_id]
             req.token_ids.append(token)
             req.num_pending -= 1
             if m.first_token_time is None:
@@ -235,10 +252,11 @@ class Scheduler:
                 req.output_logprobs.append(lp)
                 req.cumulative_logprob += lp.get(token, 0.0)
             progressed.append(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.finish_request(req, reason)
-                finished.append(req)
+            if token in req.stop_token_set or len(req.token_ids) >= req.max_total_tokens:
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish_request(req, reason)
+                    finished.append(req)
         return progressed, finished
 
     @staticmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -45,12 +44,42 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class StepColumns:
-    """A step's rows as numpy columns, for code that works on whole steps (input packing, the trace)."""
+    """A step's rows as numpy columns, for code that works on whole steps (input packing, the
+    sampler's bookkeeping, the trace)."""
 
+    seq_id: np.ndarray          # int64 [B]
     start: np.ndarray           # int64 [B]
     num_new_tokens: np.ndarray  # int64 [B]
     sample: np.ndarray          # bool [B]
     token_ids: np.ndarray       # int64 [T]: every row's tokens, concatenated
+    table_changed: np.ndarray   # int64 [K]: the rows with a block-table delta (new ids or a restart)
+
+    @classmethod
+    def from_rows(cls, rows: list[ScheduledRequest]) -> "StepColumns":
+        """One pass over the rows (a pass per column costs several times more at a few hundred rows)."""
+        seq_ids: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        sample: list[bool] = []
+        tokens: list[int] = []
+        changed: list[int] = []
+        for i, r in enumerate(rows):
+            seq_ids.append(r.seq_id)
+            starts.append(r.start)
+            t = r.token_ids
+            lens.append(len(t))
+            tokens += t
+            sample.append(r.sample)
+            if r.new_block_ids or r.resumed_from_preemption:
+                changed.append(i)
+        return cls(
+            seq_id=np.array(seq_ids, dtype=np.int64),
+            start=np.array(starts, dtype=np.int64),
+            num_new_tokens=np.array(lens, dtype=np.int64),
+            sample=np.array(sample, dtype=bool),
+            token_ids=np.array(tokens, dtype=np.int64),
+            table_changed=np.array(changed, dtype=np.int64),
+        )
 
 
 @dataclass
@@ -70,12 +99,4 @@ class SchedulerOutput:
     @functools.cached_property
     def columns(self) -> StepColumns:
         """Built once per step: the runner packs its inputs from it and a recorder reuses it."""
-        reqs = self.requests
-        b = len(reqs)
-        lens = np.fromiter((len(r.token_ids) for r in reqs), dtype=np.int64, count=b)
-        return StepColumns(
-            start=np.fromiter((r.start for r in reqs), dtype=np.int64, count=b),
-            num_new_tokens=lens,
-            sample=np.fromiter((r.sample for r in reqs), dtype=bool, count=b),
-            token_ids=np.fromiter(chain.from_iterable(r.token_ids for r in reqs), dtype=np.int64, count=int(lens.sum())),
-        )
+        return StepColumns.from_rows(self.requests)

@@ -67,11 +67,16 @@ class BlockTables:
         self._free_rows = list(range(capacity - 1, -1, -1))
 
     def update(self, out: SchedulerOutput) -> np.ndarray:
-        """Apply ``out``'s deltas; returns each scheduled request's row, in step order."""
+        """Apply ``out``'s deltas; returns each scheduled request's row, in step order.
+
+        Only the rows with a delta (``StepColumns.table_changed``) are visited one by one; a
+        new request always brings its first blocks, so every other row already exists.
+        """
         for seq_id in chain(out.finished_seq_ids, out.preempted_seq_ids):
             self._drop(seq_id)
-        rows = np.empty(len(out.requests), dtype=np.int64)
-        for i, r in enumerate(out.requests):
+        reqs, cols = out.requests, out.columns
+        for i in cols.table_changed.tolist():
+            r = reqs[i]
             row = self.rows.get(r.seq_id)
             if row is None or r.resumed_from_preemption:
                 if row is None:
@@ -86,8 +91,7 @@ class BlockTables:
                     self._widen(end)
                 self.table[row, start:end] = new
                 self.lengths[row] = end
-            rows[i] = row
-        return rows
+        return np.fromiter(map(self.rows.__getitem__, cols.seq_id.tolist()), dtype=np.int64, count=len(reqs))
 
     def get(self, seq_id: int) -> list[int]:
         """One request's table as the runner holds it (tests compare it with the scheduler's)."""
@@ -119,36 +123,43 @@ class BlockTables:
 
 def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables) -> StepInputs:
     """Apply ``out``'s block-table deltas to ``tables`` (the caller's, kept across its steps),
-    then pack the step."""
-    reqs = out.requests
-    b = len(reqs)
+    then pack the step. A decode-only step (one token per row, the steady state) takes a
+    shorter path: each numpy call costs microseconds of fixed overhead, whatever its size."""
     cols = out.columns
     q_lens, starts, input_ids = cols.num_new_tokens, cols.start, cols.token_ids
-    t = int(q_lens.sum())
-    cu_q = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu_q[1:])
+    b, t = len(q_lens), len(input_ids)
     ctx = starts + q_lens
-    cu_k = np.zeros(b + 1, dtype=np.int64)
+    cu_k = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(ctx, out=cu_k[1:])
-
     block_tables = tables.pack(tables.update(out))
-
-    row = np.repeat(np.arange(b), q_lens)
-    positions = np.arange(t, dtype=np.int64) - cu_q[:-1][row] + starts[row]
-    slots = block_tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-
-    sample = cols.sample
+    decode_only = t == b  # every row has at least one token
+    if decode_only:
+        row = np.arange(b)
+        cu_q = np.arange(b + 1, dtype=np.int32)
+        positions = starts
+        logits_indices = np.flatnonzero(cols.sample)
+    else:
+        ends = np.cumsum(q_lens)
+        row = np.repeat(np.arange(b), q_lens)
+        positions = np.arange(t, dtype=np.int64) + (starts - ends + q_lens)[row]
+        logits_indices = (ends - 1)[cols.sample]
+        cu_q = np.zeros(b + 1, dtype=np.int32)
+        cu_q[1:] = ends
+    block, offset = np.divmod(positions, block_size)
+    slots = block_tables[row, block].astype(np.int64)
+    slots *= block_size
+    slots += offset
     return StepInputs(
         input_ids=input_ids,
         positions=positions,
         slot_mapping=slots,
-        cu_seqlens_q=cu_q.astype(np.int32),
-        cu_seqlens_k=cu_k.astype(np.int32),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
         context_lens=ctx.astype(np.int32),
         block_tables=block_tables,
-        logits_indices=(cu_q[1:] - 1)[sample],
-        max_seqlen_q=int(q_lens.max()),
+        logits_indices=logits_indices,
+        max_seqlen_q=1 if decode_only else int(q_lens.max()),
         max_seqlen_k=int(ctx.max()),
-        decode_only=bool((q_lens == 1).all()),
-        no_prefix=bool((starts == 0).all()),
+        decode_only=decode_only,
+        no_prefix=not starts.any(),
     )

@@ -256,7 +256,7 @@ class ModelRunner:
         x = build_step_inputs(out, self.block_size, self.block_tables)
         fill = np.flatnonzero(x.input_ids == PLACEHOLDER)  # sampled by the previous step
         rows = np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
-        src = np.fromiter((self._last_rows[out.requests[i].seq_id] for i in rows.tolist()),
+        src = np.fromiter(map(self._last_rows.__getitem__, out.columns.seq_id[rows].tolist()),
                           dtype=np.int64, count=fill.size)
         d = self._upload(x, fill, src)
         t1 = time.perf_counter()
@@ -290,7 +290,7 @@ class ModelRunner:
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
         self._last_sample = s.tokens
-        self._last_rows = {r.seq_id: i for i, r in enumerate(sampled)}
+        self._last_rows = dict(zip(out.columns.seq_id[out.columns.sample].tolist(), range(len(sampled))))
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
         step = _LaunchedStep(s, [r.seq_id for r in sampled], timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())

@@ -24,14 +24,13 @@ class NullExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         build_step_inputs(out, self.block_size, self.block_tables)
-        tokens = {}
-        for r in out.requests:
-            if r.sample:
-                h = (r.seq_id * 1_000_003 + r.start + len(r.token_ids) * 7919) % 2_147_483_647
-                tok = 1 + h % (self.vocab_size - 1)
-                if self.eos_every and h % self.eos_every == 0:
-                    tok = 0
-                tokens[r.seq_id] = tok
+        cols = out.columns
+        s = cols.sample
+        h = (cols.seq_id[s] * 1_000_003 + cols.start[s] + cols.num_new_tokens[s] * 7919) % 2_147_483_647
+        tok = 1 + h % (self.vocab_size - 1)
+        if self.eos_every:
+            tok[h % self.eos_every == 0] = 0
+        tokens = dict(zip(cols.seq_id[s].tolist(), tok.tolist()))
         return StepResult(tokens=tokens, timings={"prepare_s": time.perf_counter() - t0})
 
     def execute_async(self, out: SchedulerOutput) -> DoneStep:
