@@ -1,8 +1,8 @@
 """Pure-torch paged attention: runs anywhere and is the reference the fast backends match.
 
 It favours obviousness over speed: one sequence at a time, the history gathered page by page
-through the block table, scores and softmax in float32. The fused Triton / flash-attn backends
-are tested against :func:`paged_attention_reference`.
+through the block table, scores and softmax in float32. The fused Triton backend
+is tested against :func:`paged_attention_reference`.
 """
 from __future__ import annotations
 

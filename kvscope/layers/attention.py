@@ -2,7 +2,7 @@
 
 It owns no weights. The runner gives it its slice of the pool (``k_cache`` / ``v_cache``) and
 a ``backend``; per step it reads the packed layout from the forward context. Swapping the
-backend (torch, Triton, flash-attn) never changes model code.
+backend (torch, Triton) never changes model code.
 """
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        self.backend = select_backend(config.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
