@@ -23,7 +23,7 @@ import triton.language as tl
 from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
-FP8_MAX: tl.constexpr = 448.0  # largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 
 
 @triton.jit
