@@ -156,3 +156,20 @@ def test_scales_default_to_one() -> None:
     llm.generate([[9, 8, 7, 6, 5]], greedy(3), use_tqdm=False)
     assert all(float(a.k_scale) == float(a.v_scale) == 1.0 for a in runner(llm).attn_layers)
     llm.shutdown()
+
+
+def test_trace_meta_shows_the_kv_dtype_and_bytes_per_block() -> None:
+    """``trace.meta``: the pool's element type and one block's bytes, from the model's shape."""
+    from kvscope.widgets.views import kv_pool_label
+    from tiny_models import TINY
+
+    per_element = {"auto": 4, "fp8": 1}  # the fp32 engine's pool, or e4m3
+    for kv, name in (("auto", "float32"), ("fp8", "float8_e4m3fn")):
+        llm = make_llm(kv_cache_dtype=kv, kv_cache_memory_bytes=SMALL_POOL)
+        with llm.record("summary") as trace:
+            llm.generate([[4, 5, 6]], greedy(2), use_tqdm=False)
+        expect = (2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 32 * per_element[kv])
+        assert trace.meta["kv_cache_dtype"] == name
+        assert trace.meta["bytes_per_block"] == expect
+        assert kv_pool_label(trace.meta) == f" · KV {name}, {expect:,} B/block"
+        llm.shutdown()

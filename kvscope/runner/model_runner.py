@@ -326,13 +326,15 @@ class ModelRunner:
                 raise  # not one row's fault
             return self.sampler.sample(logits, params, index), errors
 
-    def kv_shards(self) -> list[dict[str, int]]:
-        """This rank's share of the KV heads and of the pool's bytes (see docs/TRACE_API.md)."""
+    def kv_shards(self) -> list[dict[str, int | str]]:
+        """This rank's share of the KV heads and of the pool's bytes, and the pool's element type
+        (see docs/TRACE_API.md)."""
         _, kv_heads, _ = kv_geometry(self.hf_config, self.tp_size)
         start = self.rank * kv_heads
         return [dict(rank=self.rank, kv_head_start=start, kv_head_end=start + kv_heads,
                      num_kv_heads=kv_heads, num_blocks=self.num_kv_blocks,
-                     bytes=self.kv_cache.numel() * self.kv_cache.element_size())]
+                     bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+                     kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))]
 
     def shutdown(self) -> None:
         """Release the graphs, the KV pool and the weights now, so a next engine in this
