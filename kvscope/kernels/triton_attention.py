@@ -237,11 +237,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(k_cache.stride())}")
 
 
-def _scale_arg(scale: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
-    """A kernel reads a scale from memory: the engine's 0-d fp32 device tensors pass through."""
-    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == like.device:
+def _scale_arg(scale: torch.Tensor | float, cache: torch.Tensor) -> torch.Tensor:
+    """The pointer a kernel reads a scale from: the engine's 0-d fp32 device tensors pass
+    through; a pool that is not fp8 never reads it, so the cache itself stands in (no host
+    copy, which a CUDA graph capture would refuse)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache
+    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == cache.device:
         return scale
-    return torch.as_tensor(scale, dtype=torch.float32, device=like.device)
+    return torch.as_tensor(scale, dtype=torch.float32, device=cache.device)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -256,7 +260,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must be contiguous in the head dimension")
     _store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, _scale_arg(k_scale, k), _scale_arg(v_scale, k),
+        k, v, k_cache, v_cache, slot_mapping,
+        _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
@@ -335,7 +340,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out,
         part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-        _scale_arg(k_scale, q), _scale_arg(v_scale, q), meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
+        _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
+        meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
