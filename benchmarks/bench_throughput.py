@@ -10,7 +10,12 @@ Prints, from one run: kvscope's output tok/s; transformers' continuous batching
 the same subset; the roofline bound (weights + KV bytes each step must read, at the measured
 device-to-device copy bandwidth); and the ratios.
 
+``--kv-cache-dtype auto,fp8`` runs kvscope once per KV cache dtype, in one call: the first is
+the baseline, each next one is reported against it and against its own roofline (for fp8 the
+KV bytes are halved: 1 byte per element instead of bf16's 2).
+
     python benchmarks/bench_throughput.py --config benchmarks/configs/qwen3-0.6b
+    python benchmarks/bench_throughput.py --kv-cache-dtype auto,fp8 --hf-requests 0
 """
 from __future__ import annotations
 
@@ -63,11 +68,15 @@ def copy_bandwidth() -> float:
     return bw
 
 
-def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float) -> float:
-    """Output tokens per second if each step only had to read the weights and the KV history."""
+KV_BYTES = {"auto": 2, "fp8": 1, "fp8_e4m3": 1}  # bytes per KV element (auto: the bf16 weights' type)
+
+
+def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float, kv_bytes: int = 2) -> float:
+    """Output tokens per second if each step only had to read the weights and the KV history
+    (``kv_bytes`` per cached element: 2 for bf16, 1 for an fp8 KV cache)."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    kv_per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * kv_bytes
     h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     per_layer = h * (heads * head_dim) * 2 + 2 * h * (cfg["num_key_value_heads"] * head_dim) + 3 * h * i
     weight_bytes = 2 * (L * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2))
@@ -76,10 +85,12 @@ def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float) -> float:
     return sum(outs) / seconds
 
 
-def run_kvscope(model_dir: str, prompts, outs, args, tp: int) -> tuple[float, int]:
+def run_kvscope(model_dir: str, prompts, outs, args, tp: int,
+                kv_cache_dtype: str = "auto") -> tuple[float, int]:
     from kvscope import LLM, SamplingParams
 
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.eager,
+              kv_cache_dtype=kv_cache_dtype,
               tensor_parallel_size=tp, async_scheduling=args.async_scheduling and tp == 1, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
               gpu_memory_utilization=args.gpu_mem)
     # Warm-up on the workload's own first prompts: chunked prefill, mixed and decode steps, so
@@ -143,6 +154,8 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true", help="overlap step n+1's CPU work with step n (TP=1)")
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV cache dtypes, comma-separated (\"auto,fp8\": each against the first and its roofline)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--unfused", action="store_true", help="torch code instead of the fused Triton norm/RoPE/SiLU kernels")
     args = ap.parse_args()
@@ -151,6 +164,10 @@ def main() -> None:
 
         fused.USE_FUSED_KERNELS = False
 
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    unknown = [d for d in kv_dtypes if d not in KV_BYTES]
+    if unknown:
+        ap.error(f"--kv-cache-dtype: {unknown} not in {sorted(KV_BYTES)}")
     prompts, outs = workload()
     cfg = json.loads(Path(args.config, "config.json").read_text())
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} output tokens")
@@ -159,11 +176,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(args.config, Path(tmp))
         sizes = [int(t) for t in args.tp.split(",")]
-        tok_s, steps = run_kvscope(tmp, prompts, outs, args, sizes[0])
-        roof = roofline_tok_s(cfg, prompts, outs, steps, bw)
-        print(f"kvscope: {tok_s:,.0f} output tok/s ({steps} steps, TP={sizes[0]})")
+        tok_s, steps = run_kvscope(tmp, prompts, outs, args, sizes[0], kv_dtypes[0])
+        roof = roofline_tok_s(cfg, prompts, outs, steps, bw, KV_BYTES[kv_dtypes[0]])
+        print(f"kvscope: {tok_s:,.0f} output tok/s ({steps} steps, TP={sizes[0]}, kv_cache_dtype={kv_dtypes[0]})")
         print(f"roofline (one GPU): {roof:,.0f} tok/s -> kvscope at {tok_s / roof:.1%} of the roofline")
-        figures = dict(kvscope_tok_s=tok_s, steps=steps, roofline_tok_s=roof, copy_bw=bw, tp=sizes[0])
+        figures = dict(kvscope_tok_s=tok_s, steps=steps, roofline_tok_s=roof, copy_bw=bw, tp=sizes[0],
+                       kv_cache_dtype=kv_dtypes[0])
+        for kv in kv_dtypes[1:]:
+            t, n_steps = run_kvscope(tmp, prompts, outs, args, sizes[0], kv)
+            r = roofline_tok_s(cfg, prompts, outs, n_steps, bw, KV_BYTES[kv])
+            print(f"kvscope kv_cache_dtype={kv}: {t:,.0f} output tok/s ({n_steps} steps) -> {t / tok_s:.2f}x of "
+                  f"{kv_dtypes[0]}; its roofline {r:,.0f} tok/s -> at {t / r:.1%}")
+            figures[f"kvscope_{kv}_tok_s"], figures[f"roofline_{kv}_tok_s"] = t, r
         for tp in sizes[1:]:
             t, _ = run_kvscope(tmp, prompts, outs, args, tp)
             print(f"kvscope at TP={tp}: {t:,.0f} output tok/s -> {t / tok_s:.2f}x of TP={sizes[0]}")

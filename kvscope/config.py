@@ -11,8 +11,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3, as in vLLM
 
 
 @dataclass
@@ -35,6 +36,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
@@ -83,11 +86,12 @@ class EngineConfig:
             ("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
             ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
             ("dtype", self.dtype, DTYPES),
+            ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init",
-                     "async_scheduling"):
+                     "async_scheduling", "calculate_kv_scales"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.device, str) or not (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvscope.config import EngineConfig
-from kvscope.runner.model_runner import kv_geometry, resolve_device, resolve_dtype
+from kvscope.runner.model_runner import kv_geometry, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 
 def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
@@ -28,7 +28,7 @@ def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
     # model's to refuse, by name, when it is built).
     layers, kv_heads, head_dim = kv_geometry(hf_config, 1)
     block_bytes = 2 * layers * config.block_size * kv_heads * head_dim \
-        * resolve_dtype(config, hf_config, device).itemsize
+        * resolve_kv_cache_dtype(config, resolve_dtype(config, hf_config, device)).itemsize
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         setting, need = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks * block_bytes

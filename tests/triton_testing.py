@@ -69,7 +69,7 @@ class RecordLaunches:
 
 
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-        torch.int32: "*i32", torch.int64: "*i64"}
+        torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64"}
 
 
 def compile_sm90(fn, call: dict):

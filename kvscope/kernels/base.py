@@ -46,6 +46,14 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [N, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | float = 1.0,  # fp32 scalar tensor in the engine (see below)
+        v_scale: torch.Tensor | float = 1.0,
     ) -> torch.Tensor:          # [T, Hq, D]
-        """Store k/v at ``meta.slot_mapping`` then return causal paged attention output."""
+        """Store k/v at ``meta.slot_mapping`` then return causal paged attention output.
+
+        A pool of dtype ``float8_e4m3fn`` (``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and
+        ``v / v_scale``, clamped to +-448; a backend dequantizes as it reads. The scales are
+        ignored for any other pool dtype. The engine passes 0-d fp32 tensors on the device, so
+        a captured CUDA graph sees scales computed after the capture.
+        """
         ...

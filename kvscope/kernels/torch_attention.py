@@ -3,7 +3,7 @@
 :func:`paged_attention_reference` favours obviousness over speed: one sequence at a time, the
 history gathered page by page through the block table, scores and softmax in float32. The
 batched torch path (:mod:`kvscope.kernels.torch_batched_attention`, what the ``torch`` backend
-runs) and the fused Triton / flash-attn backends are tested against it.
+runs) and the fused Triton backend are tested against it.
 """
 from __future__ import annotations
 
@@ -11,19 +11,27 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.kv_quant import FP8_DTYPE, dequantize_kv, quantize_kv
 from kvscope.kernels.torch_batched_attention import PaddedBatch, attend_planned, plan_batches
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write row ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to flat slot ``slot_mapping[t]``; -1 skips."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | float = 1.0,
+             v_scale: torch.Tensor | float = 1.0) -> None:
+    """Write row ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to flat slot ``slot_mapping[t]``; -1 skips.
+
+    An fp8 pool stores them quantized with ``k_scale`` / ``v_scale``.
+    """
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         rows = keep.nonzero().squeeze(1)
         k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     _, _, hkv, d = k_cache.shape
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = quantize_kv(x, scale, cache.dtype)
+        if cache.dtype == FP8_DTYPE:  # index_copy_ has no fp8 kernel on CPU: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, hkv, d).index_copy_(0, slot_mapping, x)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,12 +58,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, scale: float,
+                              k_scale: torch.Tensor | float = 1.0,
+                              v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
     """The read side only: attend every packed query row to its sequence's cached history.
 
     Sequence ``i``'s history is the first ``context_lens[i]`` slots of the pages
     ``block_tables[i]``; it must already contain this step's keys. Rows past
-    ``cu_seqlens_q[-1]`` (padding) come back as zeros.
+    ``cu_seqlens_q[-1]`` (padding) come back as zeros. An fp8 pool is dequantized as it is read.
     """
     out = torch.zeros_like(q)
     cu_q = meta.cu_seqlens_q.tolist()
@@ -69,8 +79,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         pages = meta.block_tables[i, :num_pages].long()
         if pages.numel() < num_pages or bool((pages < 0).any()):
             raise ValueError(f"sequence {i}: block table has no page for context length {length}")
-        keys = k_cache[pages].flatten(0, 1)[:length]
-        values = v_cache[pages].flatten(0, 1)[:length]
+        keys = dequantize_kv(k_cache[pages].flatten(0, 1)[:length], k_scale, q.dtype)
+        values = dequantize_kv(v_cache[pages].flatten(0, 1)[:length], v_scale, q.dtype)
         out[start:end] = causal_attention(q[start:end], keys, values, scale)
     return out
 
@@ -106,12 +116,13 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                scale: float, k_scale: torch.Tensor | float = 1.0,
+                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         shape = (q.shape[0], k_cache.shape[1])
         if self._planned is None or self._planned[0] is not meta or self._planned[1] != shape:
             self._planned = (meta, shape, plan_batches(meta, *shape))
-        return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v)
+        return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v, k_scale, v_scale)
 
 
 class TorchReferenceBackend:
@@ -122,6 +133,7 @@ class TorchReferenceBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+                scale: float, k_scale: torch.Tensor | float = 1.0,
+                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

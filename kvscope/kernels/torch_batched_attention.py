@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.kv_quant import dequantize_kv, quantize_kv
 
 
 @dataclass
@@ -94,7 +95,8 @@ def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int) -> lis
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
-            scale: float, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+            scale: float, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
     """One SDPA call over ``batch``; its real rows are written into ``out``."""
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -102,9 +104,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     group = hq // hkv
     if batch.slots is None:
         keys, values = k[batch.rows], v[batch.rows]                   # [b, n, Hkv, D]
+        # An fp8 pool: what a read of the pool would give, so chunking never changes the result.
+        keys = dequantize_kv(quantize_kv(keys, k_scale, k_cache.dtype), k_scale, q.dtype)
+        values = dequantize_kv(quantize_kv(values, v_scale, v_cache.dtype), v_scale, q.dtype)
     else:
         keys = k_cache.view(-1, hkv, d).index_select(0, batch.slots).view(b, batch.length, hkv, d)
         values = v_cache.view(-1, hkv, d).index_select(0, batch.slots).view(b, batch.length, hkv, d)
+        keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
     # [b, n, Hq, D] -> [b, Hkv, G*n, D]: a KV head's query heads as extra query rows
     queries = q[batch.rows].view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
     mask = batch.visible.expand(b, 1, group, n, batch.length).reshape(b, 1, group * n, batch.length)
@@ -115,14 +121,16 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
 
 
 def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   plan: list[PaddedBatch], scale: float, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of every real query row under ``plan``; padding rows come back as zeros."""
+                   plan: list[PaddedBatch], scale: float, k: torch.Tensor, v: torch.Tensor,
+                   k_scale: torch.Tensor | float = 1.0, v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Attention of every real query row under ``plan``; padding rows come back as zeros. An
+    fp8 pool is dequantized as it is gathered."""
     hq, hkv = q.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
     out = torch.zeros_like(q)
     for batch in plan:
-        _attend(q, k_cache, v_cache, batch, scale, k, v, out)
+        _attend(q, k_cache, v_cache, batch, scale, k, v, out, k_scale, v_scale)
     return out
 
 

@@ -23,17 +23,19 @@ import triton.language as tl
 from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 
 
 @triton.jit
 def _store_kvcache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     c_stride_slot, c_stride_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One program per token: copy its K and V (all KV heads) into its slot, unless slot < 0."""
+    """One program per token: copy its K and V (all KV heads) into its slot, unless slot < 0.
+    FP8: store ``x / scale`` clamped to the e4m3 range."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -43,9 +45,18 @@ def _store_kvcache_kernel(
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     cache_off = slot * c_stride_slot + h[:, None] * c_stride_h + d[None, :]
     k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    tl.store(k_cache_ptr + cache_off, _quantize(k, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
     v = tl.load(v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+    tl.store(v_cache_ptr + cache_off, _quantize(v, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
+    """``x`` as the cache stores it (see ``kv_quant.quantize_kv``)."""
+    if FP8:
+        x = x.to(tl.float32) / tl.load(scale_ptr)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -60,7 +71,7 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
         page = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         kt = tl.load(k_ptr + slot[None, :] * c_stride_slot + d[:, None],
-                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, kt) * scale_log2
         if CAUSAL:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -70,7 +81,7 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * c_stride_slot + d[None, :],
-                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc
@@ -80,16 +91,20 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_q_ptr, ctx_ptr, block_table_ptr,
+    cu_q_ptr, ctx_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_splits, num_q_heads, scale_log2,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     c_stride_slot, c_stride_h, bt_stride,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr,
+    SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
+
+    FP8 pools are dequantized in registers: keys and values are cast to q's dtype as they load
+    (exact: every e4m3 value is a bf16/fp16 value), ``k_scale`` multiplies the scores and
+    ``v_scale`` the accumulated output, both read from device memory (CUDA-graph safe).
 
     Sequence ``s`` owns tiles starting at ``(cu_q[s] + s * (BLOCK_Q - 1)) // BLOCK_Q``: that
     index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
@@ -137,6 +152,8 @@ def _paged_attention_kernel(
         t_begin = 0
         t_end = num_tiles
 
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -155,6 +172,8 @@ def _paged_attention_kernel(
     m_i, l_i, acc = _attend_key_tiles(
         q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_masked, t_end,
         kv_end, scale_log2, d, d_ok, PAGE_SIZE, BLOCK_N, True)
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
 
     if SPLIT:
         row = (tok * num_q_heads + head) * num_splits + split
@@ -218,9 +237,22 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                          f"{tuple(k_cache.stride())}")
 
 
+def _scale_arg(scale: torch.Tensor | float, cache: torch.Tensor) -> torch.Tensor:
+    """The pointer a kernel reads a scale from: the engine's 0-d fp32 device tensors pass
+    through; a pool that is not fp8 never reads it, so the cache itself stands in (no host
+    copy, which a CUDA graph capture would refuse)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        return cache
+    if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == cache.device:
+        return scale
+    return torch.as_tensor(scale, dtype=torch.float32, device=cache.device)
+
+
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``k[t]``/``v[t]`` ([T, H_kv, D]) into slot ``slot_mapping[t]``; -1 skips a token."""
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  k_scale: torch.Tensor | float = 1.0, v_scale: torch.Tensor | float = 1.0) -> None:
+    """Write ``k[t]``/``v[t]`` ([T, H_kv, D]) into slot ``slot_mapping[t]``; -1 skips a token.
+    An fp8 cache stores them quantized with ``k_scale`` / ``v_scale``."""
     _check_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -229,10 +261,12 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError("k and v must be contiguous in the head dimension")
     _store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
+        _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -262,9 +296,11 @@ def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, config: KernelConfig | None = None,
+                    meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float = 1.0,
+                    v_scale: torch.Tensor | float = 1.0, *, config: KernelConfig | None = None,
                     num_splits: int | None = None) -> torch.Tensor:
-    """Causal attention of packed query rows ``q`` [T, Hq, D] over their paged histories.
+    """Causal attention of packed query rows ``q`` [T, Hq, D] over their paged histories;
+    an fp8 cache is dequantized with ``k_scale`` / ``v_scale``.
 
     ``config`` and ``num_splits`` default to the heuristics above; tests and benchmarks pass
     them to reach every path.
@@ -304,12 +340,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, k_cache, v_cache, out,
         part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+        _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
         meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
-        UNMASKED_FIRST=not meta.decode_only,
+        UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
@@ -328,6 +365,7 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+                scale: float, k_scale: torch.Tensor | float = 1.0,
+                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

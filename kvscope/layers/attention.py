@@ -2,7 +2,7 @@
 
 It owns no weights. The runner gives it its slice of the pool (``k_cache`` / ``v_cache``) and
 a ``backend``; per step it reads the packed layout from the forward context. Swapping the
-backend (torch, Triton, flash-attn) never changes model code.
+backend (torch, Triton) never changes model code.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kvscope.kernels.base import AttentionBackend
+from kvscope.kernels.kv_quant import FP8_MAX
 from kvscope.kernels.torch_attention import TorchAttentionBackend, varlen_attention_no_cache
 from kvscope.forward_context import get_forward_context
 
@@ -23,6 +24,10 @@ class Attention(nn.Module):
     * ``k_cache``, ``v_cache``: ``[N, block_size, num_kv_heads, head_dim]`` views of the pool;
       empty until the pool is allocated.
     * ``backend``: an :class:`AttentionBackend`; the torch reference by default.
+    * ``k_scale``, ``v_scale``: 0-d fp32 tensors, the fp8 pool's per-layer scales (1.0, vLLM's
+      default); updated in place, so captured CUDA graphs read the current values.
+    * ``calculate_kv_scales``: set the scales from the first prefill that writes the pool
+      (vLLM's option): ``amax(|k|) / 448``, the e4m3 maximum, and likewise for v.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -32,6 +37,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.backend: AttentionBackend = TorchAttentionBackend()
+        self.k_scale = torch.ones((), dtype=torch.float32)
+        self.v_scale = torch.ones((), dtype=torch.float32)
+        self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` ``[T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` (after RoPE) -> ``[T, Hq*D]``."""
@@ -48,5 +56,19 @@ class Attention(nn.Module):
                                    "(meta.no_prefix is False)")
             out = varlen_attention_no_cache(q, k, v, meta.cu_seqlens_q, self.scale)
         else:
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+            if self.calculate_kv_scales and not meta.decode_only:
+                self._calculate_kv_scales(k, v)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
+                                       self.k_scale, self.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Once, from this (prefill) step's K/V: scales that map their largest value to 448.
+
+        Decode steps never set them: the CUDA graph capture runs decode steps on dummy inputs
+        before any real prefill. An all-zero tensor keeps its scale at 1.0.
+        """
+        for x, scale in ((k, self.k_scale), (v, self.v_scale)):
+            amax = x.detach().abs().amax().float()
+            scale.copy_(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
+        self.calculate_kv_scales = False

@@ -60,6 +60,11 @@ def resolve_dtype(config: EngineConfig, hf_config: Any, device: torch.device) ->
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type: the model's ``dtype``, or e4m3 for ``kv_cache_dtype="fp8"``/``"fp8_e4m3"``."""
+    return dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+
+
 def resolve_cpu_threads(config: EngineConfig, hf_config: Any) -> int:
     """Intra-op threads for CPU steps. Small models run several times faster on one thread:
     their matmuls are too small to pay for thread synchronisation (measured in RESULTS.md)."""
@@ -92,6 +97,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device if device is not None else resolve_device(config)
         self.dtype = resolve_dtype(config, hf_config, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
         self.cpu_threads = resolve_cpu_threads(config, hf_config) if self.device.type == "cpu" else None
@@ -103,7 +109,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.backend = select_backend(config.attention_backend, self.device, self.block_size)
+        self.backend = select_backend(config.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
@@ -134,7 +140,7 @@ class ModelRunner:
     # ------------------------------------------------------------- KV pool
     def _block_bytes(self, tp_size: int) -> int:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
-        return 2 * layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
+        return 2 * layers * self.block_size * kv_heads * head_dim * self.kv_cache_dtype.itemsize
 
     def _size_pool(self, tp_size: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -186,11 +192,14 @@ class ModelRunner:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
         self.kv_cache = torch.zeros(
             2, layers, self.num_kv_blocks, self.block_size, kv_heads, head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_cache_dtype, device=self.device,
         )
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+            layer.k_scale = torch.ones((), dtype=torch.float32, device=self.device)
+            layer.v_scale = torch.ones((), dtype=torch.float32, device=self.device)
+            layer.calculate_kv_scales = self.config.calculate_kv_scales
 
     # ---------------------------------------------------------------- step
     @contextlib.contextmanager
@@ -317,13 +326,15 @@ class ModelRunner:
                 raise  # not one row's fault
             return self.sampler.sample(logits, params, index), errors
 
-    def kv_shards(self) -> list[dict[str, int]]:
-        """This rank's share of the KV heads and of the pool's bytes (see docs/TRACE_API.md)."""
+    def kv_shards(self) -> list[dict[str, int | str]]:
+        """This rank's share of the KV heads and of the pool's bytes, and the pool's element type
+        (see docs/TRACE_API.md)."""
         _, kv_heads, _ = kv_geometry(self.hf_config, self.tp_size)
         start = self.rank * kv_heads
         return [dict(rank=self.rank, kv_head_start=start, kv_head_end=start + kv_heads,
                      num_kv_heads=kv_heads, num_blocks=self.num_kv_blocks,
-                     bytes=self.kv_cache.numel() * self.kv_cache.element_size())]
+                     bytes=self.kv_cache.numel() * self.kv_cache.element_size(),
+                     kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))]
 
     def shutdown(self) -> None:
         """Release the graphs, the KV pool and the weights now, so a next engine in this

@@ -110,12 +110,16 @@ class Recorder:
         self._started = False
         bm = engine.block_manager
         shards = getattr(engine.executor, "kv_shards", None)
+        kv_shards = shards() if shards is not None else None
         self.meta: dict[str, Any] = {
             "model": model,
             "engine_config": dataclasses.asdict(engine.config),
-            "kv_shards": shards() if shards is not None else None,
+            "kv_shards": kv_shards,
             "num_blocks": bm.num_blocks,
             "block_size": bm.block_size,
+            # The pool's element type and one block's bytes over all ranks (None without a pool).
+            "kv_cache_dtype": kv_shards[0]["kv_cache_dtype"] if kv_shards else None,
+            "bytes_per_block": sum(s["bytes"] // s["num_blocks"] for s in kv_shards) if kv_shards else None,
             "level": level,
             "max_steps": max_steps,
         }

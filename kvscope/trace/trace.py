@@ -119,8 +119,8 @@ class Trace:
 
     @property
     def kv_shards(self) -> pd.DataFrame:
-        """One row per tensor-parallel rank: which KV heads it holds, its blocks and bytes."""
-        cols = ["rank", "kv_head_start", "kv_head_end", "num_kv_heads", "num_blocks", "bytes"]
+        """One row per tensor-parallel rank: which KV heads it holds, its blocks, bytes and element type."""
+        cols = ["rank", "kv_head_start", "kv_head_end", "num_kv_heads", "num_blocks", "bytes", "kv_cache_dtype"]
         return pd.DataFrame(self.meta.get("kv_shards") or [], columns=cols)
 
     @property

@@ -22,7 +22,7 @@ import ipywidgets as W
 
 from kvscope.trace.trace import Trace
 from kvscope.widgets.snapshot import StepData, StepSeries
-from kvscope.widgets.views import VIEW_CLASSES
+from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
 if TYPE_CHECKING:
     from kvscope.widgets.attach_view import AttachDashboard
@@ -311,6 +311,7 @@ class Dashboard:
             text = "background run · pausing…" if self.gate.paused else "background run · running"
         else:
             text = "detached · replay" if self._closed else "live · idle"
+        text += kv_pool_label(self.trace.meta)
         if self._shown is not None:
             text += f" · showing step {self._shown}"
         if self.last_error:

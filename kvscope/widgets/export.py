@@ -22,7 +22,7 @@ from plotly.offline import get_plotlyjs, get_plotlyjs_version
 from kvscope.widgets import snapshot
 from kvscope.widgets.pool_sync import PoolSync, decode_blocks
 from kvscope.widgets.snapshot import StepData
-from kvscope.widgets.views import CSS, STATIC, esm_source, timeline_figure
+from kvscope.widgets.views import CSS, STATIC, esm_source, kv_pool_label, timeline_figure
 
 EXPORTED_VIEWS = {  # view name -> snapshot function
     "pool": snapshot.pool_state,
@@ -115,7 +115,7 @@ section {{ margin: 10px 0; }}
 {plotly_tag}
 </head><body data-kvscope-export="1" data-num-blocks="{int(trace.num_blocks)}">
 <h2>{html.escape(title)}</h2>
-<div class="kvs-dim">{html.escape(meta["model"])} · {int(trace.num_blocks)} KV blocks × {int(trace.block_size)} tokens ·
+<div class="kvs-dim">{html.escape(meta["model"])} · {int(trace.num_blocks)} KV blocks × {int(trace.block_size)} tokens{html.escape(kv_pool_label(trace.meta))} ·
 {len(ids)} steps recorded, {len(steps)} exported · made by kvscope.widgets.export_html</div>
 <p><input id="kvscope-slider" type="range" min="0" value="0" style="width:60%"> <span id="kvscope-step"></span></p>
 {sections}

@@ -25,6 +25,14 @@ STATIC = resources.files("kvscope.widgets") / "static"
 CSS = (STATIC / "style.css").read_text()
 
 
+def kv_pool_label(meta: dict) -> str:
+    """Header text naming the KV pool's element type and bytes per block, so an fp8 pool is
+    visible at a glance; empty when the trace has no pool (a null executor)."""
+    if not meta.get("kv_cache_dtype"):
+        return ""
+    return f" · KV {meta['kv_cache_dtype']}, {meta['bytes_per_block']:,} B/block"
+
+
 def esm_source(view: str) -> str:
     """The ES module of one view: the shared helpers followed by the view's own code."""
     return (STATIC / "common.js").read_text() + "\n" + (STATIC / f"{view}.js").read_text()
