@@ -295,8 +295,8 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
 @pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::4])
 def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int) -> None:
     """fp8 pools on the GPU: the store rounds as torch does (incl. clamping), the attention
-    matches the torch backend over the same pools."""
-    from kvscope.kernels.torch_attention import TorchAttentionBackend
+    matches the torch reference backend over the same pools."""
+    from kvscope.kernels.torch_attention import TorchReferenceBackend
     case = make_case(GPU_MIXED, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
                      seed=block_size + group)
     k_scale = torch.tensor(0.006, device="cuda")
