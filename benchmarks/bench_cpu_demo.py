@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    from kvscope.widgets import demo_prompts
+    from kvscope.demo import demo_prompts
 
     prompts = demo_prompts(args.requests)
     load = os.getloadavg()  # other jobs on the machine: the timings depend on it
