@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvscope.config import EngineConfig
-from kvscope.runner.model_runner import kv_geometry, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+from kvscope.runner.model_runner import kv_block_bytes, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 
 def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
@@ -26,9 +26,8 @@ def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
         return
     # Over all ranks' shards together (a rank count that does not divide the KV heads is the
     # model's to refuse, by name, when it is built).
-    layers, kv_heads, head_dim = kv_geometry(hf_config, 1)
-    block_bytes = 2 * layers * config.block_size * kv_heads * head_dim \
-        * resolve_kv_cache_dtype(config, resolve_dtype(config, hf_config, device)).itemsize
+    kv_dtype = resolve_kv_cache_dtype(config, resolve_dtype(config, hf_config, device))
+    block_bytes = kv_block_bytes(hf_config, 1, config.block_size, kv_dtype)
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         setting, need = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks * block_bytes

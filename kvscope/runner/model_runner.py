@@ -79,6 +79,12 @@ def kv_geometry(hf_config: Any, tp_size: int) -> tuple[int, int, int]:
     return hf_config.num_hidden_layers, kv_heads // tp_size, head_dim_of(hf_config)
 
 
+def kv_block_bytes(hf_config: Any, tp_size: int, block_size: int, kv_dtype: torch.dtype) -> int:
+    """Bytes of one KV block on one rank: K and V of every layer."""
+    layers, kv_heads, head_dim = kv_geometry(hf_config, tp_size)
+    return 2 * layers * block_size * kv_heads * head_dim * kv_dtype.itemsize
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -138,14 +144,10 @@ class ModelRunner:
                 )
 
     # ------------------------------------------------------------- KV pool
-    def _block_bytes(self, tp_size: int) -> int:
-        layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
-        return 2 * layers * self.block_size * kv_heads * head_dim * self.kv_cache_dtype.itemsize
-
     def _size_pool(self, tp_size: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        block_bytes = self._block_bytes(tp_size)
+        block_bytes = kv_block_bytes(self.hf_config, tp_size, self.block_size, self.kv_cache_dtype)
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory_bytes // block_bytes)
         self._warm_up()
