@@ -258,10 +258,9 @@ class LLMEngine:
             progressed, finished = self._step()
         finally:
             self._stepping = False
-        if self._aborted:
-            aborted, self._aborted = self._aborted, []
-            seen = {id(r) for r in finished}
-            finished += [r for r in aborted if id(r) not in seen]
+        # (An aborted request is never among those the step finished: a finished one is not aborted.)
+        finished += self._aborted
+        self._aborted = []
         reported = finished
         if self._num_streaming:
             reported = [r for r in progressed if not r.final_only or r.is_finished]
