@@ -9,20 +9,29 @@ missing. Three arms alternate in rotating order, each on the same LLM and worklo
 * ``dashboard``: a displayed ``kvscope.dashboard(llm)`` with its default throttling (timed
   after the one-time cost of displaying it has drained).
 
-    python benchmarks/bench_dashboard_overhead.py                  # bundled model, CPU
-    python benchmarks/bench_dashboard_overhead.py --device cuda --prompts 64 --max-tokens 256 --num-kv-blocks 2048
+With ``--requests N`` the workload is nano-vLLM's benchmark (``bench_throughput.py``: N
+requests of random token ids, input and output lengths uniform in [100, 1024]) instead of the
+demo prompts; ``--config`` loads random bf16 weights of a config's shapes.
 
-Prints one JSON object: per-arm median tokens/s, each arm's slowdown against ``none`` (median
-of per-round ratios), and the dashboard's update rate.
+    python benchmarks/bench_dashboard_overhead.py                  # bundled model, CPU
+    python benchmarks/bench_dashboard_overhead.py --device cuda --config benchmarks/configs/qwen3-0.6b \
+        --requests 256 --num-kv-blocks 0 --async-scheduling --rounds 3
+
+Prints one JSON object (and writes it to ``--json``): per-arm median tokens/s, each arm's
+slowdown against ``none`` (median of per-round ratios), and the dashboard's update rate.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import textwrap
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 KERNEL_CODE = """
-import json, statistics, time
+import json, shutil, statistics, sys, tempfile, time
+from pathlib import Path
 import torch
 import kvscope
 from kvscope import LLM, SamplingParams
@@ -33,10 +42,28 @@ args = json.loads({args!r})
 if args["threads"]:
     torch.set_num_threads(args["threads"])
 engine = dict(block_size=16, max_num_batched_tokens=args["budget"], max_num_seqs=args["max_seqs"],
-              num_kv_blocks=args["num_kv_blocks"], device=args["device"])
-llm = LLM(args["model"], **engine)
-prompts = demo_prompts(args["prompts"])
-params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+              num_kv_blocks=args["num_kv_blocks"] or None, device=args["device"],
+              async_scheduling=args["async_scheduling"])
+sys.path.insert(0, args["benchmarks_dir"])
+from bench_throughput import workload, write_random_checkpoint
+model = args["model"]
+if args["config"]:
+    model = tempfile.mkdtemp()
+    write_random_checkpoint(args["config"], Path(model), args["device"])
+if args["requests"]:
+    prompts, outs = workload(args["requests"], args["max_input"], args["max_output"])
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    prompts = [[t % vocab for t in p] for p in prompts]
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    engine.update(skip_tokenizer_init=True, max_model_len=args["max_input"] + args["max_output"])
+else:
+    prompts = demo_prompts(args["prompts"])
+    params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+llm = LLM(model, **engine)
+if args["config"]:
+    shutil.rmtree(model)  # loaded
+# Warm-up of the engine (Triton compiles its kernel variants here, not in a timed run).
+llm.generate(prompts[:32], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
 
 steps = []
 
@@ -84,7 +111,7 @@ for r in range(args["rounds"]):
             rates.append(rate)
 ratio = lambda k: statistics.median(a / b for a, b in zip(tps["none"], tps[k]))
 print("RESULT" + json.dumps(dict(
-    args=args, torch=torch.__version__,
+    args=args, torch=torch.__version__, num_kv_blocks=llm.llm_engine.block_manager.num_blocks,
     gpu=torch.cuda.get_device_name() if args["device"].startswith("cuda") else None,
     steps_per_run=statistics.median(steps),
     tokens_per_s={{k: round(statistics.median(v), 1) for k, v in tps.items()}},
@@ -98,10 +125,15 @@ print("RESULT" + json.dumps(dict(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the bundled demo model)")
+    ap.add_argument("--config", default=None, help="HF config dir: random bf16 weights of its shapes instead of --model")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-kv-blocks", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=8, help="demo prompts (when --requests is 0)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="tokens per demo prompt")
+    ap.add_argument("--requests", type=int, default=0, help="nano-vLLM's workload of this many requests (0: demo prompts)")
+    ap.add_argument("--max-input", type=int, default=1024, help="--requests: input lengths uniform in [100, this]")
+    ap.add_argument("--max-output", type=int, default=1024, help="--requests: output lengths uniform in [100, this]")
+    ap.add_argument("--async-scheduling", action="store_true", help="in every arm")
+    ap.add_argument("--num-kv-blocks", type=int, default=48, help="0: sized by the device's memory")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6, help="rounds of the three arms")
@@ -109,8 +141,22 @@ def main() -> None:
     ap.add_argument("--level", default="blocks", choices=("blocks", "full"), help="recording level of both arms")
     ap.add_argument("--interval", type=float, default=None, help="dashboard interval (default: the dashboard's)")
     ap.add_argument("--max-load", type=float, default=None, help="dashboard max_load (default: the dashboard's)")
+    ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args()
+    if args.config and args.model:
+        ap.error("--config (random weights) and --model exclude each other")
+    if args.requests and not (args.config or args.model):
+        ap.error("--requests needs --config or --model: the bundled model's context is too short for its lengths")
+    if min(args.max_input, args.max_output) < 100:
+        ap.error("--max-input and --max-output must be >= 100 (lengths are uniform in [100, max])")
+    result = run_in_kernel(args)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
+
+def run_in_kernel(args: argparse.Namespace) -> dict:
+    """Run the benchmark in a fresh Jupyter kernel; returns its result."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -124,15 +170,14 @@ def main() -> None:
             raise RuntimeError("\n".join(content["traceback"]))
 
     try:
-        code = textwrap.dedent(KERNEL_CODE).format(args=json.dumps(vars(args)))
+        code = textwrap.dedent(KERNEL_CODE).format(args=json.dumps(dict(vars(args), benchmarks_dir=str(HERE))))
         reply = kc.execute_interactive(code, output_hook=hook, timeout=3600)
         if reply["content"]["status"] != "ok":
             raise RuntimeError(f"benchmark failed in the kernel: {reply['content']}")
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
-    result = next(line[len("RESULT"):] for line in lines if line.startswith("RESULT"))
-    print(json.dumps(json.loads(result), indent=1))
+    return json.loads(next(line[len("RESULT"):] for line in lines if line.startswith("RESULT")))
 
 
 if __name__ == "__main__":

@@ -37,17 +37,18 @@ def workload(num_seqs: int = 256, max_in: int = 1024, max_out: int = 1024, seed:
     return prompts, outs
 
 
-def write_random_checkpoint(config_dir: str, out_dir: Path) -> None:
+def write_random_checkpoint(config_dir: str, out_dir: Path, device: str = "cuda") -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(config_dir)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def copy_bandwidth() -> float:
