@@ -96,27 +96,28 @@ def arm_dashboard():
     dash.detach()
     return tps, rate
 
-arms = dict(none=arm_none, record=arm_record, dashboard=arm_dashboard)
+arms = {{k: dict(none=arm_none, record=arm_record, dashboard=arm_dashboard)[k] for k in args["arms"].split(",")}}
 for fn in arms.values():  # warm-up: first-call costs of every arm
     fn()
 tps = {{k: [] for k in arms}}
 rates = []
 names = list(arms)
 for r in range(args["rounds"]):
-    order = names[r % 3:] + names[:r % 3]  # rotate, so drift hits every arm alike
+    order = names[r % len(names):] + names[:r % len(names)]  # rotate, so drift hits every arm alike
     for k in order:
         value, rate = arms[k]()
         tps[k].append(value)
         if rate is not None:
             rates.append(rate)
+    print(f"round {{r}}: " + ", ".join(f"{{k}} {{v[-1]:.1f}} tok/s" for k, v in tps.items()), flush=True)
 ratio = lambda k: statistics.median(a / b for a, b in zip(tps["none"], tps[k]))
 print("RESULT" + json.dumps(dict(
     args=args, torch=torch.__version__, num_kv_blocks=llm.llm_engine.block_manager.num_blocks,
     gpu=torch.cuda.get_device_name() if args["device"].startswith("cuda") else None,
     steps_per_run=statistics.median(steps),
     tokens_per_s={{k: round(statistics.median(v), 1) for k, v in tps.items()}},
-    slowdown_pct={{k: round(100 * (ratio(k) - 1), 2) for k in ("record", "dashboard")}},
-    dashboard_updates_per_s=round(statistics.median(rates), 2),
+    slowdown_pct={{k: round(100 * (ratio(k) - 1), 2) for k in names if k != "none"}},
+    dashboard_updates_per_s=round(statistics.median(rates), 2) if rates else None,
     raw_tokens_per_s={{k: [round(x, 1) for x in v] for k, v in tps.items()}},
 )))
 """
@@ -136,7 +137,9 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=48, help="0: sized by the device's memory")
     ap.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--max-seqs", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=6, help="rounds of the three arms")
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of the arms")
+    ap.add_argument("--arms", default="none,record,dashboard",
+                    help="comma-separated, from none, record, dashboard (none must be one)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads in the kernel (0: leave)")
     ap.add_argument("--level", default="blocks", choices=("blocks", "full"), help="recording level of both arms")
     ap.add_argument("--interval", type=float, default=None, help="dashboard interval (default: the dashboard's)")
@@ -147,6 +150,9 @@ def main() -> None:
         ap.error("--config (random weights) and --model exclude each other")
     if args.requests and not (args.config or args.model):
         ap.error("--requests needs --config or --model: the bundled model's context is too short for its lengths")
+    arms = args.arms.split(",")
+    if "none" not in arms or not set(arms) <= {"none", "record", "dashboard"} or len(set(arms)) != len(arms):
+        ap.error(f"--arms: distinct names from none, record, dashboard, none among them; got {args.arms!r}")
     if min(args.max_input, args.max_output) < 100:
         ap.error("--max-input and --max-output must be >= 100 (lengths are uniform in [100, max])")
     result = run_in_kernel(args)
@@ -165,6 +171,7 @@ def run_in_kernel(args: argparse.Namespace) -> dict:
     def hook(msg: dict) -> None:
         content = msg["content"]
         if msg["msg_type"] == "stream":
+            print(content["text"], end="", flush=True)  # progress, in the log as it comes
             lines.extend(content["text"].splitlines())
         elif msg["msg_type"] == "error":
             raise RuntimeError("\n".join(content["traceback"]))
