@@ -5,7 +5,8 @@
 #   bash tools/gpu_notebooks.sh [notebook] [trace] [dashboard]   (default: all three; results in $OUT)
 # The device has no package index: carry .whl (the notebook extras, nbclient and ipykernel for
 # CPython 3.12, about 27 MB). Each part has its own time limit and writes its results as soon as
-# they exist; on an H200 the three take about 7 minutes. Without CUDA every part runs on the CPU
+# they exist; the three stay within 9 minutes. Seven files come back: gpu.txt (machine, versions,
+# pip check, each part's time), 04_gpu.ipynb with notebook.log, and a .json and .log per benchmark. Without CUDA every part runs on the CPU
 # with small sizes (a dry run of the script).
 parts=("$@")
 if [[ ${#parts[@]} -eq 0 ]]; then parts=(notebook trace dashboard); fi
@@ -27,6 +28,7 @@ if ! python3 -c "import anywidget, ipykernel, ipywidgets, nbclient, plotly" 2>/d
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     python3 -c "import anywidget, ipykernel, ipywidgets, nbclient, plotly" || exit 1
+    python3 -m pip check >> "$OUT/gpu.txt" 2>&1  # a wheel's requirement the image's versions miss shows here
 fi
 python3 -m ipykernel install --prefix /tmp/jup --name python3 >/dev/null 2>&1 || exit 1
 export JUPYTER_PATH=/tmp/jup/share/jupyter
@@ -38,20 +40,20 @@ else
     model=(--device cpu --config assets/kvscope-demo --requests 8)
     small=(--max-input 128 --max-output 128)
 fi
-echo "device $device; parts: ${parts[*]}" | tee "$OUT/timings.txt"
+echo "device $device; parts: ${parts[*]}" | tee -a "$OUT/gpu.txt"
 rc=0
 for part in "${parts[@]}"; do
     start=$SECONDS
     case "$part" in
     notebook)  # SIGINT: nbclient stops and the notebook is written with the outputs it has
-        timeout -s INT -k 15 210 python3 - notebooks/04_gpu.ipynb "$OUT/04_gpu.ipynb" <<'EOF' 2>&1 | tee "$OUT/notebook.log" || rc=1
+        timeout -s INT -k 15 200 python3 - notebooks/04_gpu.ipynb "$OUT/04_gpu.ipynb" <<'EOF' 2>&1 | tee "$OUT/notebook.log" || rc=1
 import sys
 import nbclient
 import nbformat
 
 src, dst = sys.argv[1:3]
 book = nbformat.read(src, as_version=4)
-client = nbclient.NotebookClient(book, timeout=200, kernel_name="python3", resources={"metadata": {"path": "notebooks"}})
+client = nbclient.NotebookClient(book, timeout=180, kernel_name="python3", resources={"metadata": {"path": "notebooks"}})
 try:
     client.execute()
 finally:
@@ -63,11 +65,11 @@ finally:
 EOF
         ;;
     trace)
-        timeout 170 python3 benchmarks/bench_trace_scale.py "${model[@]}" "${small[@]}" --json "$OUT/trace_scale.json" \
+        timeout 160 python3 benchmarks/bench_trace_scale.py "${model[@]}" "${small[@]}" --json "$OUT/trace_scale.json" \
             2>&1 | tee "$OUT/trace_scale.log" || rc=1
         ;;
     dashboard)
-        timeout 180 python3 benchmarks/bench_dashboard_overhead.py "${model[@]}" "${small[@]}" --num-kv-blocks 0 \
+        timeout 170 python3 benchmarks/bench_dashboard_overhead.py "${model[@]}" "${small[@]}" --num-kv-blocks 0 \
             --budget 16384 --max-seqs 256 --async-scheduling --arms none,dashboard --rounds 4 \
             --json "$OUT/dashboard_overhead.json" 2>&1 | tee "$OUT/dashboard_overhead.log" || rc=1
         ;;
@@ -75,6 +77,6 @@ EOF
         echo "unknown part $part (wheels, notebook, trace, dashboard)"; exit 2
         ;;
     esac
-    echo "$part: $((SECONDS - start)) s" | tee -a "$OUT/timings.txt"
+    echo "$part: $((SECONDS - start)) s" | tee -a "$OUT/gpu.txt"
 done
 exit $rc
