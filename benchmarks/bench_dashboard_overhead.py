@@ -2,7 +2,8 @@
 
 The measurement runs inside a real Jupyter kernel (started with jupyter_client), so every
 widget update is serialized and sent over ZMQ exactly as in a notebook; only the browser is
-missing. Three arms alternate in rotating order, each on the same LLM and workload:
+missing. The arms (``--arms``, by default all three) alternate in rotating order, each on the
+same LLM and workload:
 
 * ``none``: plain ``llm.generate``;
 * ``record``: inside ``llm.record(level=...)``, what the dashboard records (``--level``);
@@ -11,11 +12,12 @@ missing. Three arms alternate in rotating order, each on the same LLM and worklo
 
 With ``--requests N`` the workload is nano-vLLM's benchmark (``bench_throughput.py``: N
 requests of random token ids, input and output lengths uniform in [100, 1024]) instead of the
-demo prompts; ``--config`` loads random bf16 weights of a config's shapes.
+demo prompts; ``--config`` loads random bf16 weights of a config's shapes. The dashboard's
+updates are counted by its ``num_updates`` (one per batch of widget messages it pushed).
 
     python benchmarks/bench_dashboard_overhead.py                  # bundled model, CPU
     python benchmarks/bench_dashboard_overhead.py --device cuda --config benchmarks/configs/qwen3-0.6b \
-        --requests 256 --num-kv-blocks 0 --async-scheduling --rounds 3
+        --requests 256 --num-kv-blocks 0 --budget 16384 --max-seqs 256 --async-scheduling --arms none,dashboard --rounds 4
 
 Prints one JSON object (and writes it to ``--json``): per-arm median tokens/s, each arm's
 slowdown against ``none`` (median of per-round ratios), and the dashboard's update rate.
