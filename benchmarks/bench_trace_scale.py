@@ -10,7 +10,8 @@ async scheduling, with ``llm.record(level="blocks")``. Reported (issue 15, part 
   measured before any table is built) over the number of block events, and the
   ``trace.block_events`` DataFrame's own memory per row;
 * time to open ``kvscope.dashboard(trace)`` (headless: the widgets exist without a browser), on
-  the recorded trace and on the one loaded back;
+  the recorded trace (the first dashboard of the process, after the widget libraries were
+  imported: ``widgets_import_s``) and again on the trace loaded back;
 * ``save`` / ``Trace.load`` time and the saved folder's size; ``to_html`` time and file size.
 
 Every figure is written to ``--json`` as soon as it exists, so a run cut short keeps the rest.
