@@ -22,6 +22,7 @@ class StepInputs:
     context_lens: np.ndarray    # int32 [B]
     block_tables: np.ndarray    # int32 [B, W], -1 padded
     logits_indices: np.ndarray  # int64 [S]: last row of each sequence that samples
+    table_rows: np.ndarray      # int64 [B]: each sequence's row in the runner's BlockTables
     max_seqlen_q: int
     max_seqlen_k: int
     decode_only: bool
@@ -131,7 +132,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
     ctx = starts + q_lens
     cu_k = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(ctx, out=cu_k[1:])
-    block_tables = tables.pack(tables.update(out))
+    table_rows = tables.update(out)
+    block_tables = tables.pack(table_rows)
     decode_only = t == b  # every row has at least one token
     if decode_only:
         row = np.arange(b)
@@ -158,6 +160,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
         context_lens=ctx.astype(np.int32),
         block_tables=block_tables,
         logits_indices=logits_indices,
+        table_rows=table_rows,
         max_seqlen_q=1 if decode_only else int(q_lens.max()),
         max_seqlen_k=int(ctx.max()),
         decode_only=decode_only,
