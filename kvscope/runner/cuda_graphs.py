@@ -84,12 +84,14 @@ class DecodeGraphs:
         self.input_ids[:b].copy_(d.input_ids)
         self.positions[:b].copy_(d.positions)
         self.slot_mapping[:b].copy_(d.slot_mapping)
-        self.slot_mapping[b:g].fill_(-1)
         self.context_lens[:b].copy_(d.context_lens)
-        self.context_lens[b:g].zero_()
         self.cu_seqlens_k[: b + 1].copy_(d.cu_seqlens_k)
-        self.cu_seqlens_k[b + 1: g + 1] = self.cu_seqlens_k[b]
+        if b < g:  # the bucket's padding rows: no slot, no context (each call costs host time)
+            self.slot_mapping[b:g].fill_(-1)
+            self.context_lens[b:g].zero_()
+            self.cu_seqlens_k[b + 1: g + 1] = self.cu_seqlens_k[b]
         self.block_tables[:b, :w].copy_(d.block_tables)
-        self.block_tables[:b, w:].fill_(-1)
+        if w < self.width:
+            self.block_tables[:b, w:].fill_(-1)
         self.graphs[g].replay()
         return self.hidden[:b]

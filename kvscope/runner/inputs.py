@@ -66,6 +66,10 @@ class BlockTables:
         self.lengths = np.zeros(capacity, dtype=np.int64)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(capacity - 1, -1, -1))
+        # The last step's (seq_ids, rows): a decode step usually schedules the same sequences
+        # again, and while no row was taken their rows are the same (a dropped sequence comes
+        # back only through a new row).
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
 
     def update(self, out: SchedulerOutput) -> np.ndarray:
         """Apply ``out``'s deltas; returns each scheduled request's row, in step order.
@@ -92,7 +96,12 @@ class BlockTables:
                     self._widen(end)
                 self.table[row, start:end] = new
                 self.lengths[row] = end
-        return np.fromiter(map(self.rows.__getitem__, cols.seq_id.tolist()), dtype=np.int64, count=len(reqs))
+        seq_ids = cols.seq_id
+        if self._last is not None and np.array_equal(self._last[0], seq_ids):
+            return self._last[1]
+        rows = np.fromiter(map(self.rows.__getitem__, seq_ids.tolist()), dtype=np.int64, count=len(reqs))
+        self._last = (seq_ids, rows)
+        return rows
 
     def get(self, seq_id: int) -> list[int]:
         """One request's table as the runner holds it (tests compare it with the scheduler's)."""
@@ -109,6 +118,7 @@ class BlockTables:
             self._free_rows.append(row)
 
     def _take_row(self) -> int:
+        self._last = None
         if not self._free_rows:
             n = self.table.shape[0]
             self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
