@@ -13,14 +13,19 @@ the tokens and turning them into Python), ``update`` (``Scheduler.update_from_ou
 ``--tiny`` keeps the config's KV geometry but shrinks the model to one thin layer (and the
 vocabulary to ``--vocab``), so the forward pass costs next to nothing and what is left is the
 host's work: on CPU this is the harness for the runner's launch path without a GPU (there the
-forward's compute, ``forward_s``, is left out of the host work, as a GPU would run it
-asynchronously; attention over the history still costs milliseconds on CPU); on a GPU it
-measures the same host work with a device that is never the bottleneck.
+model's forward, timed as the ``forward`` phase around ``ModelRunner._forward``, is left out of
+the host work, as a GPU would run it asynchronously; attention over the history still costs
+milliseconds on CPU; ``--clock thread`` keeps a busy machine's neighbours out of the figures);
+on a GPU it measures the same host work with a device that is never the bottleneck.
+
+The script needs nothing from its folder, so one copy of it can time two checkouts alternately
+(before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
+On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
-    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --tiny --device cpu \\
-        --seqs 256 --prompt 128 --async-scheduling --no-profile
+    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --tiny --vocab 64 \\
+        --device cpu --clock thread --seqs 256 --prompt 128 --steps 60 --async-scheduling --no-profile
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ class _Phases:
     do not inflate). On CPU the model's forward (``ModelRunner._forward``) is timed too: it is
     compute a GPU would run asynchronously, so it is left out of the host work."""
 
-    def __init__(self, engine, cuda: bool, clock) -> None:
+    def __init__(self, engine, cuda: bool, clock, async_scheduling: bool) -> None:
         self.t: dict[str, list[float]] = defaultdict(list)
         self.runner: dict[str, list[float]] = defaultdict(list)
         self.recording = False
@@ -72,7 +77,9 @@ class _Phases:
         sched.update_from_output = self._timed("update", sched.update_from_output)
         if not cuda and hasattr(ex, "_forward"):
             ex._forward = self._timed("forward", ex._forward)
-        ex.execute = self._timed("launch", ex.execute, self._keep_timings)
+        if not async_scheduling:  # (execute calls execute_async: wrap only the one the engine calls)
+            ex.execute = self._timed("launch", ex.execute, self._keep_timings)
+            return
         launch = self._timed("launch", ex.execute_async)
 
         def execute_async(out):
@@ -135,7 +142,7 @@ def main() -> None:
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
             engine.step()
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
-        phases = _Phases(engine, cuda, clock)
+        phases = _Phases(engine, cuda, clock, args.async_scheduling)
         for _ in range(5):
             engine.step()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -181,7 +188,7 @@ def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
     if "forward" in named:
         named["launch"] = [a - b for a, b in zip(named["launch"], named["forward"])]
     named["engine"] = [s - sum(v[i] for v in named.values()) for i, s in enumerate(steps)]
-    print("  phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
+    print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
           + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items()))
 
 
