@@ -83,9 +83,7 @@ class _Phases:
         launch = self._timed("launch", ex.execute_async)
 
         def execute_async(out):
-            handle = launch(out)
-            result = self._timed("read back", handle.result, self._keep_timings)
-            return type("Timed", (), {"result": staticmethod(result)})()
+            return _TimedHandle(self._timed("read back", launch(out).result, self._keep_timings))
         ex.execute_async = execute_async
 
     def _keep_timings(self, result) -> None:
@@ -103,6 +101,13 @@ class _Phases:
                     then(r)
             return r
         return wrapper
+
+
+class _TimedHandle:
+    """A launched step whose ``result()`` is timed as the read back."""
+
+    def __init__(self, result) -> None:
+        self.result = result
 
 
 def main() -> None:
