@@ -1,28 +1,113 @@
-"""Where a decode step's time goes on a GPU: host phases (from step.end timings) and top kernels.
+"""Where a decode step's time goes: the host's work per step, phase by phase, and (on a GPU)
+the top kernels.
 
-Both modes print the host's work per step: in synchronous mode the sum of the host phases
-(schedule, input preparation, post-processing); with ``--async-scheduling`` no hook is attached
-(a hook makes the engine step synchronously), so it prints the wall time per step, the part
-spent waiting for the GPU's tokens, and the rest, which is the host's; then the host calls that
-cost the most CPU time (a blocking ``cudaStreamSynchronize`` / ``cudaHostAlloc`` there means the
-overlap is lost).
+Both modes print the host's work per step: wall time per step less the time spent waiting
+for the device's tokens, split into the engine's phases (timed by wrapping the scheduler's
+and the executor's entry points, so the script also runs against older checkouts):
+``schedule`` (``Scheduler.schedule``), ``launch`` (``execute_async``/``execute``: packing
+and uploading the inputs, the forward pass's launch, the sampler's launch; the runner's own
+``prepare_s``/``forward_s``/``sample_s`` split it), ``read back`` (``result()``: the wait for
+the tokens and turning them into Python), ``update`` (``Scheduler.update_from_output``) and
+``engine`` (the rest of ``LLMEngine.step``: outputs, text, hooks).
+
+``--tiny`` keeps the config's KV geometry but shrinks the model to one thin layer (and the
+vocabulary to ``--vocab``), so the forward pass costs next to nothing and what is left is the
+host's work: on CPU this is the harness for the runner's launch path without a GPU (there the
+model's forward, timed as the ``forward`` phase around ``ModelRunner._forward``, is left out of
+the host work, as a GPU would run it asynchronously; attention over the history still costs
+milliseconds on CPU; ``--clock thread`` keeps a busy machine's neighbours out of the figures);
+on a GPU it measures the same host work with a device that is never the bottleneck.
+
+The script needs nothing from its folder, so one copy of it can time two checkouts alternately
+(before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
+On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
+    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --tiny --vocab 64 \\
+        --device cpu --clock thread --seqs 256 --prompt 128 --steps 60 --async-scheduling --no-profile
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_throughput import write_random_checkpoint
+RUNNER_TIMINGS = ("prepare_s", "forward_s", "sample_s")
+
+
+def write_checkpoint(config_dir: str, out_dir: Path, device: str, tiny: bool, vocab: int, layers: int) -> None:
+    """Random weights for ``config_dir``'s architecture; ``tiny``: one thin layer, same KV heads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    if tiny:
+        cfg = AutoConfig.from_pretrained(
+            config_dir, num_hidden_layers=layers, hidden_size=64, intermediate_size=64, vocab_size=vocab,
+            num_attention_heads=cfg.num_key_value_heads, max_window_layers=layers, layer_types=["full_attention"] * layers)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    model.save_pretrained(out_dir)
+    del model
+    gc.collect()
+
+
+class _Phases:
+    """Times the engine's phases by wrapping their entry points on the live objects, with
+    ``clock`` (wall time, or this thread's CPU time, which the neighbours of a shared machine
+    do not inflate). On CPU the model's forward (``ModelRunner._forward``) is timed too: it is
+    compute a GPU would run asynchronously, so it is left out of the host work."""
+
+    def __init__(self, engine, cuda: bool, clock, async_scheduling: bool) -> None:
+        self.t: dict[str, list[float]] = defaultdict(list)
+        self.runner: dict[str, list[float]] = defaultdict(list)
+        self.recording = False
+        self.clock = clock
+        sched, ex = engine.scheduler, engine.executor
+        sched.schedule = self._timed("schedule", sched.schedule)
+        sched.update_from_output = self._timed("update", sched.update_from_output)
+        if not cuda and hasattr(ex, "_forward"):
+            ex._forward = self._timed("forward", ex._forward)
+        if not async_scheduling:  # (execute calls execute_async: wrap only the one the engine calls)
+            ex.execute = self._timed("launch", ex.execute, self._keep_timings)
+            return
+        launch = self._timed("launch", ex.execute_async)
+
+        def execute_async(out):
+            return _TimedHandle(self._timed("read back", launch(out).result, self._keep_timings))
+        ex.execute_async = execute_async
+
+    def _keep_timings(self, result) -> None:
+        for k in RUNNER_TIMINGS:
+            if k in result.timings:
+                self.runner[k].append(result.timings[k])
+
+    def _timed(self, name, fn, then=None):
+        def wrapper(*a, **kw):
+            t = self.clock()
+            r = fn(*a, **kw)
+            if self.recording:
+                self.t[name].append(self.clock() - t)
+                if then is not None:
+                    then(r)
+            return r
+        return wrapper
+
+
+class _TimedHandle:
+    """A launched step whose ``result()`` is timed as the read back."""
+
+    def __init__(self, result) -> None:
+        self.result = result
 
 
 def main() -> None:
@@ -30,90 +115,86 @@ def main() -> None:
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="one thin layer: the forward costs next to nothing")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size with --tiny")
+    ap.add_argument("--layers", type=int, default=1, help="decoder layers with --tiny")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="skip the torch profiler's table")
+    ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
+                    help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
     from kvscope import LLM, SamplingParams
 
+    cuda = args.device == "cuda"
     rng = random.Random(0)
+    max_len = args.prompt + args.steps + 64
     with tempfile.TemporaryDirectory() as tmp:
-        write_random_checkpoint(args.config, Path(tmp))
-        llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=4096, max_num_batched_tokens=16384,
-                  enforce_eager=args.eager, async_scheduling=args.async_scheduling)
-        prompts = [[rng.randrange(10000) for _ in range(args.prompt)] for _ in range(args.seqs)]
-        params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=10_000 // 10)
+        write_checkpoint(args.config, Path(tmp), args.device, args.tiny, args.vocab, args.layers)
+        llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=max(max_len, 4096 if cuda else 0),
+                  max_num_batched_tokens=16384, device=args.device, enforce_eager=args.eager,
+                  async_scheduling=args.async_scheduling, max_num_seqs=max(256, args.seqs),
+                  num_kv_blocks=None if cuda else args.seqs * -(-max_len // 16) + 64)
+        prompts = [[rng.randrange(10000) % llm.hf_config.vocab_size for _ in range(args.prompt)]
+                   for _ in range(args.seqs)]
+        params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.steps + 32)
         engine = llm.llm_engine
         for p in prompts:
             engine.add_request(p, params, final_only=True)
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
             engine.step()
-        if args.async_scheduling:
-            _profile_async(llm)
-            return
-        timings = []
-        hook = llm.hooks.add("step.end", lambda info: timings.append(
-            info.timings | {"dur": info.duration_s, "graph": info.cuda_graph}))
-        for _ in range(10):
+        clock = time.perf_counter if args.clock == "wall" else time.thread_time
+        phases = _Phases(engine, cuda, clock, args.async_scheduling)
+        for _ in range(5):
             engine.step()
-        hook.remove()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                engine.step()
-            torch.cuda.synchronize()
-        keys = ["schedule_s", "prepare_s", "forward_s", "sample_s", "postprocess_s", "dur"]
-        print(f"{args.seqs} seqs at context ~{args.prompt + 10}: per decode step (median of {len(timings)}), "
-              f"cuda graph used: {timings[-1]['graph']}")
-        for k in keys:
-            print(f"  {k:14s} {statistics.median(t.get(k, 0.0) for t in timings) * 1e3:8.3f} ms")
-        host = statistics.median(sum(t.get(k, 0.0) for k in ("schedule_s", "prepare_s", "postprocess_s")) for t in timings)
-        print(f"  host work per step (schedule + prepare + postprocess): {host * 1e3:.3f} ms")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        gc.collect()
+        phases.recording = True
+        steps = phases.t["step"]
+        step = phases._timed("step", engine.step)
+        for _ in range(args.steps):
+            step()
+        phases.recording = False
+        _report(args, steps, phases, cuda)
+        if not args.no_profile:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with profile(activities=activities) as prof:
+                for _ in range(10):
+                    engine.step()
+                sync()
+            key = "cuda_time_total" if cuda and not args.async_scheduling else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
         llm.shutdown()
 
 
-class _TimedWaits:
-    """Wraps the executor so each launched step's ``result()`` (the wait for its tokens) is timed."""
-
-    def __init__(self, executor) -> None:
-        self.launch, self.waits = executor.execute_async, []
-        executor.execute_async = self._execute_async
-
-    def _execute_async(self, out):
-        handle = self.launch(out)
-        waits = self.waits
-
-        class Timed:
-            def result(self):
-                t = time.perf_counter()
-                r = handle.result()
-                waits.append(time.perf_counter() - t)
-                return r
-        return Timed()
-
-
-def _profile_async(llm) -> None:
-    step = llm.llm_engine.step
-    timed = _TimedWaits(llm.llm_engine.executor)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    walls = []
-    timed.waits.clear()
-    for _ in range(20):
-        t = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - t)
-    host = [w - wait for w, wait in zip(walls, timed.waits)]  # each step reads back one launched step
-    print(f"async scheduling: {statistics.median(walls) * 1e3:.3f} ms per decode step (median of 20), "
-          f"of which waiting for the GPU's tokens {statistics.median(timed.waits) * 1e3:.3f} ms; "
-          f"host work per step {statistics.median(host) * 1e3:.3f} ms")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    llm.shutdown()
+def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
+    ms = lambda xs: statistics.median(xs) * 1e3
+    t = phases.t
+    # What is not the host's own work: on CUDA the wait for the device, known only as a whole
+    # (under async scheduling the read back of the step launched before, all of it counted as
+    # waiting; synchronously the runner's ``sample_s``, the sampler's launch and then the wait);
+    # on CPU the model's forward, which a GPU would run asynchronously.
+    if not cuda:
+        waits, what = t["forward"], "the model's forward on CPU"
+    elif args.async_scheduling:
+        waits, what = t["read back"], "waiting for the device"
+    else:
+        waits, what = phases.runner["sample_s"], "sampling and waiting for the device"
+    host = [s - w for s, w in zip(steps, waits)]
+    mode = "async scheduling" if args.async_scheduling else "synchronous"
+    print(f"{mode}, {args.seqs} seqs, {args.device}{', tiny model' if args.tiny else ''}, {args.clock} clock: "
+          f"{ms(steps):.3f} ms per decode step (median of {len(steps)}), {what} {ms(waits):.3f} ms; "
+          f"host work per step {ms(host):.3f} ms (mean {statistics.mean(host) * 1e3:.3f})")
+    named = {k: t[k] for k in ("schedule", "launch", "forward", "read back", "update") if len(t[k]) == len(steps)}
+    if "forward" in named:
+        named["launch"] = [a - b for a, b in zip(named["launch"], named["forward"])]
+    named["engine"] = [s - sum(v[i] for v in named.values()) for i, s in enumerate(steps)]
+    print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
+          + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items()))
 
 
 if __name__ == "__main__":

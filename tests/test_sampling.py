@@ -1,6 +1,7 @@
 """Sampling: exact masks on a known distribution, frequencies, and per-request seeds."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -79,3 +80,24 @@ def test_logprob_of_sampled_token_matches_distribution():
     assert set(lp) >= {1, 3}
     assert lp[1] == pytest.approx(math.log(0.5), abs=1e-6)
     assert lp[out.tokens[0]] == pytest.approx(math.log(PROBS[out.tokens[0]].item()), abs=1e-6)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=5, top_p=0.9),
+    SamplingParams(temperature=0.9, seed=77),
+    SamplingParams(temperature=0.8, logprobs=3),
+])
+def test_rows_sharing_one_params_object_sample_as_rows_with_equal_copies(params):
+    """All rows sharing one SamplingParams take the sampler's shared path; the same rows, each
+    with its own equal copy, take the per-row path: tokens and log-probs must be identical."""
+    logits = torch.randn(48, 40, generator=torch.Generator().manual_seed(3)) * 3
+    index = list(range(48))
+    shared = Sampler(5, torch.device("cpu")).sample(logits, [params] * 48, index).to_output()
+    copies = [dataclasses.replace(params) for _ in range(48)]
+    per_row = Sampler(5, torch.device("cpu")).sample(logits, copies, index).to_output()
+    assert shared.tokens == per_row.tokens
+    assert shared.logprobs == per_row.logprobs
+    if params.temperature > 0:
+        assert len(set(shared.tokens)) > 1  # really sampled, not a constant

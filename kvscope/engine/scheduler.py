@@ -223,36 +223,41 @@ class Scheduler:
         tokens, errors = result.tokens, result.errors
         running = RequestStatus.RUNNING
         for r in out.requests:
-            req = live.get(r.seq_id)
+            seq_id = r.seq_id
+            req = live.get(seq_id)
             if req is None:
                 continue  # finished or aborted while this step was in flight: its work is dropped
+            ids = req.token_ids
             # Hash only when a block just filled (never past a token still in flight).
-            if bs and req.status is running and (
-                    min(req.num_computed_tokens, len(req.token_ids)) // bs > req.num_hashed_blocks):
-                bm.hash_computed_blocks(req)
+            if bs:
+                full = req.num_computed_tokens
+                if full > len(ids):
+                    full = len(ids)
+                if full // bs > req.num_hashed_blocks and req.status is running:
+                    bm.hash_computed_blocks(req)
             m = req.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
             if not r.sample:
                 continue
-            if errors and r.seq_id in errors:  # this request failed alone
+            if errors and seq_id in errors:  # this request failed alone
                 req.num_pending -= 1
-                req.error = errors[r.seq_id]
+                req.error = errors[seq_id]
                 self.finish_request(req, "abort")
                 finished.append(req)
                 continue
-            token = tokens[r.seq_id]
-            req.token_ids.append(token)
+            token = tokens[seq_id]
+            ids.append(token)
             req.num_pending -= 1
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
             if req.output_logprobs is not None:
-                lp = result.logprobs.get(r.seq_id, {})
+                lp = result.logprobs.get(seq_id, {})
                 req.output_logprobs.append(lp)
                 req.cumulative_logprob += lp.get(token, 0.0)
             progressed.append(req)
-            if token in req.stop_token_set or len(req.token_ids) >= req.max_total_tokens:
+            if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     self.finish_request(req, reason)

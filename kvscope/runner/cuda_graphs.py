@@ -6,6 +6,7 @@ width replay a graph; anything else runs eagerly (never a crash).
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,6 +46,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((n, self.width), -1, **i32)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._views: dict[int, _BatchViews] = {}
         self._forward = forward
         self._capture_all()
 
@@ -76,20 +78,55 @@ class DecodeGraphs:
             and inputs.block_tables.shape[1] <= self.width
         )
 
+    def _batch_views(self, b: int) -> "_BatchViews":
+        """The static buffers' slices for a batch of ``b``, made once: each slice is a host call."""
+        v = self._views.get(b)
+        if v is None:
+            g = self.buckets[bisect.bisect_left(self.buckets, b)]
+            v = self._views[b] = _BatchViews(
+                graph=self.graphs[g], padded=b < g, input_ids=self.input_ids[:b],
+                positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+                context_lens=self.context_lens[:b], cu_seqlens_k=self.cu_seqlens_k[: b + 1],
+                block_tables=self.block_tables[:b], hidden=self.hidden[:b],
+                pad_slots=self.slot_mapping[b:g], pad_context_lens=self.context_lens[b:g],
+                pad_cu_seqlens_k=self.cu_seqlens_k[b + 1: g + 1], last_cu_seqlen_k=self.cu_seqlens_k[b],
+            )
+        return v
+
     def run(self, inputs: StepInputs, d: DeviceInputs) -> torch.Tensor:
         """Copy this step's device inputs into the static buffers, replay, return hidden [B, H]."""
-        b = inputs.num_seqs
-        g = self.buckets[bisect.bisect_left(self.buckets, b)]
+        v = self._batch_views(inputs.num_seqs)
         w = inputs.block_tables.shape[1]
-        self.input_ids[:b].copy_(d.input_ids)
-        self.positions[:b].copy_(d.positions)
-        self.slot_mapping[:b].copy_(d.slot_mapping)
-        self.slot_mapping[b:g].fill_(-1)
-        self.context_lens[:b].copy_(d.context_lens)
-        self.context_lens[b:g].zero_()
-        self.cu_seqlens_k[: b + 1].copy_(d.cu_seqlens_k)
-        self.cu_seqlens_k[b + 1: g + 1] = self.cu_seqlens_k[b]
-        self.block_tables[:b, :w].copy_(d.block_tables)
-        self.block_tables[:b, w:].fill_(-1)
-        self.graphs[g].replay()
-        return self.hidden[:b]
+        v.input_ids.copy_(d.input_ids)
+        v.positions.copy_(d.positions)
+        v.slot_mapping.copy_(d.slot_mapping)
+        v.context_lens.copy_(d.context_lens)
+        v.cu_seqlens_k.copy_(d.cu_seqlens_k)
+        if v.padded:  # the bucket's padding rows: no slot, no context
+            v.pad_slots.fill_(-1)
+            v.pad_context_lens.zero_()
+            v.pad_cu_seqlens_k.copy_(v.last_cu_seqlen_k)
+        v.block_tables[:, :w].copy_(d.block_tables)
+        if w < self.width:
+            v.block_tables[:, w:].fill_(-1)
+        v.graph.replay()
+        return v.hidden
+
+
+@dataclass(frozen=True)
+class _BatchViews:
+    """Views of :class:`DecodeGraphs`' static buffers for one batch size, and its bucket's graph."""
+
+    graph: torch.cuda.CUDAGraph
+    padded: bool
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    block_tables: torch.Tensor
+    hidden: torch.Tensor
+    pad_slots: torch.Tensor
+    pad_context_lens: torch.Tensor
+    pad_cu_seqlens_k: torch.Tensor
+    last_cu_seqlen_k: torch.Tensor

@@ -22,6 +22,7 @@ class StepInputs:
     context_lens: np.ndarray    # int32 [B]
     block_tables: np.ndarray    # int32 [B, W], -1 padded
     logits_indices: np.ndarray  # int64 [S]: last row of each sequence that samples
+    table_rows: np.ndarray      # int64 [B]: each sequence's row in the runner's BlockTables
     max_seqlen_q: int
     max_seqlen_k: int
     decode_only: bool
@@ -65,6 +66,10 @@ class BlockTables:
         self.lengths = np.zeros(capacity, dtype=np.int64)
         self.rows: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(capacity - 1, -1, -1))
+        # The last step's (seq_ids, rows): a decode step usually schedules the same sequences
+        # again, and while no row was taken their rows are the same (a dropped sequence comes
+        # back only through a new row).
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
 
     def update(self, out: SchedulerOutput) -> np.ndarray:
         """Apply ``out``'s deltas; returns each scheduled request's row, in step order.
@@ -91,7 +96,12 @@ class BlockTables:
                     self._widen(end)
                 self.table[row, start:end] = new
                 self.lengths[row] = end
-        return np.fromiter(map(self.rows.__getitem__, cols.seq_id.tolist()), dtype=np.int64, count=len(reqs))
+        seq_ids = cols.seq_id
+        if self._last is not None and np.array_equal(self._last[0], seq_ids):
+            return self._last[1]
+        rows = np.fromiter(map(self.rows.__getitem__, seq_ids.tolist()), dtype=np.int64, count=len(reqs))
+        self._last = (seq_ids, rows)
+        return rows
 
     def get(self, seq_id: int) -> list[int]:
         """One request's table as the runner holds it (tests compare it with the scheduler's)."""
@@ -108,6 +118,7 @@ class BlockTables:
             self._free_rows.append(row)
 
     def _take_row(self) -> int:
+        self._last = None
         if not self._free_rows:
             n = self.table.shape[0]
             self.table = np.concatenate([self.table, np.full_like(self.table, -1)])
@@ -131,7 +142,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
     ctx = starts + q_lens
     cu_k = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(ctx, out=cu_k[1:])
-    block_tables = tables.pack(tables.update(out))
+    table_rows = tables.update(out)
+    block_tables = tables.pack(table_rows)
     decode_only = t == b  # every row has at least one token
     if decode_only:
         row = np.arange(b)
@@ -158,6 +170,7 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
         context_lens=ctx.astype(np.int32),
         block_tables=block_tables,
         logits_indices=logits_indices,
+        table_rows=table_rows,
         max_seqlen_q=1 if decode_only else int(q_lens.max()),
         max_seqlen_k=int(ctx.max()),
         decode_only=decode_only,

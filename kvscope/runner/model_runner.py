@@ -131,10 +131,11 @@ class ModelRunner:
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
         self.block_tables = BlockTables(capacity=config.max_num_seqs)
-        # The last step's sampled tokens on the device, and each sampling sequence's row in them:
-        # async scheduling's placeholder tokens are read from here.
+        # The last step's sampled tokens on the device, and (per BlockTables row) each sampling
+        # sequence's row in them, -1 for the others: async scheduling's placeholder tokens are
+        # read from there.
         self._last_sample: torch.Tensor | None = None
-        self._last_rows: dict[int, int] = {}
+        self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -217,37 +218,69 @@ class ModelRunner:
         finally:
             torch.set_num_threads(previous)
 
-    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray) -> DeviceInputs:
-        """All of a step's integer inputs in one host buffer and one copy to the device; then
-        the placeholder input ids at ``fill`` take the previous step's sampled rows ``src``.
+    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Host bytes to pack a step's inputs into, and the event to record once they are copied.
+        On CUDA one of two pinned buffers, reused after waiting for the copy that last read it
+        (the step before last: long done); on CPU a fresh one, since the step's tensors are
+        views of it."""
+        if self.device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8), None
+        k = self._uploads % 2
+        self._uploads += 1
+        if self._staging[k] is None or self._staging[k].numel() < nbytes:
+            self._staging[k] = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=True)
+        self._upload_done[k].synchronize()
+        return self._staging[k], self._upload_done[k]
 
-        On CUDA the buffers are pinned and reused, so the copy is non-blocking; an event makes
-        the step after next wait for it before overwriting the same buffer.
-        """
-        parts = [x.input_ids, x.positions, x.slot_mapping, x.logits_indices, x.cu_seqlens_q,
-                 x.cu_seqlens_k, x.context_lens, x.block_tables.ravel(), fill, src]
-        sizes = [p.size for p in parts]
-        total = sum(sizes)
-        if self.device.type == "cuda":
-            k = self._uploads % 2
-            self._uploads += 1
-            if self._staging[k] is None or self._staging[k].numel() < total:
-                self._staging[k] = torch.empty(2 * total, dtype=torch.int64, pin_memory=True)
-            self._upload_done[k].synchronize()
-            np.concatenate(parts, out=self._staging[k].numpy()[:total], casting="unsafe")
-            flat = self._staging[k][:total].to(self.device, non_blocking=True)
-            self._upload_done[k].record()
-        else:
-            flat = torch.from_numpy(np.concatenate(parts, casting="unsafe", dtype=np.int64))
-        ids, pos, slots, logits_idx, cu_q, cu_k, ctx, tables, fill_d, src_d = flat.split(sizes)
-        if fill.size:
+    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray) -> DeviceInputs:
+        """All of a step's integer inputs in one host buffer and one copy to the device, int64
+        and int32 parts side by side so that no conversion runs on the device; then the
+        placeholder input ids at ``fill`` take the previous step's sampled rows ``src``."""
+        wide = (x.input_ids, x.positions, x.slot_mapping, x.logits_indices, fill, src)
+        narrow = (x.cu_seqlens_q, x.cu_seqlens_k, x.context_lens, x.block_tables.ravel())
+        n64 = sum(p.size for p in wide)
+        nbytes = 8 * n64 + 4 * sum(p.size for p in narrow)
+        buf, copied = self._staging_buffer(nbytes)
+        host = buf.numpy()
+        np.concatenate(wide, out=host[: 8 * n64].view(np.int64), casting="unsafe")
+        np.concatenate(narrow, out=host[8 * n64: nbytes].view(np.int32), casting="unsafe")
+        flat = buf[:nbytes]
+        if copied is not None:
+            flat = flat.to(self.device, non_blocking=True)
+            copied.record()
+        ids, pos, slots, logits_idx, fill_d, src_d = flat[: 8 * n64].view(torch.int64).split([p.size for p in wide])
+        cu_q, cu_k, ctx, tables = flat[8 * n64:].view(torch.int32).split([p.size for p in narrow])
+        if fill.size == ids.numel() == self._last_sample.numel() and np.array_equal(src, np.arange(src.size)):
+            ids = self._last_sample  # the steady state: every row's input is what it sampled, in order
+        elif fill.size:
             ids[fill_d] = self._last_sample[src_d]
-        i32 = torch.int32
         return DeviceInputs(
             input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=logits_idx,
-            cu_seqlens_q=cu_q.to(i32), cu_seqlens_k=cu_k.to(i32), context_lens=ctx.to(i32),
-            block_tables=tables.view(x.block_tables.shape).to(i32),
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=ctx,
+            block_tables=tables.view(x.block_tables.shape),
         )
+
+    def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+        """Where the step's placeholder input ids are, and each one's row in the last step's
+        sampled tokens (the previous launched step sampled every such sequence, in the same
+        BlockTables row: a sequence is re-admitted only once no token of it is in flight)."""
+        fill = np.flatnonzero(x.input_ids == PLACEHOLDER)
+        if not fill.size:
+            return fill, fill
+        seq_rows = fill if x.decode_only else np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
+        src = self._sample_row[x.table_rows[seq_rows]]
+        if (src < 0).any():
+            raise RuntimeError("a placeholder input token was not sampled by the previous step; this is a kvscope bug")
+        return fill, src
+
+    def _remember_sampled(self, table_rows: np.ndarray) -> None:
+        """The sampling sequences' rows in this step's tokens, by BlockTables row."""
+        capacity = self.block_tables.table.shape[0]
+        if self._sample_row.size < capacity:
+            self._sample_row = np.full(capacity, -1, dtype=np.int64)
+        else:
+            self._sample_row.fill(-1)
+        self._sample_row[table_rows] = np.arange(table_rows.size)
 
     def _metadata(self, x: StepInputs, d: DeviceInputs) -> AttentionMetadata:
         return AttentionMetadata(
@@ -265,11 +298,7 @@ class ModelRunner:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size, self.block_tables)
-        fill = np.flatnonzero(x.input_ids == PLACEHOLDER)  # sampled by the previous step
-        rows = np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
-        src = np.fromiter(map(self._last_rows.__getitem__, out.columns.seq_id[rows].tolist()),
-                          dtype=np.int64, count=fill.size)
-        d = self._upload(x, fill, src)
+        d = self._upload(x, *self._placeholder_sources(x))
         t1 = time.perf_counter()
         use_graph = self.graphs is not None and self.graphs.can_run(x)
         if use_graph:
@@ -292,6 +321,7 @@ class ModelRunner:
         """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
+        sample = out.columns.sample
         sampled = [r for r in out.requests if r.sample]
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
@@ -301,9 +331,9 @@ class ModelRunner:
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
         self._last_sample = s.tokens
-        self._last_rows = dict(zip(out.columns.seq_id[out.columns.sample].tolist(), range(len(sampled))))
+        self._remember_sampled(x.table_rows[sample])
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        step = _LaunchedStep(s, [r.seq_id for r in sampled], timings, use_graph, errors)
+        step = _LaunchedStep(s, out.columns.seq_id[sample], timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[DeviceSample, dict[int, str]]:
@@ -355,7 +385,7 @@ class ModelRunner:
 class _LaunchedStep:
     """A step whose tokens are still being copied back from the device."""
 
-    def __init__(self, sample: DeviceSample, seq_ids: list[int], timings: dict[str, float],
+    def __init__(self, sample: DeviceSample, seq_ids: np.ndarray, timings: dict[str, float],
                  cuda_graph: bool, errors: dict[int, str]) -> None:
         self._sample, self._seq_ids, self._timings, self._graph = sample, seq_ids, timings, cuda_graph
         self._errors = errors
@@ -364,6 +394,7 @@ class _LaunchedStep:
         t0 = time.perf_counter()
         s = self._sample.to_output()
         timings = {**self._timings, "sample_s": self._timings["sample_s"] + time.perf_counter() - t0}
-        logprobs = {} if s.logprobs is None else dict(zip(self._seq_ids, s.logprobs))
-        return StepResult(tokens=dict(zip(self._seq_ids, s.tokens)), logprobs=logprobs,
+        seq_ids = self._seq_ids.tolist()
+        logprobs = {} if s.logprobs is None else dict(zip(seq_ids, s.logprobs))
+        return StepResult(tokens=dict(zip(seq_ids, s.tokens)), logprobs=logprobs,
                           timings=timings, cuda_graph=self._graph, errors=self._errors)

@@ -90,6 +90,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._temperatures: dict[float, torch.Tensor] = {}  # one device scalar per temperature seen
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
@@ -98,35 +99,53 @@ class Sampler:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def _temperature(self, value: float) -> torch.Tensor:
+        """``value`` as a ``[1, 1]`` float32 device tensor, made once: dividing by it is the same
+        true division as by a per-row column (a Python scalar divisor may become a multiply by
+        its reciprocal on CUDA)."""
+        t = self._temperatures.get(value)
+        if t is None:
+            t = self._temperatures[value] = torch.full((1, 1), value, dtype=torch.float32, device=self.device)
+        return t
+
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> DeviceSample:
+        """Sample one token per row. When every row shares one ``SamplingParams`` object (what
+        ``LLM.generate`` sends), its settings are read once and nothing per row goes to the
+        device; the tokens are the same as when each row brings its own equal copy."""
+        first = params[0]
+        shared = all(p is first for p in params)
+        settings = (first,) if shared else params  # what the per-step checks need to look at
         logits = logits.float()
-        n, vocab = logits.shape
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        vocab = logits.shape[-1]
+        asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
         raw_logprobs = logits.log_softmax(dim=-1) if want_lp >= 0 else None
 
-        greedy = [p.temperature == 0 for p in params]
+        greedy = [p.temperature == 0 for p in settings]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            temps = self._tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
-            scaled = logits / temps.unsqueeze(1)
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            if shared:
+                scaled = logits / self._temperature(first.temperature)
+            else:
+                temps = self._tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
+                scaled = logits / temps.unsqueeze(1)
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in settings):
                 top_k = self._tensor([p.top_k for p in params], torch.int64)
                 top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
-            for i, p in enumerate(params):
-                if p.seed is not None and not greedy[i]:
-                    noise[i] = _seeded_noise(p.seed, output_index[i], vocab, logits.device)
-            sampled = (probs / noise).argmax(dim=-1)
-            if any(greedy):
+            if any(p.seed is not None for p in settings):
+                for i, p in enumerate(params):
+                    if p.seed is not None and p.temperature != 0:
+                        noise[i] = _seeded_noise(p.seed, output_index[i], vocab, logits.device)
+            tokens = (probs / noise).argmax(dim=-1)
+            if any(greedy):  # (a mixed batch: rows of their own)
                 mask = self._tensor(greedy, torch.bool)
-                sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
-            tokens = sampled
+                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
         if raw_logprobs is None:
             return DeviceSample(tokens, params, None)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
