@@ -173,6 +173,10 @@ def test_prefix_cache_hits_are_the_admissions_cached_tokens(run):
 
 
 def test_block_tables_and_slot_mapping_are_the_runners(run):
+    _assert_tables_are_the_runners(run)
+
+
+def _assert_tables_are_the_runners(run: Run) -> None:
     trace, bs = run.blocks, run.blocks.block_size
     for step in trace.step_ids:
         tables = trace.block_tables(step)
@@ -190,6 +194,42 @@ def test_block_tables_and_slot_mapping_are_the_runners(run):
     assert_frame_equal(trace.slot_mapping(), per_step)
     assert_frame_equal(trace.block_tables(), pd.concat([trace.block_tables(s) for s in trace.step_ids],
                                                        ignore_index=True))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_replay_holds_across_aborts_from_hooks(async_scheduling, tmp_path):
+    """Aborts from a ``step.scheduled`` hook (the row is dropped before its launch), a
+    ``step.end`` hook (under async scheduling the request's next row is already launched) and a
+    ``request.preempted`` hook keep the replay equal to the snapshots and the tables the
+    runner's, survive save/load, and change no token against the same run unrecorded."""
+    victims: dict[LLM, list[str]] = {}
+
+    def hooks(llm: LLM) -> dict:
+        def abort_at(step: int, rid: str):
+            return lambda **p: (p.get("step") or p["info"].step) == step and llm.abort_request(rid)
+
+        def abort_first_victim(request_id: str, **_) -> None:
+            if not victims.setdefault(llm, []):
+                victims[llm].append(request_id)
+                llm.abort_request(request_id)
+        return {"step.scheduled": abort_at(5, "1"), "step.end": abort_at(8, "4"),
+                "request.preempted": abort_first_victim}
+
+    plain = _tight_llm(async_scheduling=async_scheduling)
+    with plain.hooks(hooks(plain)):
+        expected = plain.generate(*_workload(), use_tqdm=False)
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    run = _record(llm, hooks=hooks(llm))
+    assert token_ids(run.outputs) == token_ids(expected) and victims[llm] == victims[plain]
+    reasons = {o.request_id: o.outputs[0].finish_reason for o in run.outputs}
+    assert [reasons[r] for r in ("1", "4", *victims[llm])] == ["abort"] * 3
+    sched = run.blocks.scheduled()
+    assert sched.query("request_id == '1' and step == 5").empty  # its row never ran
+    if async_scheduling:  # aborted at step 8's end, with its step-9 row in flight
+        assert not sched.query("request_id == '4' and step == 9").empty
+    _assert_replay_equals_snapshot(run)
+    _assert_tables_are_the_runners(run)
+    _assert_same_trace(run.blocks, Trace.load(run.blocks.save(tmp_path / "blocks")))
 
 
 def test_blocks_view(run):
@@ -245,6 +285,7 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
     rows agree with the outputs they end with."""
     llm = _tight_llm(async_scheduling=async_scheduling)
     prompts, params = _workload()
+    tables, _ = _watch_launches(llm)
     ids = [llm.llm_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     outputs = {}
     for _ in range(3):
@@ -252,9 +293,14 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
     engine = llm.llm_engine
     assert engine.scheduler.running and engine.scheduler.waiting
     unfinished = set(ids) - set(outputs)
-    with llm.record("summary") as trace:
-        while llm.has_unfinished_requests():
+    with llm.record("summary") as trace, llm.record("full") as full, llm.record("blocks") as blocks:
+        while llm.has_unfinished_requests():  # (async: the first recorded step was launched before)
             outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    run = Run(llm, full, blocks, [], tables)
+    first = blocks._records()[0]
+    assert (first.launched(first.step) is None) == async_scheduling  # async: launched before the recording
+    _assert_replay_equals_snapshot(run)
+    _assert_tables_are_the_runners(run)
     rows = trace.requests.set_index("request_id")
     assert set(outputs) == set(ids) and set(rows.index) == unfinished
     for rid in rows.index:
@@ -264,8 +310,9 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
         assert r.num_cached_tokens == o.num_cached_tokens
 
 
-def test_ring_buffer_keeps_the_last_steps():
-    llm = _tight_llm()
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ring_buffer_keeps_the_last_steps(async_scheduling):
+    llm = _tight_llm(async_scheduling=async_scheduling)
     with llm.record("summary") as everything:
         ring = _record(llm, max_steps=7)
     assert ring.full.step_ids == everything.step_ids[-7:] == ring.blocks.step_ids
