@@ -57,7 +57,7 @@ class Scheduled:
         inputs) and the two columns the recorder already read for the step's summary."""
         cols = out.columns
         return cls(
-            [request_ids[r.seq_id] for r in out.requests],
+            list(map(request_ids.__getitem__, cols.seq_id.tolist())),
             cols.start.astype(np.int32), cols.num_new_tokens.astype(np.int32), num_cached_tokens,
             is_prefill, cols.sample, cols.token_ids.astype(np.int32),
         )

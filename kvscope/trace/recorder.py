@@ -14,6 +14,7 @@ import itertools
 import math
 import threading
 from collections import deque
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -215,14 +216,9 @@ class Recorder:
         out = info.scheduler_output
         bm = self.engine.block_manager
         rows, cols = out.requests, out.columns
-        n = len(rows)
         lens = cols.num_new_tokens
         sched = self._step_rows(info) if self._blocks else None
-        if sched is not None:
-            prefill, cached = sched.is_prefill, sched.num_cached_tokens
-        else:
-            prefill = np.fromiter((r.is_prefill for r in rows), dtype=bool, count=n)
-            cached = np.fromiter((r.num_cached_tokens for r in rows), dtype=np.int32, count=n)
+        prefill, cached = (sched.is_prefill, sched.num_cached_tokens) if sched is not None else _row_flags(rows)
         prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
         admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
         hits = int(cached[admitted].sum())
@@ -269,10 +265,13 @@ class Recorder:
         ahead = self._ahead
         if ahead is not None and ahead.step == info.step:
             return ahead.rows
-        sched = _scheduled(info.scheduler_output, info.request_ids)
+        out = info.scheduler_output
+        sched = _scheduled(out, info.request_ids)
+        # Its decode inputs were sampled by the step before the recording: each the token at its
+        # row's start (-1 stays for a request aborted meanwhile).
         reqs, ids = self.engine.requests, info.request_ids
-        _fill_placeholders(sched, info.scheduler_output,  # (-1 stays for a request aborted meanwhile)
-                           lambda seq, pos: reqs[ids[seq]].token_ids[pos] if ids[seq] in reqs else PLACEHOLDER)
+        _fill_placeholders(sched, out, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start] for r in out.requests
+                                        if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
         with self.lock:
             self.baseline.write(sched)
         return sched
@@ -290,7 +289,7 @@ class Recorder:
                 launches.append(Launch(step, k, rec.scheduled))
             elif launched > step:
                 rows = _scheduled(out, request_ids)
-                _fill_placeholders(rows, out, lambda seq, pos: sampled.get(seq, PLACEHOLDER))
+                _fill_placeholders(rows, out, sampled)
                 launches.append(Launch(launched, k, rows))
             # (an older launch failed and was rolled back: its events stay, as idle ones)
         self._launches.clear()
@@ -329,23 +328,32 @@ class Recorder:
 
 
 
-def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
-    rows = out.requests
+_PREFILL, _CACHED = attrgetter("is_prefill"), attrgetter("num_cached_tokens")
+
+
+def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
+    """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
     n = len(rows)
-    prefill = np.fromiter((r.is_prefill for r in rows), dtype=bool, count=n)
-    cached = np.fromiter((r.num_cached_tokens for r in rows), dtype=np.int32, count=n)
-    return Scheduled.from_output(out, request_ids, prefill, cached)
+    return np.fromiter(map(_PREFILL, rows), dtype=bool, count=n), np.fromiter(map(_CACHED, rows), dtype=np.int32, count=n)
 
 
-def _fill_placeholders(sched: Scheduled, out: "SchedulerOutput", token: Callable[[int, int], int]) -> None:
+def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
+    return Scheduled.from_output(out, request_ids, *_row_flags(out.requests))
+
+
+def _fill_placeholders(sched: Scheduled, out: "SchedulerOutput", sampled: dict[int, int]) -> None:
     """Put the real ids in place of ``PLACEHOLDER`` inputs (decode rows launched before the
-    previous step's tokens came back); ``token(seq_id, position)`` gives one."""
+    previous step's tokens came back), from ``sampled`` (seq id -> token: what that step
+    sampled). Vectorised: a decode batch has one per row."""
     tokens = sched.token_ids
     at = np.flatnonzero(tokens == PLACEHOLDER)
-    if not len(at):
+    if not len(at) or not sampled:
         return
     rows = np.searchsorted(np.cumsum(sched.num_new_tokens), at, side="right")
-    first = (np.cumsum(sched.num_new_tokens) - sched.num_new_tokens)[rows]
-    positions = sched.start[rows] + (at - first)
     seqs = out.columns.seq_id[rows]
-    tokens[at] = [token(s, p) for s, p in zip(seqs.tolist(), positions.tolist())]
+    keys = np.fromiter(sampled, dtype=np.int64, count=len(sampled))
+    values = np.fromiter(sampled.values(), dtype=np.int64, count=len(sampled))
+    order = np.argsort(keys)
+    i = np.minimum(np.searchsorted(keys, seqs, sorter=order), len(keys) - 1)
+    found = keys[order[i]] == seqs  # (a row whose step failed for it sampled nothing: it stays -1)
+    tokens[at[found]] = values[order[i[found]]]
