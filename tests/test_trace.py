@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from pandas.testing import assert_frame_equal
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import greedy, make_llm, token_ids, watch_launches
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
@@ -56,26 +56,8 @@ class Run:
     ahead: list[bool] = None  # per launch: whether it was planned before the step before came back
 
 
-def _watch_launches(llm: LLM) -> tuple[dict[int, dict[str, list[int]]], list[bool]]:
-    """Wrap the runner's launch: the tables it holds right after each launch (those of the
-    forward pass), and whether the launch carried inputs still on the device (async scheduling)."""
-    engine, runner = llm.llm_engine, llm.llm_engine.executor
-    tables, ahead = {}, []
-    launch = runner.execute_async  # (execute goes through it)
-
-    def watched(out):
-        handle = launch(out)
-        live = engine.scheduler.requests
-        tables[out.step] = {live[r.seq_id].request_id: runner.block_tables.get(r.seq_id) for r in out.requests}
-        ahead.append(any(PLACEHOLDER in r.token_ids for r in out.requests))
-        return handle
-
-    runner.execute_async = watched
-    return tables, ahead
-
-
 def _record(llm: LLM, max_steps: int = 10_000, hooks: dict | None = None) -> Run:
-    tables, ahead = _watch_launches(llm)
+    tables, ahead = watch_launches(llm)
     prompts, params = _workload()
     with llm.record("full", max_steps) as full, llm.record("blocks", max_steps) as blocks, llm.hooks(hooks or {}):
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -285,7 +267,7 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
     rows agree with the outputs they end with."""
     llm = _tight_llm(async_scheduling=async_scheduling)
     prompts, params = _workload()
-    tables, _ = _watch_launches(llm)
+    tables, _ = watch_launches(llm)
     ids = [llm.llm_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     outputs = {}
     for _ in range(3):
