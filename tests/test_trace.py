@@ -359,6 +359,30 @@ def test_levels_attach_only_their_hooks():
         assert len(llm.hooks.block_sinks) == 1 and llm.hooks.active("step.scheduled")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_scheduled_fires_right_before_each_launch(async_scheduling):
+    """``step.scheduled`` fires for the step about to be launched (under async scheduling step
+    n+1's, before step n's ``step.end``) with its rows' request ids, and stops no planning ahead."""
+    llm = make_llm(block_size=4, async_scheduling=async_scheduling)
+    order = []
+    runner = llm.llm_engine.executor
+    launch = runner.execute_async
+    runner.execute_async = lambda out: order.append(("launch", out.step, len(out.requests))) or launch(out)
+
+    def scheduled(step, scheduler_output, request_ids):
+        assert sorted(request_ids) == sorted(r.seq_id for r in scheduler_output.requests)
+        order.append(("scheduled", step, len(scheduler_output.requests)))
+
+    with llm.hooks({"step.scheduled": scheduled, "step.end": lambda info: order.append(("end", info.step, 0))}):
+        outputs = llm.generate(*_workload(n=4), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(make_llm(block_size=4).generate(*_workload(n=4), use_tqdm=False))
+    launches = [i for i, e in enumerate(order) if e[0] == "launch"]
+    assert launches and all(order[i - 1] == ("scheduled", *order[i][1:]) for i in launches)
+    ends = {e[1]: i for i, e in enumerate(order) if e[0] == "end"}
+    ahead = [n for n, i in ends.items() if ("scheduled", n + 1) in {e[:2] for e in order[:i]}]
+    assert bool(ahead) == async_scheduling
+
+
 def test_block_hooks_see_the_events_the_recorder_keeps():
     """User hooks (one Python call per event) and the recorder's block sink get the same stream."""
     llm = _tight_llm()
