@@ -102,6 +102,14 @@ def test_replay_equals_snapshot(run):
         assert run.blocks.block_tokens(last, int(b)) == bm.block_tokens[b].tolist()
 
 
+def test_each_life_ends_once_with_its_last_row(run):
+    """Under async scheduling a request that stopped may have a row in the next step: it ran,
+    but the request's life ended with the step before."""
+    for rid, life in run.blocks.lifecycle.groupby("request_id", sort=False):
+        ended = life.state.isin(["finished", "aborted"]).tolist()
+        assert ended == [False] * (len(life) - 1) + [True], f"{rid}: {life.state.tolist()}"
+
+
 def test_step_counts_add_up(run):
     steps, trace = run.full.steps, run.full
     assert (steps.num_prefill_tokens + steps.num_decode_tokens == steps.num_scheduled_tokens).all()
