@@ -14,7 +14,6 @@ import itertools
 import math
 import threading
 from collections import deque
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -328,13 +327,10 @@ class Recorder:
 
 
 
-_PREFILL, _CACHED = attrgetter("is_prefill"), attrgetter("num_cached_tokens")
-
-
 def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
     """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
-    n = len(rows)
-    return np.fromiter(map(_PREFILL, rows), dtype=bool, count=n), np.fromiter(map(_CACHED, rows), dtype=np.int32, count=n)
+    return (np.array([r.is_prefill for r in rows], dtype=bool),
+            np.array([r.num_cached_tokens for r in rows], dtype=np.int32))
 
 
 def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
@@ -344,16 +340,12 @@ def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled
 def _fill_placeholders(sched: Scheduled, out: "SchedulerOutput", sampled: dict[int, int]) -> None:
     """Put the real ids in place of ``PLACEHOLDER`` inputs (decode rows launched before the
     previous step's tokens came back), from ``sampled`` (seq id -> token: what that step
-    sampled). Vectorised: a decode batch has one per row."""
+    sampled): a decode batch has one per row."""
     tokens = sched.token_ids
     at = np.flatnonzero(tokens == PLACEHOLDER)
     if not len(at) or not sampled:
         return
     rows = np.searchsorted(np.cumsum(sched.num_new_tokens), at, side="right")
     seqs = out.columns.seq_id[rows]
-    keys = np.fromiter(sampled, dtype=np.int64, count=len(sampled))
-    values = np.fromiter(sampled.values(), dtype=np.int64, count=len(sampled))
-    order = np.argsort(keys)
-    i = np.minimum(np.searchsorted(keys, seqs, sorter=order), len(keys) - 1)
-    found = keys[order[i]] == seqs  # (a row whose step failed for it sampled nothing: it stays -1)
-    tokens[at[found]] = values[order[i[found]]]
+    # (a row whose step failed for it sampled nothing: it stays -1)
+    tokens[at] = np.array([sampled.get(s, PLACEHOLDER) for s in seqs.tolist()], dtype=tokens.dtype)
