@@ -159,6 +159,7 @@ class Recorder:
             h.remove()
         self._handles.clear()
         self._pending.clear()
+        self._launches.clear()
         for req in list(self._requests.values()):
             req.freeze()
         self.engine = None
