@@ -327,7 +327,6 @@ class Recorder:
                     self._requests.pop(self._finished.popleft()[1], None)
 
 
-
 def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
     """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
     return (np.array([r.is_prefill for r in rows], dtype=bool),
