@@ -343,6 +343,13 @@ def test_save_load_round_trip(run, tmp_path):
     assert run.full.meta["kv_shards"][0]["num_blocks"] == run.full.num_blocks == 16
 
 
+def test_a_trace_saved_without_launches_is_refused_clearly(run, tmp_path):
+    path = run.blocks.save(tmp_path / "old")
+    (path / "launches.parquet").unlink()  # as saved before launches were recorded
+    with pytest.raises(ValueError, match="no launches.parquet.*record it again"):
+        Trace.load(path)
+
+
 def test_round_trip_of_summary_and_wrapped_traces(tmp_path):
     llm = _tight_llm()
     with llm.record("summary") as summary:

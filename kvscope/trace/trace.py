@@ -270,6 +270,9 @@ class Trace:
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
+        if not (path / "launches.parquet").exists():
+            raise ValueError(f"{path}: no launches.parquet; a {level!r} trace saved before kvscope kept "
+                             "async scheduling on under block-level recording cannot be loaded: record it again")
         pool = tuple(read_frame(n, path / f"{n}.parquet") for n in ("pool_changes", "pool_fills")) \
             if level == "full" else None
         records = records_from_frames(
