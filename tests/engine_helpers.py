@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvscope import LLM, SamplingParams
+from kvscope.engine.scheduler_output import PLACEHOLDER
 from tiny_models import tiny_checkpoint
 
 
@@ -21,3 +22,21 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def watch_launches(llm: LLM) -> tuple[dict[int, dict[str, list[int]]], list[bool]]:
+    """Wrap the runner's launch: the tables it holds right after each launch (those of the
+    forward pass), and whether the launch carried inputs still on the device (async scheduling)."""
+    engine, runner = llm.llm_engine, llm.llm_engine.executor
+    tables, ahead = {}, []
+    launch = runner.execute_async  # (execute goes through it)
+
+    def watched(out):
+        handle = launch(out)
+        live = engine.scheduler.requests
+        tables[out.step] = {live[r.seq_id].request_id: runner.block_tables.get(r.seq_id) for r in out.requests}
+        ahead.append(any(PLACEHOLDER in r.token_ids for r in out.requests))
+        return handle
+
+    runner.execute_async = watched
+    return tables, ahead

@@ -8,7 +8,10 @@ a refused nested generate.
 
 The model is NullExecutor (deterministic tokens, an EOS now and then), so thousands of steps
 run in seconds; the LLM, the engine, the scheduler and the block manager are the real ones.
-``KVSCOPE_STATE_MACHINE_EXAMPLES`` sets the number of examples (CI runs 300).
+``KVSCOPE_STATE_MACHINE_EXAMPLES`` sets the number of examples (CI runs 300). A second machine
+runs the same rules with async scheduling and may start a ``blocks`` and a ``full`` recording:
+after every rule the pool replayed from the block events must equal the snapshot of the last
+recorded step (the block manager at its ``step.end``), whatever the hooks did.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import warnings
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -25,6 +29,7 @@ import kvscope.llm as llm_module
 from kvscope import LLM, SamplingParams
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.runner.null_executor import NullExecutor
+from kvscope.trace import Recorder
 from tiny_models import tiny_checkpoint
 
 EXAMPLES = int(os.environ.get("KVSCOPE_STATE_MACHINE_EXAMPLES", "300"))
@@ -37,12 +42,15 @@ def null_executor(config, hf_config, model_dir, max_model_len) -> NullExecutor:
 
 
 class EngineMachine(RuleBasedStateMachine):
+    async_scheduling = False
+
     def __init__(self) -> None:
         super().__init__()
         real, llm_module._make_executor = llm_module._make_executor, null_executor
         try:
             self.llm = LLM(str(tiny_checkpoint("qwen3")), device="cpu", block_size=4, num_kv_blocks=12,
-                           max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64)
+                           max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64,
+                           async_scheduling=self.async_scheduling)
         finally:
             llm_module._make_executor = real
         self.llm.llm_engine.validate_every_step = True
@@ -146,13 +154,46 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(n == 1 for n in self.reported.values())
 
 
-EngineMachine.TestCase.settings = settings(
-    max_examples=EXAMPLES, stateful_step_count=25, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+class AsyncRecordedMachine(EngineMachine):
+    async_scheduling = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.traces: tuple = ()
+
+    @rule()
+    @precondition(lambda self: not self.traces)
+    def record(self) -> None:
+        engine = self.llm.llm_engine
+        self.recorders = (Recorder(engine, "full"), Recorder(engine, "blocks"))
+        self.traces = tuple(r.start() for r in self.recorders)
+
+    @invariant()
+    def replay_equals_snapshot(self) -> None:
+        if not self.traces or not self.traces[0].step_ids:
+            return
+        full, blocks = self.traces
+        assert full.step_ids == blocks.step_ids
+        step = full.step_ids[-1]
+        snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
+        for k in ("ref_count", "block_hash", "num_tokens"):
+            assert (snap[k] == replay[k]).all(), f"{k} at step {step}"
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.replay_equals_snapshot()
+        for r in getattr(self, "recorders", ()):
+            r.stop()
 
 
-def test_engine_state_machine() -> None:
+SETTINGS = dict(stateful_step_count=25, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+EngineMachine.TestCase.settings = settings(max_examples=EXAMPLES, **SETTINGS)
+AsyncRecordedMachine.TestCase.settings = settings(max_examples=max(1, EXAMPLES // 3), **SETTINGS)
+
+
+@pytest.mark.parametrize("machine", [EngineMachine, AsyncRecordedMachine], ids=["sync", "async-recorded"])
+def test_engine_state_machine(machine) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # hooks that raise are reported and detached
-        EngineMachine.TestCase().runTest()
+        machine.TestCase().runTest()

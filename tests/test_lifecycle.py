@@ -17,15 +17,15 @@ PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] *
 ENGINE = dict(num_kv_blocks=12, block_size=8, max_num_batched_tokens=32)
 
 
-def run(policy: str = "unified", abort_at: int | None = None):
+def run(policy: str = "unified", abort_at: int | None = None, async_scheduling: bool = False):
     """The PROMPTS on a pool small enough to preempt; the last request aborted at step ``abort_at``."""
-    llm = make_llm(scheduling_policy=policy, **ENGINE)
+    llm = make_llm(scheduling_policy=policy, async_scheduling=async_scheduling, **ENGINE)
     with llm.record() as trace:
         ids = [llm.add_request(p, greedy(10)) for p in PROMPTS]
         mid = None
         while llm.has_unfinished_requests():
             llm.step()
-            if trace.step_ids[-1] == abort_at:
+            if trace.step_ids and trace.step_ids[-1] == abort_at:
                 llm.abort_request(ids[-1])
             if mid is None and len(trace.step_ids) == 6:
                 mid = trace.lifecycle  # read while recording: later reads extend it
@@ -36,9 +36,9 @@ def lives(trace) -> dict:
     return {rid: g for rid, g in trace.lifecycle.groupby("request_id", sort=False)}
 
 
-@pytest.mark.parametrize("policy", ["unified", "prefill_first"])
-def test_lifecycle_agrees_with_the_engines_request_metrics(policy):
-    trace, _ = run(policy)
+@pytest.mark.parametrize("policy,async_scheduling", [("unified", False), ("prefill_first", False), ("unified", True)])
+def test_lifecycle_agrees_with_the_engines_request_metrics(policy, async_scheduling):
+    trace, _ = run(policy, async_scheduling=async_scheduling)
     req = trace.requests.set_index("request_id")
     assert req["num_preemptions"].sum() > 0, "the workload should exercise preemption"
     steps = set(trace.step_ids)

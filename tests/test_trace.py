@@ -1,10 +1,13 @@
 """The trace layer on real tiny engines.
 
-One recorded workload per scheduling policy shares a prefix, runs chunked prefill (a small
-token budget) and preempts (a 16-block pool). Two recorders watch it at once: ``full`` keeps a
-pool snapshot per step, ``blocks`` only the events, so the pool rebuilt from the events can be
-compared with the snapshot at every step. A ``step.scheduled`` hook copies the block tables the
-runner receives, as an independent witness for ``block_tables`` and ``slot_mapping``.
+One recorded workload per scheduling policy, synchronous and with async scheduling, shares a
+prefix, runs chunked prefill (a small token budget), preempts (a 16-block pool) and has requests
+stop on a token (under async scheduling, after their next step was already scheduled). Two
+recorders watch it at once: ``full`` keeps a pool snapshot per step (the block manager at
+``step.end``), ``blocks`` only the events, so the pool rebuilt from the events can be compared
+with the snapshot at every step. A wrapper around the runner's launch copies the block tables
+the runner holds for each forward pass, as an independent witness for ``block_tables`` and
+``slot_mapping``.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import pandas as pd
 import pytest
 from pandas.testing import assert_frame_equal
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import greedy, make_llm, token_ids, watch_launches
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
@@ -28,12 +31,14 @@ VOCAB = 320
 POOL = ("state", "ref_count", "block_hash", "num_tokens")
 
 
-def _workload(seed: int = 7, n: int = 8) -> tuple[list[list[int]], list]:
+def _workload(seed: int = 7, n: int = 8, stops: bool = True) -> tuple[list[list[int]], list]:
     rng = random.Random(seed)
     system = [rng.randrange(3, VOCAB) for _ in range(21)]
     prompts = [(system if i % 2 == 0 else system[:9]) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
                for i in range(n)]
-    return prompts, [greedy(rng.randrange(6, 20)) for _ in prompts]
+    # Every third request stops on a token (a third of the vocabulary), at a step no length predicts.
+    return prompts, [greedy(rng.randrange(6, 20), **({"stop_token_ids": list(range(3, VOCAB // 3)), "min_tokens": 2}
+                                                  if stops and i % 3 == 2 else {})) for i in range(n)]
 
 
 def _tight_llm(**config) -> LLM:
@@ -48,26 +53,23 @@ class Run:
     blocks: Trace
     outputs: list[RequestOutput]
     runner_tables: dict[int, dict[str, list[int]]]  # step -> request id -> table the runner got
+    ahead: list[bool] = None  # per launch: whether it was planned before the step before came back
 
 
-def _record(llm: LLM, max_steps: int = 10_000) -> Run:
-    engine, runner = llm.llm_engine, {}
-
-    def witness(info):  # after the step ran: the runner's own copy of each scheduled table
-        tables = engine.executor.block_tables
-        runner[info.step] = {info.request_ids[r.seq_id]: tables.get(r.seq_id)
-                             for r in info.scheduler_output.requests}
-
+def _record(llm: LLM, max_steps: int = 10_000, hooks: dict | None = None) -> Run:
+    tables, ahead = watch_launches(llm)
     prompts, params = _workload()
-    with llm.hooks({"step.end": witness}), llm.record("full", max_steps) as full, \
-            llm.record("blocks", max_steps) as blocks:
+    with llm.record("full", max_steps) as full, llm.record("blocks", max_steps) as blocks, llm.hooks(hooks or {}):
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    return Run(llm, full, blocks, outputs, runner)
+    assert any(ahead) == llm.llm_engine.async_scheduling, "block-level recording must keep the engine's mode"
+    return Run(llm, full, blocks, outputs, tables, ahead)
 
 
-@pytest.fixture(scope="module", params=["unified", "prefill_first"])
+@pytest.fixture(scope="module", params=[("unified", False), ("prefill_first", False), ("unified", True),
+                                        ("prefill_first", True)], ids=lambda p: f"{p[0]}-{'async' if p[1] else 'sync'}")
 def run(request) -> Run:
-    return _record(_tight_llm(scheduling_policy=request.param))
+    policy, async_scheduling = request.param
+    return _record(_tight_llm(scheduling_policy=policy, async_scheduling=async_scheduling))
 
 
 def _assert_replay_equals_snapshot(run: Run) -> None:
@@ -85,6 +87,11 @@ def test_workload_shares_prefixes_preempts_and_chunks(run):
     assert run.full.steps["num_preemptions"].sum() > 0
     prefill = run.blocks.scheduled().query("is_prefill")
     assert (prefill.groupby("request_id").size() > 1).any(), "some prompt should span several steps"
+    stopped = run.blocks.queues().query("queue == 'finished'").set_index("request_id").step
+    assert len(stopped) == len(run.outputs) and any(o.outputs[0].finish_reason == "stop" for o in run.outputs)
+    if run.llm.llm_engine.async_scheduling:  # a request stopped while its next step was already launched
+        sched = run.blocks.scheduled()
+        assert (sched.step > sched.request_id.map(stopped)).any()
 
 
 def test_replay_equals_snapshot(run):
@@ -93,6 +100,14 @@ def test_replay_equals_snapshot(run):
     last = run.blocks.step_ids[-1]
     for b in np.flatnonzero(bm.block_hash >= 0):  # token contents rebuilt from the scheduled rows
         assert run.blocks.block_tokens(last, int(b)) == bm.block_tokens[b].tolist()
+
+
+def test_each_life_ends_once_with_its_last_row(run):
+    """Under async scheduling a request that stopped may have a row in the next step: it ran,
+    but the request's life ended with the step before."""
+    for rid, life in run.blocks.lifecycle.groupby("request_id", sort=False):
+        ended = life.state.isin(["finished", "aborted"]).tolist()
+        assert ended == [False] * (len(life) - 1) + [True], f"{rid}: {life.state.tolist()}"
 
 
 def test_step_counts_add_up(run):
@@ -115,7 +130,9 @@ def test_step_counts_add_up(run):
     for step, cached in zip(steps.step, steps.num_cached_blocks):
         assert (trace.pool_arrays(step)["state"] == 2).sum() == cached
     timings = steps[["schedule_s", "prepare_s", "forward_s", "postprocess_s"]]
-    assert (timings >= 0).all().all() and (steps.duration_s >= timings.sum(axis=1) - 1e-9).all()
+    assert (timings >= 0).all().all()
+    if not run.llm.llm_engine.async_scheduling:  # (async: a step's launch overlaps the step before)
+        assert (steps.duration_s >= timings.sum(axis=1) - 1e-9).all()
 
 
 def test_requests_agree_with_request_outputs(run):
@@ -146,6 +163,10 @@ def test_prefix_cache_hits_are_the_admissions_cached_tokens(run):
 
 
 def test_block_tables_and_slot_mapping_are_the_runners(run):
+    _assert_tables_are_the_runners(run)
+
+
+def _assert_tables_are_the_runners(run: Run) -> None:
     trace, bs = run.blocks, run.blocks.block_size
     for step in trace.step_ids:
         tables = trace.block_tables(step)
@@ -163,6 +184,42 @@ def test_block_tables_and_slot_mapping_are_the_runners(run):
     assert_frame_equal(trace.slot_mapping(), per_step)
     assert_frame_equal(trace.block_tables(), pd.concat([trace.block_tables(s) for s in trace.step_ids],
                                                        ignore_index=True))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_replay_holds_across_aborts_from_hooks(async_scheduling, tmp_path):
+    """Aborts from a ``step.scheduled`` hook (the row is dropped before its launch), a
+    ``step.end`` hook (under async scheduling the request's next row is already launched) and a
+    ``request.preempted`` hook keep the replay equal to the snapshots and the tables the
+    runner's, survive save/load, and change no token against the same run unrecorded."""
+    victims: dict[LLM, list[str]] = {}
+
+    def hooks(llm: LLM) -> dict:
+        def abort_at(step: int, rid: str):
+            return lambda **p: (p.get("step") or p["info"].step) == step and llm.abort_request(rid)
+
+        def abort_first_victim(request_id: str, **_) -> None:
+            if not victims.setdefault(llm, []):
+                victims[llm].append(request_id)
+                llm.abort_request(request_id)
+        return {"step.scheduled": abort_at(5, "1"), "step.end": abort_at(8, "4"),
+                "request.preempted": abort_first_victim}
+
+    plain = _tight_llm(async_scheduling=async_scheduling)
+    with plain.hooks(hooks(plain)):
+        expected = plain.generate(*_workload(), use_tqdm=False)
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    run = _record(llm, hooks=hooks(llm))
+    assert token_ids(run.outputs) == token_ids(expected) and victims[llm] == victims[plain]
+    reasons = {o.request_id: o.outputs[0].finish_reason for o in run.outputs}
+    assert [reasons[r] for r in ("1", "4", *victims[llm])] == ["abort"] * 3
+    sched = run.blocks.scheduled()
+    assert sched.query("request_id == '1' and step == 5").empty  # its row never ran
+    if async_scheduling:  # aborted at step 8's end, with its step-9 row in flight
+        assert not sched.query("request_id == '4' and step == 9").empty
+    _assert_replay_equals_snapshot(run)
+    _assert_tables_are_the_runners(run)
+    _assert_same_trace(run.blocks, Trace.load(run.blocks.save(tmp_path / "blocks")))
 
 
 def test_blocks_view(run):
@@ -218,6 +275,7 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
     rows agree with the outputs they end with."""
     llm = _tight_llm(async_scheduling=async_scheduling)
     prompts, params = _workload()
+    tables, _ = watch_launches(llm)
     ids = [llm.llm_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     outputs = {}
     for _ in range(3):
@@ -225,9 +283,14 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
     engine = llm.llm_engine
     assert engine.scheduler.running and engine.scheduler.waiting
     unfinished = set(ids) - set(outputs)
-    with llm.record("summary") as trace:
-        while llm.has_unfinished_requests():
+    with llm.record("summary") as trace, llm.record("full") as full, llm.record("blocks") as blocks:
+        while llm.has_unfinished_requests():  # (async: the first recorded step was launched before)
             outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    run = Run(llm, full, blocks, [], tables)
+    first = blocks._records()[0]
+    assert (first.launched(first.step) is None) == async_scheduling  # async: launched before the recording
+    _assert_replay_equals_snapshot(run)
+    _assert_tables_are_the_runners(run)
     rows = trace.requests.set_index("request_id")
     assert set(outputs) == set(ids) and set(rows.index) == unfinished
     for rid in rows.index:
@@ -237,8 +300,9 @@ def test_recording_started_with_requests_queued_and_running(async_scheduling):
         assert r.num_cached_tokens == o.num_cached_tokens
 
 
-def test_ring_buffer_keeps_the_last_steps():
-    llm = _tight_llm()
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_ring_buffer_keeps_the_last_steps(async_scheduling):
+    llm = _tight_llm(async_scheduling=async_scheduling)
     with llm.record("summary") as everything:
         ring = _record(llm, max_steps=7)
     assert ring.full.step_ids == everything.step_ids[-7:] == ring.blocks.step_ids
@@ -279,6 +343,13 @@ def test_save_load_round_trip(run, tmp_path):
     assert run.full.meta["kv_shards"][0]["num_blocks"] == run.full.num_blocks == 16
 
 
+def test_a_trace_saved_without_launches_is_refused_clearly(run, tmp_path):
+    path = run.blocks.save(tmp_path / "old")
+    (path / "launches.parquet").unlink()  # as saved before launches were recorded
+    with pytest.raises(ValueError, match="no launches.parquet.*record it again"):
+        Trace.load(path)
+
+
 def test_round_trip_of_summary_and_wrapped_traces(tmp_path):
     llm = _tight_llm()
     with llm.record("summary") as summary:
@@ -301,6 +372,30 @@ def test_levels_attach_only_their_hooks():
             read()
     with llm.record("blocks"):
         assert len(llm.hooks.block_sinks) == 1 and llm.hooks.active("step.scheduled")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_step_scheduled_fires_right_before_each_launch(async_scheduling):
+    """``step.scheduled`` fires for the step about to be launched (under async scheduling step
+    n+1's, before step n's ``step.end``) with its rows' request ids, and stops no planning ahead."""
+    llm = make_llm(block_size=4, async_scheduling=async_scheduling)
+    order = []
+    runner = llm.llm_engine.executor
+    launch = runner.execute_async
+    runner.execute_async = lambda out: order.append(("launch", out.step, len(out.requests))) or launch(out)
+
+    def scheduled(step, scheduler_output, request_ids):
+        assert sorted(request_ids) == sorted(r.seq_id for r in scheduler_output.requests)
+        order.append(("scheduled", step, len(scheduler_output.requests)))
+
+    with llm.hooks({"step.scheduled": scheduled, "step.end": lambda info: order.append(("end", info.step, 0))}):
+        outputs = llm.generate(*_workload(n=4), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(make_llm(block_size=4).generate(*_workload(n=4), use_tqdm=False))
+    launches = [i for i, e in enumerate(order) if e[0] == "launch"]
+    assert launches and all(order[i - 1] == ("scheduled", *order[i][1:]) for i in launches)
+    ends = {e[1]: i for i, e in enumerate(order) if e[0] == "end"}
+    ahead = [n for n, i in ends.items() if ("scheduled", n + 1) in {e[:2] for e in order[:i]}]
+    assert bool(ahead) == async_scheduling
 
 
 def test_block_hooks_see_the_events_the_recorder_keeps():
@@ -384,7 +479,7 @@ def test_stopping_freezes_the_trace_and_releases_the_engine():
 def test_summary_recording_keeps_async_scheduling_and_agrees_with_sync():
     """A ``summary`` recorder needs no block-level hook, so the engine keeps planning ahead;
     its tables agree with the outputs and with the same recording made synchronously."""
-    prompts, params = _workload()
+    prompts, params = _workload(stops=False)  # (a stop wastes the row async scheduling planned ahead)
     tables = {}
     for mode in (False, True):
         llm = make_llm(block_size=4, enable_prefix_caching=True, async_scheduling=mode)
@@ -422,4 +517,4 @@ def test_full_snapshots_keep_only_what_each_step_changed(run):
         named = {e.block_id for e in rec.block_events}
         assert set(rec.pool.block_ids.tolist()) <= named, f"step {rec.step}"
     changed = sum(len(r.pool.block_ids) for r in recs[1:])
-    assert 0 < changed < run.full.num_blocks * (len(recs) - 1) / 4
+    assert 0 < changed < run.full.num_blocks * (len(recs) - 1) / 3

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("anywidget")
 pytest.importorskip("plotly")
 
-from engine_helpers import greedy, make_llm, token_ids  # noqa: E402
+from engine_helpers import greedy, make_llm, token_ids, watch_launches  # noqa: E402
 from pool_reference import bucket_summary  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
@@ -121,8 +121,12 @@ def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
         assert r["ttft_s"] is None if np.isnan(ttft) else r["ttft_s"] == pytest.approx(ttft)
 
 
-def test_live_views_equal_trace_and_engine_after_each_step():
-    llm = make_llm(**ENGINE)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_live_views_equal_trace_and_engine_after_each_step(async_scheduling):
+    """The live dashboard keeps the engine's mode; after each step its views equal the trace,
+    and its pool the block manager's (under async scheduling: with the next step scheduled)."""
+    llm = make_llm(async_scheduling=async_scheduling, **ENGINE)
+    _, ahead = watch_launches(llm)
     dash = Dashboard(llm, interval=0.001, max_load=1.0)
     engine = llm.llm_engine
     for p in PROMPTS:
@@ -131,7 +135,9 @@ def test_live_views_equal_trace_and_engine_after_each_step():
     browser = None
     while llm.has_unfinished_requests():
         llm.step()
-        n += 1
+        if not dash.trace.step_ids or dash.trace.step_ids[-1] == n:
+            continue  # (async: a step() that only launched; a step of preemptions alone)
+        n = dash.trace.step_ids[-1]
         wait_for(lambda: dash.step == n or dash.last_error, 10)
         assert dash.last_error is None, dash.last_error
         browser = browser or BrowserPool(dash.views["pool"])
@@ -140,6 +146,7 @@ def test_live_views_equal_trace_and_engine_after_each_step():
         assert (browser.ref_count == engine.block_manager.ref_count).all()
         assert dash.views["queues"].queues["running"] == [s.request_id for s in engine.scheduler.running]
     assert dash.trace.steps["num_preemptions"].sum() > 0, "the workload should exercise preemption"
+    assert any(ahead) == async_scheduling, "the dashboard must not switch async scheduling off"
     dash.detach()
     assert dash.slider.max == n and dash.status.value.startswith("detached")
 

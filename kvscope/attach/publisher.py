@@ -141,8 +141,7 @@ class EngineKVEvents:
 
     It records the engine at the ``blocks`` level (a one-step ring buffer, through the hook
     registry the engine hands it) and turns each step record into vLLM's events with the same
-    code as ``trace.kv_events()``; so, like any block-level recorder, it makes the engine step
-    synchronously.
+    code as ``trace.kv_events()``; like any recorder, it leaves async scheduling on.
     """
 
     def __init__(self, engine: Any, publisher: KVEventPublisher) -> None:

@@ -7,11 +7,10 @@ The engine is torch-free: it drives an :class:`~kvscope.engine.executor.Executor
 
 With ``async_scheduling`` (vLLM's flag) a step is scheduled and launched before the previous
 step's tokens are read back, so the CPU work of step n+1 overlaps the GPU work of step n; the
-outputs then trail by one step. ``step.end`` and the ``request.*`` hooks still fire once per
-step (when its tokens are processed, so queues and pool counts already include step n+1's
-scheduling). Block-level hooks and ``step.scheduled`` need each step's pool state exactly as it
-ends, so while one is attached (a ``blocks``/``full`` recorder, a dashboard) the engine steps
-synchronously.
+outputs then trail by one step. Every hook keeps working: ``step.scheduled`` fires for step
+n+1 after it is scheduled and before it is launched; ``step.end`` and the ``request.*`` hooks
+fire once per step, when its tokens are processed, so the block manager then already holds
+step n+1's allocations (docs/ARCHITECTURE.md, "Async scheduling and the trace").
 """
 from __future__ import annotations
 
@@ -278,16 +277,12 @@ class LLMEngine:
 
     def _step(self) -> tuple[list[Request], list[Request]]:
         """One step; returns the requests that got a token and those that finished."""
-        exact = self.hooks.active("step.scheduled") or self.hooks.wants_block_events()
-        if self.async_scheduling and not exact:
-            return self._step_async()
-        if self._in_flight is not None:  # a block-level hook was attached: finish the launched step
-            return self._resolve(self._in_flight)
-        return self._step_sync()
+        return self._step_async() if self.async_scheduling else self._step_sync()
 
     def _schedule(self) -> tuple[SchedulerOutput, float, float, dict[int, str] | None]:
-        """Schedule one step and report its preemptions. Returns the output, its start, its
-        duration, and (for ``step.end`` hooks) the request ids of its rows."""
+        """Schedule one step, report its preemptions and fire ``step.scheduled`` (before the
+        launch, in both modes). Returns the output, its start, its duration, and (for
+        ``step.end`` / ``step.scheduled`` hooks) the request ids of its rows."""
         t0 = time.perf_counter()
         aborts = self._num_aborts
         with self._transition():
@@ -299,9 +294,17 @@ class LLMEngine:
                     self.hooks.fire("request.preempted", step=out.step, request_id=req.request_id,
                                     num_computed_tokens_lost=req.num_tokens)
             request_ids = self._step_request_ids(out)
+        self._discard_aborted_rows(out, aborts)
+        if (out.requests or out.preempted_seq_ids) and self.hooks.active("step.scheduled"):
+            aborts = self._num_aborts
+            with self._transition():  # an abort from the hook drops its row before the launch
+                self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out, request_ids=request_ids)
+            self._discard_aborted_rows(out, aborts)
+        return out, t0, t1 - t0, request_ids
+
+    def _discard_aborted_rows(self, out: SchedulerOutput, aborts: int) -> None:
         if self._num_aborts != aborts:  # a hook aborted requests while this step was scheduled
             self.scheduler.discard_finished_rows(out)
-        return out, t0, t1 - t0, request_ids
 
     def _no_progress(self) -> None:
         if self.scheduler.has_unfinished():
@@ -348,8 +351,8 @@ class LLMEngine:
 
     def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions, taken while all are known
-        (only when a ``step.end`` hook will want them)."""
-        if not self.hooks.active("step.end"):
+        (only when a ``step.end`` or ``step.scheduled`` hook will want them)."""
+        if not (self.hooks.active("step.end") or self.hooks.active("step.scheduled")):
             return None
         live = self.scheduler.requests
         return {i: live[i].request_id for i in chain((r.seq_id for r in out.requests), out.preempted_seq_ids)
@@ -360,8 +363,6 @@ class LLMEngine:
         if out.is_empty and not out.preempted_seq_ids:
             self._no_progress()
             return [], []
-        if self.hooks.active("step.scheduled"):
-            self.hooks.fire("step.scheduled", step=out.step, scheduler_output=out)
         try:
             result = self.executor.execute(out) if out.requests else StepResult(tokens={})
         except BaseException:

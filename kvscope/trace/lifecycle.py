@@ -43,9 +43,14 @@ class LifecycleBuilder:
             self.first_step = rec.step
         now: dict[str, tuple[str, int, int]] = {}  # request id -> (state, tokens, cached tokens)
         sched = rec.scheduled
+        # Under async scheduling a row may belong to a request that ended after it was launched
+        # (it finished in the step before, or was aborted): only a live request's row counts.
+        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted}
         for rid, prefill, start, n, cached in zip(
                 sched.request_ids, sched.is_prefill.tolist(), sched.start.tolist(),
                 sched.num_new_tokens.tolist(), sched.num_cached_tokens.tolist()):
+            if rid not in live:
+                continue
             if prefill:
                 state = "recompute" if rid in self._preempted else "prefill"
             else:

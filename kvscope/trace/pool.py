@@ -2,8 +2,8 @@
 
 A :class:`PoolState` starts from the control plane as it was when recording began (or, once the
 ring buffer has wrapped, right before its oldest step) and advances one :class:`StepRecord` at
-a time: the events before the forward pass, then the token writes of the scheduled rows, then
-the post-processing events. Reference counts are recounted from the events (not copied from
+a time: the events before the launch, then the token writes of the launched rows, then the
+post-processing events. After record n it is the block manager as of step n's ``step.end``. Reference counts are recounted from the events (not copied from
 their payloads), so the replay checks the event stream rather than echoing it.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from kvscope.engine.block_manager import NO_HASH
 from kvscope.engine.hooks import BlockEvent
-from kvscope.trace.record import Scheduled, StepRecord
+from kvscope.trace.record import Launch, Scheduled, StepRecord
 
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
@@ -105,22 +105,31 @@ class PoolState:
 
     def apply(
         self, rec: StepRecord, on_event: EventCallback | None = None,
-        on_forward: Callable[["PoolState"], None] | None = None,
+        on_launch: Callable[["PoolState", Launch], None] | None = None,
     ) -> None:
-        """Advance over one step; ``on_forward`` sees the tables the forward pass used."""
+        """Advance over one record; ``on_launch`` sees the tables each launch's rows used (step
+        n's synchronously, step n+1's under async scheduling)."""
         events = rec.block_events
-        k = rec.num_pre_forward_events
-        for i in range(k):
+        i = 0
+        for launch in rec.launches:
+            for i in range(i, launch.num_events_before):
+                self._event(i, events[i], on_event)
+            i = launch.num_events_before
+            if on_launch is not None:
+                on_launch(self, launch)
+            if launch.rows:
+                self.write(launch.rows)
+        for i in range(i, len(events)):
             self._event(i, events[i], on_event)
-        if on_forward is not None:
-            on_forward(self)
-        sched = rec.scheduled
-        if sched:
-            positions, blocks = token_blocks(sched, self.tables, self.block_size)
-            self.contents[blocks, positions % self.block_size] = sched.token_ids
-            self.computed.update(zip(sched.request_ids, sched.end.tolist()))
-        for i in range(k, len(events)):
-            self._event(i, events[i], on_event)
+
+    def write(self, sched: Scheduled) -> None:
+        """The K/V writes of launched rows: their tokens into their blocks. A row whose request
+        holds no table here (it finished before a recording began) wrote into freed blocks."""
+        tables = self.tables
+        sched = sched.holding(tables)
+        positions, blocks = token_blocks(sched, tables, self.block_size)
+        self.contents[blocks, positions % self.block_size] = sched.token_ids
+        self.computed.update(zip(sched.request_ids, sched.end.tolist()))
 
     def _event(self, i: int, ev: BlockEvent, on_event: EventCallback | None) -> None:
         if on_event is not None:

@@ -4,6 +4,13 @@ The summary fields (one ``trace.steps`` row) are always present. ``blocks`` leve
 scheduled per request, the queues and the block events; ``full`` adds the pool as read from the
 block manager after the step (stored as the change since the previous step).
 
+A record covers the engine's work between two ``step.end`` calls, so replaying records through
+step n gives the block manager's state at step n's ``step.end``. Its :class:`Launch` es say where
+in its block events rows were launched (their K/V written). Synchronously that is step n's rows;
+under async scheduling the window holds step n+1's scheduling and launch before step n's
+post-processing, so it launches step n+1 (and step n too when the engine had nothing in flight)
+(docs/ARCHITECTURE.md, "Async scheduling and the trace").
+
 Block tables and slot mappings are not copied per step: a table only ever changes through
 block events (allocate / share / reuse append, free drops), so :class:`~kvscope.trace.Trace`
 rebuilds the tables of any step from the events, and the slot mapping from the tables and the
@@ -12,7 +19,7 @@ scheduled rows. That keeps recording O(events) instead of O(blocks in all tables
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Container, NamedTuple
 
 import numpy as np
 
@@ -50,7 +57,7 @@ class Scheduled:
         inputs) and the two columns the recorder already read for the step's summary."""
         cols = out.columns
         return cls(
-            [request_ids[r.seq_id] for r in out.requests],
+            list(map(request_ids.__getitem__, cols.seq_id.tolist())),
             cols.start.astype(np.int32), cols.num_new_tokens.astype(np.int32), num_cached_tokens,
             is_prefill, cols.sample, cols.token_ids.astype(np.int32),
         )
@@ -58,9 +65,31 @@ class Scheduled:
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def holding(self, tables: Container[str]) -> "Scheduled":
+        """The rows whose request is in ``tables`` (itself when all are)."""
+        keep = np.fromiter((rid in tables for rid in self.request_ids), dtype=bool, count=len(self))
+        return self if keep.all() else self.subset(keep)
+
+    def subset(self, keep: np.ndarray) -> "Scheduled":
+        """The rows where ``keep`` (bool per row) is true."""
+        per_token = np.repeat(keep, self.num_new_tokens)
+        return Scheduled(
+            [r for r, k in zip(self.request_ids, keep.tolist()) if k], self.start[keep],
+            self.num_new_tokens[keep], self.num_cached_tokens[keep], self.is_prefill[keep],
+            self.sample[keep], self.token_ids[per_token],
+        )
+
     @property
     def end(self) -> np.ndarray:
         return self.start + self.num_new_tokens
+
+
+class Launch(NamedTuple):
+    """Rows launched inside a record: after ``num_events_before`` of its block events."""
+
+    step: int
+    num_events_before: int
+    rows: Scheduled
 
 
 class PoolDelta(NamedTuple):
@@ -108,7 +137,8 @@ class StepRecord:
     # ``blocks`` and ``full`` levels
     scheduled: Scheduled | None = None
     block_events: list[BlockEvent] | None = None
-    num_pre_forward_events: int = 0  # block_events[:n] came before the forward pass
+    num_pre_forward_events: int = 0  # block_events[:n] came before the last launch (after it: post-processing)
+    launches: tuple[Launch, ...] = ()  # step's own, and/or step + 1's (async); none at the end of an async run
     running: list[str] | None = None  # queues after the step, head first
     waiting: list[str] | None = None
     preempted: list[str] | None = None
@@ -120,7 +150,19 @@ class StepRecord:
         """``idle``, ``schedule`` or ``postprocess`` for ``block_events[i]``."""
         if i >= self.num_pre_forward_events:
             return POSTPROCESS
-        return IDLE if self.block_events[i].engine_step < self.step else SCHEDULE
+        launches = self.launches
+        return IDLE if not launches or self.block_events[i].engine_step < launches[0].step else SCHEDULE
+
+    def scheduled_step(self, i: int) -> int | None:
+        """The step whose scheduling (phase ``schedule``) or post-processing (``postprocess``)
+        fired ``block_events[i]``; None for ``idle`` events."""
+        phase = self.event_phase(i)
+        if phase != SCHEDULE:
+            return None if phase == IDLE else self.step
+        return next(launch.step for launch in self.launches if i < launch.num_events_before)
+
+    def launched(self, step: int) -> Launch | None:
+        return next((launch for launch in self.launches if launch.step == step), None)
 
 
 _FIELDS = tuple(StepRecord.__dataclass_fields__)

@@ -20,8 +20,9 @@ import numpy as np
 import pandas as pd
 
 from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
+from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace.pool import PoolState
-from kvscope.trace.record import Scheduled, StepRecord
+from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
 from kvscope.trace.tables import frame
 from kvscope.trace.trace import Trace
@@ -29,6 +30,7 @@ from kvscope.trace.trace import Trace
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.request import Request
+    from kvscope.engine.scheduler_output import SchedulerOutput
     from kvscope.engine.step_info import StepInfo
     from kvscope.outputs import RequestMetrics
 
@@ -103,7 +105,9 @@ class Recorder:
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
         self._pending: list[BlockEvent] = []
-        self._pre_forward = 0
+        # Steps launched since the last step.end: (step, events before it, its output, its request ids).
+        self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
+        self._ahead: Launch | None = None  # launched in the last record for the next one (async)
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
@@ -155,6 +159,7 @@ class Recorder:
             h.remove()
         self._handles.clear()
         self._pending.clear()
+        self._launches.clear()
         for req in list(self._requests.values()):
             req.freeze()
         self.engine = None
@@ -204,17 +209,16 @@ class Recorder:
         req.seq, req.output_len, req.finish_reason = None, len(output_token_ids), finish_reason
         self._finished.append((step, request_id))
 
-    def _on_scheduled(self, **_: Any) -> None:
-        self._pre_forward = len(self._pending)
+    def _on_scheduled(self, scheduler_output: "SchedulerOutput", request_ids: dict[int, str], **_: Any) -> None:
+        self._launches.append((scheduler_output.step, len(self._pending), scheduler_output, request_ids))
 
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
         bm = self.engine.block_manager
         rows, cols = out.requests, out.columns
-        n = len(rows)
         lens = cols.num_new_tokens
-        prefill = np.fromiter((r.is_prefill for r in rows), dtype=bool, count=n)
-        cached = np.fromiter((r.num_cached_tokens for r in rows), dtype=np.int32, count=n)
+        sched = self._step_rows(info) if self._blocks else None
+        prefill, cached = (sched.is_prefill, sched.num_cached_tokens) if sched is not None else _row_flags(rows)
         prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
         admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
         hits = int(cached[admitted].sum())
@@ -236,11 +240,9 @@ class Recorder:
             forward_s=t.get("forward_s", _NAN), sample_s=t.get("sample_s", _NAN),
             postprocess_s=t.get("postprocess_s", _NAN),
         )
-        if self._blocks:
-            rec.scheduled = Scheduled.from_output(out, info.request_ids, prefill, cached)
-            rec.block_events = self._pending.copy()
-            self._pending.clear()
-            rec.num_pre_forward_events, self._pre_forward = self._pre_forward, 0
+        if sched is not None:
+            rec.scheduled = sched
+            self._close_window(rec, info)
             rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
             rec.preempted = [info.request_ids[i] for i in out.preempted_seq_ids]
         if self._snapshots is not None:
@@ -252,6 +254,52 @@ class Recorder:
             except Exception:
                 warn_detached(fn, "trace listener")
                 self._listeners.pop(key, None)
+
+    def _step_rows(self, info: "StepInfo") -> Scheduled:
+        """Step n's rows: built once, when they were launched, in this record or (async) in the
+        previous one. A step launched before the recording began is built now, and its tokens
+        go into the baseline, which predates their write."""
+        for step, _, out, request_ids in self._launches:
+            if step == info.step:
+                return _scheduled(out, request_ids)
+        ahead = self._ahead
+        if ahead is not None and ahead.step == info.step:
+            return ahead.rows
+        out = info.scheduler_output
+        sched = _scheduled(out, info.request_ids)
+        # Its decode inputs were sampled by the step before the recording: each the token at its
+        # row's start (-1 stays for a request aborted meanwhile).
+        reqs, ids = self.engine.requests, info.request_ids
+        _fill_placeholders(sched, out, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start] for r in out.requests
+                                        if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
+        with self.lock:
+            self.baseline.write(sched)
+        return sched
+
+    def _close_window(self, rec: StepRecord, info: "StepInfo") -> None:
+        """Hand the record this window's block events and the rows launched in it; under async
+        scheduling those include step n+1's, whose decode inputs (sampled by step n) are known now."""
+        events = self._pending
+        rec.block_events = events.copy()
+        events.clear()
+        step, sampled = info.step, info.sampled
+        launches = []
+        for launched, k, out, request_ids in self._launches:
+            if launched == step:
+                launches.append(Launch(step, k, rec.scheduled))
+            elif launched > step:
+                rows = _scheduled(out, request_ids)
+                _fill_placeholders(rows, out, sampled)
+                launches.append(Launch(launched, k, rows))
+            # (an older launch failed and was rolled back: its events stay, as idle ones)
+        self._launches.clear()
+        rec.launches = tuple(launches)
+        self._ahead = launches[-1] if launches and launches[-1].step > step else None
+        if launches:
+            rec.num_pre_forward_events = launches[-1].num_events_before
+        else:  # nothing launched (the last step of an async run): idle events, then post-processing
+            rec.num_pre_forward_events = next((i for i, e in enumerate(rec.block_events) if e.engine_step > step),
+                                              len(rec.block_events))
 
     def _queries(self, rows: list, admitted: list[int], request_ids: dict[int, str]) -> int:
         """Tokens the step's admissions looked up: each whole sequence, its prompt and what it
@@ -278,3 +326,26 @@ class Recorder:
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
 
+
+def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
+    """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
+    return (np.array([r.is_prefill for r in rows], dtype=bool),
+            np.array([r.num_cached_tokens for r in rows], dtype=np.int32))
+
+
+def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
+    return Scheduled.from_output(out, request_ids, *_row_flags(out.requests))
+
+
+def _fill_placeholders(sched: Scheduled, out: "SchedulerOutput", sampled: dict[int, int]) -> None:
+    """Put the real ids in place of ``PLACEHOLDER`` inputs (decode rows launched before the
+    previous step's tokens came back), from ``sampled`` (seq id -> token: what that step
+    sampled): a decode batch has one per row."""
+    tokens = sched.token_ids
+    at = np.flatnonzero(tokens == PLACEHOLDER)
+    if not len(at) or not sampled:
+        return
+    rows = np.searchsorted(np.cumsum(sched.num_new_tokens), at, side="right")
+    seqs = out.columns.seq_id[rows]
+    # (a row whose step failed for it sampled nothing: it stays -1)
+    tokens[at] = np.array([sampled.get(s, PLACEHOLDER) for s in seqs.tolist()], dtype=tokens.dtype)

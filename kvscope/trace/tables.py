@@ -15,9 +15,9 @@ import numpy as np
 import pandas as pd
 
 from kvscope.engine.hooks import BlockEvent
-from kvscope.trace.events import IDLE, POSTPROCESS
+from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
-from kvscope.trace.record import STEP_COLUMNS, PoolDelta, Scheduled, StepRecord
+from kvscope.trace.record import STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
 _LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
@@ -40,9 +40,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "block_events": {
         "step": _I, "event": _S, "block_id": _I, "request_id": _S, "ref_count": _I,
-        "block_hash": _H, "phase": _S,
+        "block_hash": _H, "phase": _S, "scheduled_step": _H,
     },
     "queues": {"step": _I, "queue": _S, "position": _I, "request_id": _S},
+    # a saved ``blocks``/``full`` trace: where in each record's block events rows were launched
+    "launches": {"step": _I, "launched_step": _I, "num_events_before": _I},
     "block_tables": {"step": _I, "request_id": _S, "logical_block": _I, "physical_block": _I},
     "slot_mapping": {
         "step": _I, "request_id": _S, "position": _I, "token_id": _I, "slot": _I, "block_id": _I,
@@ -88,12 +90,14 @@ def steps_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     return frame("steps", (get(r) for r in records))
 
 
-def scheduled_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
-    parts = [r.scheduled for r in records]
+def scheduled_frame(records: Sequence[StepRecord], tail: Sequence[tuple[int, Scheduled]] = ()) -> pd.DataFrame:
+    """The records' rows, then ``tail``'s ``(step, rows)`` (launched for steps after the last record)."""
+    steps = [r.step for r in records] + [step for step, _ in tail]
+    parts = [r.scheduled for r in records] + [p for _, p in tail]
     lens = np.concatenate([p.num_new_tokens for p in parts]) if parts else np.zeros(0, np.int32)
     tokens = np.concatenate([p.token_ids for p in parts]) if parts else np.zeros(0, np.int32)
     return frame("scheduled", {
-        "step": np.repeat([r.step for r in records], [len(p) for p in parts]).astype(np.int64),
+        "step": np.repeat(steps, [len(p) for p in parts]).astype(np.int64),
         "request_id": [rid for p in parts for rid in p.request_ids],
         **{c: np.concatenate([getattr(p, c) for p in parts]) if parts else []
            for c in ("start", "num_new_tokens", "num_cached_tokens", "is_prefill", "sample")},
@@ -119,9 +123,21 @@ def pool_frames(records: Sequence[StepRecord]) -> tuple[pd.DataFrame, pd.DataFra
 
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     return frame("block_events", (
-        (rec.step, e.event, e.block_id, e.request_id, e.ref_count, e.block_hash, rec.event_phase(i))
+        (rec.step, e.event, e.block_id, e.request_id, e.ref_count, e.block_hash, rec.event_phase(i),
+         rec.scheduled_step(i))
         for rec in records for i, e in enumerate(rec.block_events)
     ))
+
+
+def launches_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
+    return frame("launches", ((rec.step, launch.step, launch.num_events_before)
+                              for rec in records for launch in rec.launches))
+
+
+def launched_beyond(records: Sequence[StepRecord]) -> list[tuple[int, Scheduled]]:
+    """Rows launched for a step that has no record (an async recording's last launch)."""
+    recorded = {rec.step for rec in records}
+    return [(launch.step, launch.rows) for rec in records[-1:] for launch in rec.launches if launch.step not in recorded]
 
 
 def queues_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
@@ -135,27 +151,30 @@ def queues_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
 def records_from_frames(
     level: str, steps: pd.DataFrame, scheduled: pd.DataFrame | None = None,
     block_events: pd.DataFrame | None = None, queues: pd.DataFrame | None = None,
-    pool: tuple[pd.DataFrame, pd.DataFrame] | None = None,
+    launches: pd.DataFrame | None = None, pool: tuple[pd.DataFrame, pd.DataFrame] | None = None,
 ) -> list[StepRecord]:
-    """Rebuild the records a saved trace was made of (the inverse of the ``*_frame`` functions)."""
+    """Rebuild the records a saved trace was made of (the inverse of the ``*_frame`` functions).
+
+    ``scheduled`` may hold steps that ``steps`` lacks: rows an async recording launched in its
+    last record for the step after it (the replay writes them)."""
     cols = [steps[c].tolist() for c in STEP_COLUMNS]
     records = [StepRecord(*vals) for vals in zip(*cols)]
     if level == "summary":
         return records
     step_ids = steps["step"].to_numpy()
-    for rec, rows in zip(records, _split(scheduled, step_ids)):
-        rec.scheduled = Scheduled(
-            rows["request_id"].tolist(),
-            *(rows[c].to_numpy(np.int32) for c in ("start", "num_new_tokens", "num_cached_tokens")),
-            *(rows[c].to_numpy(bool) for c in ("is_prefill", "sample")),
-            np.fromiter(chain.from_iterable(rows["token_ids"]), dtype=np.int32, count=int(rows["num_new_tokens"].sum())),
-        )
+    none = _scheduled(scheduled.iloc[:0])  # (a step of preemptions alone has no rows)
+    rows_of = {int(step): _scheduled(rows) for step, rows in scheduled.groupby("step", sort=False)}
+    for rec, rows in zip(records, _split(launches, step_ids)):
+        rec.scheduled = rows_of.get(rec.step, none)
+        rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in
+                             zip(rows["launched_step"].tolist(), rows["num_events_before"].tolist()))
     for rec, ev in zip(records, _split(block_events, step_ids)):
         phases = ev["phase"].tolist()
+        idle = (rec.launches[0].step if rec.launches else rec.step) - 1
         rec.block_events = [
-            BlockEvent(e, b, rid, ref, None if pd.isna(h) else int(h), rec.step - (p == IDLE))
-            for e, b, rid, ref, h, p in zip(ev["event"], ev["block_id"].tolist(), ev["request_id"],
-                                           ev["ref_count"].tolist(), ev["block_hash"], phases)
+            BlockEvent(e, b, rid, ref, None if pd.isna(h) else int(h), idle if pd.isna(s) else int(s))
+            for e, b, rid, ref, h, s in zip(ev["event"], ev["block_id"].tolist(), ev["request_id"],
+                                           ev["ref_count"].tolist(), ev["block_hash"], ev["scheduled_step"])
         ]
         rec.num_pre_forward_events = sum(p != POSTPROCESS for p in phases)
     for rec, q in zip(records, _split(queues, step_ids)):
@@ -171,10 +190,21 @@ def records_from_frames(
     return records
 
 
+def _scheduled(rows: pd.DataFrame) -> Scheduled:
+    return Scheduled(
+        rows["request_id"].tolist(),
+        *(rows[c].to_numpy(np.int32) for c in ("start", "num_new_tokens", "num_cached_tokens")),
+        *(rows[c].to_numpy(bool) for c in ("is_prefill", "sample")),
+        np.fromiter(chain.from_iterable(rows["token_ids"]), dtype=np.int32, count=int(rows["num_new_tokens"].sum())),
+    )
+
+
 def _split(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[pd.DataFrame]:
     """Per recorded step, its rows of ``df`` (which is sorted by step)."""
-    bounds = np.searchsorted(df["step"].to_numpy(), step_ids, side="left").tolist() + [len(df)]
-    return (df.iloc[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]))
+    steps = df["step"].to_numpy()
+    lo = np.searchsorted(steps, step_ids, side="left").tolist()
+    hi = np.searchsorted(steps, step_ids, side="right").tolist()
+    return (df.iloc[a:b] for a, b in zip(lo, hi))
 
 
 # ------------------------------------------------------------------- parquet

@@ -23,11 +23,11 @@ from kvscope.engine.hooks import BlockEvent
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
-from kvscope.trace.record import StepRecord
+from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
 from kvscope.trace.tables import (
-    SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, pool_frames,
-    queues_frame, read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame,
+    SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
+    pool_frames, queues_frame, read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame,
     write_arrays, write_frame,
 )
 
@@ -78,6 +78,7 @@ class Trace:
         self._cursor_step: int | None = None
         self._cursor_arrays: dict[str, np.ndarray] | None = None
         self._forward: dict[str, list[int]] = {}  # tables of the forward pass of _cursor_step
+        self._launches: dict[int, dict[str, list[int]]] = {}  # step -> tables at its launch, near the cursor
         self._lifecycle: LifecycleBuilder | None = None
         self._snapshots = (SnapshotCursor(self.num_blocks, self.block_size)  # the full level's pool snapshots
                            if self.level == "full" else None)
@@ -237,14 +238,16 @@ class Trace:
         write_frame(self._source.requests_frame(), path / "requests.parquet")
         if self.level == "summary":
             return path
-        for name, df in (("scheduled", scheduled_frame(recs)), ("block_events", block_events_frame(recs)),
-                         ("queues", queues_frame(recs))):
+        tail = launched_beyond(recs)  # saved, so that a loaded trace replays them too
+        for name, df in (("scheduled", scheduled_frame(recs, tail)), ("block_events", block_events_frame(recs)),
+                         ("queues", queues_frame(recs)), ("launches", launches_frame(recs))):
             write_frame(df, path / f"{name}.parquet")
         arrays, tables = baseline_frames(base)
         write_arrays(path / "baseline.parquet", arrays)
         write_frame(tables, path / "baseline_tables.parquet")
         held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
-        ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs)])).tolist()
+        ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs), *(t.token_ids for _, t in tail)]))
+        ids = ids[ids >= 0].tolist()  # (-1: an input a recording that began mid-step never saw)
         write_frame(frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}),
                     path / "tokens.parquet")
         if self.level == "full":
@@ -267,10 +270,14 @@ class Trace:
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
+        if not (path / "launches.parquet").exists():
+            raise ValueError(f"{path}: no launches.parquet; a {level!r} trace saved before kvscope kept "
+                             "async scheduling on under block-level recording cannot be loaded: record it again")
         pool = tuple(read_frame(n, path / f"{n}.parquet") for n in ("pool_changes", "pool_fills")) \
             if level == "full" else None
         records = records_from_frames(
-            level, steps, *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues")),
+            level, steps,
+            *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues", "launches")),
             pool=pool,
         )
         baseline = baseline_from_frames(read_arrays(path / "baseline.parquet"),
@@ -315,9 +322,11 @@ class Trace:
                 self._move(step)
                 return frame(name, columns(rec, self._forward, bs))
         recs, state, _ = self._source.view(with_baseline=True)
+        launches = _first_launch(recs, state)
         parts: list[dict[str, np.ndarray]] = []
         for rec in recs:
-            state.apply(rec, on_forward=lambda s, rec=rec: parts.append(columns(rec, s.tables, bs)))
+            _apply_keeping(state, rec, launches)
+            parts.append(columns(rec, launches.pop(rec.step, {}), bs))
         return frame(name, {c: np.concatenate([p[c] for p in parts]) if parts else [] for c in SCHEMAS[name]})
 
     def _move(self, step: int) -> None:
@@ -336,13 +345,11 @@ class Trace:
         else:
             recs, self._cursor, _ = self._source.view(with_baseline=True)
             i, lo = _index(recs, step), 0
-        for rec in recs[lo:i]:
-            self._cursor.apply(rec)
-
-        def keep(s: PoolState) -> None:
-            self._forward = {rid: list(s.tables[rid]) for rid in recs[i].scheduled.request_ids}
-
-        self._cursor.apply(recs[i], on_forward=keep)
+            self._launches = _first_launch(recs, self._cursor)
+        for k in range(lo, i + 1):  # (step's launch is in its own record, or the one before: async)
+            _apply_keeping(self._cursor, recs[k], self._launches if k >= i - 1 else None)
+        self._launches = {s: t for s, t in self._launches.items() if s >= step}
+        self._forward = self._launches.get(step, {})
         self._cursor_step, self._cursor_arrays = step, None
 
     def _token_text(self, token_id: int) -> str:
@@ -362,8 +369,29 @@ def _index(records: Sequence[StepRecord], step: int) -> int:
     return i
 
 
+def _launch_tables(sched: Scheduled, state: PoolState) -> dict[str, list[int]]:
+    tables = state.tables
+    return {rid: list(tables[rid]) for rid in sched.request_ids if rid in tables}
+
+
+def _apply_keeping(state: PoolState, rec: StepRecord, launches: dict[int, dict[str, list[int]]] | None) -> None:
+    """Advance ``state`` over ``rec``, keeping in ``launches`` the tables its launched rows used."""
+    def keep(s: PoolState, launch: Launch) -> None:
+        launches[launch.step] = _launch_tables(launch.rows, s)
+
+    state.apply(rec, on_launch=keep if launches is not None else None)
+
+
+def _first_launch(recs: Sequence[StepRecord], base: PoolState) -> dict[int, dict[str, list[int]]]:
+    """The first record's forward tables when its step was launched before the trace begins
+    (async scheduling): the baseline's, which lack only requests that finished in the step before."""
+    if not recs or recs[0].launched(recs[0].step) is not None:
+        return {}
+    return {recs[0].step: _launch_tables(recs[0].scheduled, base)}
+
+
 def _table_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
-    rids = rec.scheduled.request_ids
+    rids = rec.scheduled.holding(tables).request_ids
     rows = [tables[rid] for rid in rids]
     lens = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     total = int(lens.sum())
@@ -376,7 +404,7 @@ def _table_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: in
 
 
 def _slot_columns(rec: StepRecord, tables: dict[str, list[int]], block_size: int) -> dict[str, np.ndarray]:
-    sched = rec.scheduled
+    sched = rec.scheduled.holding(tables)
     positions, blocks = token_blocks(sched, tables, block_size)
     offset = positions % block_size
     return {
