@@ -36,8 +36,9 @@ class PaddedBatch:
     real: torch.Tensor            # [b, n] the slot holds a real query row
     out_rows: torch.Tensor        # packed rows of the real slots, in ``real``'s order
     slots: torch.Tensor | None    # [b * L] pool slot of each padded key; None: keys are this step's k/v
-    visible: torch.Tensor         # [b, 1, 1, n, L] query slot may see key slot
+    mask: torch.Tensor            # [b, 1, G * n, L] query row (of each of a KV head's G query heads) may see key
     length: int                   # L
+    whole: bool                   # slot (i, j) is packed row i * n + j, and every row is one: no gather, no scatter
 
 
 def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
@@ -59,8 +60,9 @@ def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int
 
 
 def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, num_rows: int,
-                  block_size: int) -> PaddedBatch:
-    """The padded batch of sequences ``seqs`` (all if None), ``n`` query slots each."""
+                  block_size: int, group: int) -> PaddedBatch:
+    """The padded batch of sequences ``seqs`` (all if None), ``n`` query slots each, for
+    ``group`` query heads per KV head."""
     starts, ends = meta.cu_seqlens_q[:-1].long(), meta.cu_seqlens_q[1:].long()
     context_lens, tables = meta.context_lens.long(), meta.block_tables
     if seqs is not None:
@@ -77,33 +79,39 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
     # Query slot j of a sequence sits at position first_pos + j and sees the keys up to it;
     # that also keeps every real row inside its own history.
     visible = torch.arange(length, device=starts.device) <= (first_pos[:, None] + j)[:, :, None]
+    b = visible.shape[0]
+    mask = visible[:, None, None].expand(b, 1, group, n, length).reshape(b, 1, group * n, length)
+    whole = seqs is None and b * n == num_rows and bool(real.all())
     out_rows = rows[real]
     return PaddedBatch(rows=rows.clamp_(max=max(num_rows - 1, 0)), real=real, out_rows=out_rows,
-                       slots=slots, visible=visible[:, None, None], length=length)
+                       slots=slots, mask=mask, length=length, whole=whole)
 
 
-def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int) -> list[PaddedBatch]:
+def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int, group: int = 1) -> list[PaddedBatch]:
     """Lay one step out as padded batches (the same for every layer): one, or the decode rows
-    apart from the longer queries when a step has both."""
+    apart from the longer queries when a step has both. ``group``: query heads per KV head."""
     if meta.decode_only or meta.max_seqlen_q == 1:
-        return [_padded_batch(meta, None, 1, num_rows, block_size)]
+        return [_padded_batch(meta, None, 1, num_rows, block_size, group)]
     decode = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]) == 1
     if not bool(decode.any()):
-        return [_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size)]
-    return [_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size),
-            _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size)]
+        return [_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size, group)]
+    return [_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size, group),
+            _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size, group)]
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
-            scale: float, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
-    """One SDPA call over ``batch``; its real rows are written into ``out``."""
+            scale: float, k: torch.Tensor, v: torch.Tensor,
+            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> torch.Tensor:
+    """One SDPA call over ``batch``: ``[b, n, Hq, D]``, padding slots included."""
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
     b, n = batch.rows.shape
     group = hq // hkv
+    if batch.mask.shape[2] != group * n:
+        raise ValueError(f"the plan was made for {batch.mask.shape[2] // n} query heads per KV head, "
+                         f"not {group}")
     if batch.slots is None:
-        keys, values = k[batch.rows], v[batch.rows]                   # [b, n, Hkv, D]
+        keys, values = (k.view(b, n, hkv, d), v.view(b, n, hkv, d)) if batch.whole else (k[batch.rows], v[batch.rows])
         # An fp8 pool: what a read of the pool would give, so chunking never changes the result.
         keys = dequantize_kv(quantize_kv(keys, k_scale, k_cache.dtype), k_scale, q.dtype)
         values = dequantize_kv(quantize_kv(values, v_scale, v_cache.dtype), v_scale, q.dtype)
@@ -112,12 +120,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
         values = v_cache.view(-1, hkv, d).index_select(0, batch.slots).view(b, batch.length, hkv, d)
         keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
     # [b, n, Hq, D] -> [b, Hkv, G*n, D]: a KV head's query heads as extra query rows
-    queries = q[batch.rows].view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
-    mask = batch.visible.expand(b, 1, group, n, batch.length).reshape(b, 1, group * n, batch.length)
+    rows = q.view(b, n, hq, d) if batch.whole else q[batch.rows]
+    queries = rows.view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
     o = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=mask, scale=scale)
-    o = o.view(b, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
-    out[batch.out_rows] = o[batch.real].to(out.dtype)
+                                       attn_mask=batch.mask, scale=scale)
+    return o.view(b, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
 
 
 def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -128,9 +135,12 @@ def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     hq, hkv = q.shape[1], k_cache.shape[2]
     if hq % hkv:
         raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
+    if len(plan) == 1 and plan[0].whole:  # the batch is the packed rows: nothing to scatter
+        return _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).view(q.shape).to(q.dtype)
     out = torch.zeros_like(q)
     for batch in plan:
-        _attend(q, k_cache, v_cache, batch, scale, k, v, out, k_scale, v_scale)
+        o = _attend(q, k_cache, v_cache, batch, scale, k, v, k_scale, v_scale)
+        out[batch.out_rows] = o[batch.real].to(out.dtype)
     return out
 
 
@@ -140,5 +150,5 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     their sequence's history in the pool, which already holds this step's ``k``/``v``
     ``[T, Hkv, D]`` (read from those directly when ``meta.no_prefix``); rows past
     ``cu_seqlens_q[-1]`` come back as zeros."""
-    plan = plan_batches(meta, q.shape[0], k_cache.shape[1])
+    plan = plan_batches(meta, q.shape[0], k_cache.shape[1], q.shape[1] // k_cache.shape[2])
     return attend_planned(q, k_cache, v_cache, plan, scale, k, v)
