@@ -136,7 +136,7 @@ def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if hq % hkv:
         raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
     if len(plan) == 1 and plan[0].whole:  # the batch is the packed rows: nothing to scatter
-        return _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).view(q.shape).to(q.dtype)
+        return _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).reshape(q.shape).to(q.dtype)
     out = torch.zeros_like(q)
     for batch in plan:
         o = _attend(q, k_cache, v_cache, batch, scale, k, v, k_scale, v_scale)
