@@ -14,8 +14,13 @@ batch of their own (two calls per layer, still no loop over sequences).
 Grouped-query heads are never repeated: the ``G`` query heads that share a KV head become
 ``G * n`` query rows of that head, so each key is read once per KV head.
 
-Everything that depends only on the step's layout (:func:`plan_batches`) is computed once per
-step and reused by every layer.
+A decode batch (one query row per sequence) that reads the pool gathers its keys head-major
+instead, ``[B * Hkv, L, D]``, and attends with two batched matmuls and a softmax under an
+additive ``-inf`` bias: at this size SDPA's general kernel costs more than the arithmetic.
+
+Everything that depends only on the step's layout (:func:`plan_batches`: slots, masks, biases,
+whether the batch is the packed rows themselves, so nothing needs gathering or scattering) is
+computed once per step and reused by every layer.
 """
 from __future__ import annotations
 
