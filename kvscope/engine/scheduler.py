@@ -190,10 +190,17 @@ class Scheduler:
         return num_cached_blocks < (req.num_tokens - 1) // self.block_manager.block_size
 
     def _blocks_in_flight(self) -> set[int]:
-        """Hashes of the running requests' computed (or being computed) full blocks that the
-        prefix cache does not hold yet."""
+        """Hashes of the computed (or being computed) full prompt blocks of running requests
+        that the prefix cache does not hold yet. The scan starts at the tail of ``running``
+        (the latest admissions) and stops at the first request that has sampled a token and
+        has its whole prompt in the cache, so a step of steady decode pays one check; a
+        prefilling request further in (rare) is missed, and one that shares its blocks then
+        computes them again, as it would without this."""
         hashes: set[int] = set()
-        for req in self.running:
+        bs = self.block_manager.block_size
+        for req in reversed(self.running):
+            if req.num_hashed_blocks >= req.prefill_len // bs and req.num_output_tokens:
+                break
             hashes.update(self._unhashed_blocks(req))
         return hashes
 
