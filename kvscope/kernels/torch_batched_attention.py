@@ -130,8 +130,10 @@ def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     b = batch.rows.shape[0]
     keys = k_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
     values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
-    keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
-    queries = (q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d)
+    # Scores and softmax in float32 whatever the model's dtype, as SDPA and the reference do.
+    f32 = torch.float32
+    keys, values = dequantize_kv(keys, k_scale, f32).to(f32), dequantize_kv(values, v_scale, f32).to(f32)
+    queries = (q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d).to(f32)
     scores = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale)
     return torch.bmm(scores.softmax(dim=-1), values).view(b, 1, hq, d)
 
