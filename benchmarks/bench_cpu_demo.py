@@ -7,12 +7,14 @@ is timed ``--repeats`` times after a warm-up, the arms taking turns round by rou
 from other jobs on the machine falls on all of them alike; the median is reported, with the best
 run and the median CPU time of the process (less sensitive to other jobs taking the cores).
 
-Arms: kvscope for each ``--kvscope BACKEND:THREADS`` (``torch``: the batched backend;
+Arms: kvscope for each ``--kvscope BACKEND:THREADS[:noprefix]`` (``torch``: the batched backend;
 ``torch_reference``: the one-sequence-at-a-time reference, the backend before issue 19;
-``auto`` threads: kvscope's automatic ``cpu_threads``); transformers for each ``--hf-threads``.
+``auto`` threads: kvscope's automatic ``cpu_threads``; ``noprefix``: prefix caching off, so
+every prompt token is computed, as before in-batch prefix sharing let the prompts that share
+blocks compute them once); transformers for each ``--hf-threads``.
 Finally it checks that kvscope's tokens equal transformers' up to kvscope's first EOS.
 
-    python benchmarks/bench_cpu_demo.py [--kvscope torch:auto torch:2 torch_reference:auto]
+    python benchmarks/bench_cpu_demo.py [--kvscope torch:auto torch:2:noprefix torch_reference:auto]
                                         [--hf-threads 1 2] [--repeats 3]
 """
 from __future__ import annotations
@@ -26,12 +28,13 @@ from typing import Callable
 import torch
 
 
-def kvscope_arm(prompts: list[str], max_tokens: int, backend: str,
-                cpu_threads: int | None) -> tuple[str, Callable[[], list[list[int]]]]:
+def kvscope_arm(prompts: list[str], max_tokens: int, backend: str, cpu_threads: int | None,
+                prefix_caching: bool = True) -> tuple[str, Callable[[], list[list[int]]]]:
     from kvscope import LLM, SamplingParams
     from kvscope.kernels.torch_attention import TorchReferenceBackend
 
-    llm = LLM(device="cpu", cpu_threads=cpu_threads, attention_backend="torch")
+    llm = LLM(device="cpu", cpu_threads=cpu_threads, attention_backend="torch",
+              enable_prefix_caching=prefix_caching)
     runner = llm.llm_engine.executor
     if backend == "torch_reference":
         for layer in runner.attn_layers:
@@ -43,7 +46,7 @@ def kvscope_arm(prompts: list[str], max_tokens: int, backend: str,
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     threads = f"cpu_threads={cpu_threads}" if cpu_threads else f"cpu_threads=auto ({runner.cpu_threads})"
-    return f"kvscope {backend}, {threads}", run
+    return f"kvscope {backend}, {threads}{'' if prefix_caching else ', no prefix caching'}", run
 
 
 def transformers_arm(prompts: list[str], max_tokens: int,
@@ -84,8 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--kvscope", nargs="+", metavar="BACKEND:THREADS",
-                    default=["torch:auto", f"torch:{os.cpu_count() or 1}", "torch_reference:auto"])
+    ap.add_argument("--kvscope", nargs="+", metavar="BACKEND:THREADS[:noprefix]",
+                    default=["torch:auto", "torch:auto:noprefix", "torch:1", "torch_reference:auto"])
     ap.add_argument("--hf-threads", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -96,11 +99,14 @@ def main() -> None:
     load = os.getloadavg()  # other jobs on the machine: the timings depend on it
     arms = []
     for spec in args.kvscope:
-        backend, _, threads = spec.partition(":")
-        if backend not in ("torch", "torch_reference") or not (threads == "auto" or threads.isdigit()):
-            ap.error(f"--kvscope takes BACKEND:THREADS, BACKEND torch or torch_reference and THREADS "
-                     f"auto or a number, got {spec!r}")
-        arms.append(kvscope_arm(prompts, args.max_tokens, backend, None if threads == "auto" else int(threads)))
+        backend, _, rest = spec.partition(":")
+        threads, _, option = rest.partition(":")
+        if (backend not in ("torch", "torch_reference") or not (threads == "auto" or threads.isdigit())
+                or option not in ("", "noprefix")):
+            ap.error(f"--kvscope takes BACKEND:THREADS[:noprefix], BACKEND torch or torch_reference and "
+                     f"THREADS auto or a number, got {spec!r}")
+        arms.append(kvscope_arm(prompts, args.max_tokens, backend, None if threads == "auto" else int(threads),
+                                prefix_caching=option != "noprefix"))
     arms += [transformers_arm(prompts, args.max_tokens, t) for t in args.hf_threads]
     tokens = {name: run() for name, run in arms}  # warm-up, and the tokens compared below
     times: dict[str, list[float]] = {name: [] for name, _ in arms}

@@ -24,6 +24,9 @@ LAYOUTS = {  # kind of each sequence in the step
     "prefill": ["prefill"] * 4,
     "chunks": ["chunk", "chunk", "prefill", "chunk"],
     "mixed": ["decode", "prefill", "chunk", "decode", "chunk", "decode"],
+    "one prompt": ["prefill"],
+    "one chunk": ["chunk"],
+    "equal prompts": ["prefill 9"] * 3,
 }
 PADDING_ROWS = 3  # rows past cu_seqlens_q[-1], slot -1, as a padded runner batch has
 
@@ -32,15 +35,16 @@ def kv_heads_for(group: int) -> int:
     return 1 if group == 8 else 2
 
 
-def random_step(layout: str, group: int, block_size: int, seed: int):
-    """One step of ``layout`` on a fragmented pool full of garbage, with padding rows."""
+def random_step(layout: str, group: int, block_size: int, seed: int, padding: int = PADDING_ROWS):
+    """One step of ``layout`` on a fragmented pool full of garbage, with ``padding`` rows."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     hkv = kv_heads_for(group)
     shapes = []  # (context length, query rows)
     for kind in LAYOUTS[layout]:
-        length = rng.randint(3, 40)
-        shapes.append((length, {"decode": 1, "prefill": length, "chunk": rng.randint(2, length - 1)}[kind]))
+        length = 9 if kind == "prefill 9" else rng.randint(3, 40)
+        n = {"decode": 1, "chunk": rng.randint(2, length - 1)}.get(kind, length)
+        shapes.append((length, n))
     pages = [-(-length // block_size) for length, _ in shapes]
     num_blocks = sum(pages) + 4
     free = list(range(num_blocks))
@@ -54,20 +58,22 @@ def random_step(layout: str, group: int, block_size: int, seed: int):
         for p in range(length - n):
             k_cache[table[p // block_size], p % block_size] = torch.randn(hkv, D, generator=gen)
             v_cache[table[p // block_size], p % block_size] = torch.randn(hkv, D, generator=gen)
-    rows = meta.num_tokens + PADDING_ROWS
-    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((PADDING_ROWS,), -1)])
+    rows = meta.num_tokens + padding
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((padding,), -1)])
     q = torch.randn(rows, hkv * group, D, generator=gen)
     k = torch.randn(rows, hkv, D, generator=gen)
     v = torch.randn(rows, hkv, D, generator=gen)
     return meta, q, k, v, k_cache, v_cache
 
 
+@pytest.mark.parametrize("padding", [PADDING_ROWS, 0])  # without: a decode step or one sequence is attended in place
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("group", GROUPS)
-def test_batched_backend_matches_the_reference(group: int, block_size: int, layout: str) -> None:
-    meta, q, k, v, k_cache, v_cache = random_step(layout, group, block_size, seed=group * 1000 + block_size)
-    assert meta.decode_only == (layout == "decode") and meta.no_prefix == (layout == "prefill")
+def test_batched_backend_matches_the_reference(group: int, block_size: int, layout: str, padding: int) -> None:
+    meta, q, k, v, k_cache, v_cache = random_step(layout, group, block_size, seed=group * 1000 + block_size,
+                                                  padding=padding)
+    assert meta.decode_only == (layout == "decode") and meta.no_prefix == (layout in ("prefill", "one prompt", "equal prompts"))
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     expected = TorchReferenceBackend().forward(q, k, v, ref_k, ref_v, meta, D ** -0.5)
     out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, D ** -0.5)

@@ -62,7 +62,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
-    def _block_hash_of(self, req: Request, i: int) -> int:
+    def block_hash_of(self, req: Request, i: int) -> int:
         """Hash of ``request``'s full block ``i``, computed once and kept on the request."""
         while len(req.block_hashes) <= i:
             j = len(req.block_hashes)
@@ -81,7 +81,7 @@ class BlockManager:
         hits: list[int] = []
         max_blocks = (req.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            b = self.hash_to_block.get(self._block_hash_of(req, i))
+            b = self.hash_to_block.get(self.block_hash_of(req, i))
             if b is None or not np.array_equal(
                 self.block_tokens[b], req.block_tokens(i, self.block_size)
             ):
@@ -172,7 +172,7 @@ class BlockManager:
             req.num_hashed_blocks = i + 1
             if self.block_hash[b] != NO_HASH:
                 continue
-            h = self._block_hash_of(req, i)
+            h = self.block_hash_of(req, i)
             if h in self.hash_to_block:
                 continue  # the same content was computed twice in one step; keep the first copy
             self.block_hash[b] = h

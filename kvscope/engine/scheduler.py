@@ -142,12 +142,22 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
+        bs = self.block_manager.block_size
+        share = self.block_manager.enable_prefix_caching
+        in_flight: set[int] | None = None  # made on first need
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: re-admit once its tokens are all known
             cached = self.block_manager.find_cached_prefix(req)
-            num_cached = len(cached) * self.block_manager.block_size
+            if share and out.requests and self._may_hit_more(req, len(cached)):
+                if in_flight is None:
+                    in_flight = self._blocks_in_flight()
+                if self.block_manager.block_hash_of(req, len(cached)) in in_flight:
+                    deferred.append(self.waiting.popleft())
+                    continue
+            num_cached = len(cached) * bs
             n = req.num_tokens - num_cached
             if n > budget and not chunked:
                 break
@@ -164,6 +174,40 @@ class Scheduler:
             self.running.append(req)
             out.requests.append(self._scheduled(req, n, num_cached))
             budget -= n
+            if in_flight is not None:
+                in_flight.update(self._unhashed_blocks(req))
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
+
+    # In-batch prefix sharing. A waiting request whose next uncached block is being computed
+    # by a running request (in this step, or in one still in flight under async scheduling)
+    # waits, and is admitted once that block is in the prefix cache instead of computing it a
+    # second time. Each wait is for a block that the next update registers (or that leaves
+    # with its preempted or finished request), so a request waits at most a step or two per
+    # block of its prompt, and never while nothing else is scheduled.
+    def _may_hit_more(self, req: Request, num_cached_blocks: int) -> bool:
+        """Whether ``req`` has a block past its cached prefix that the cache could give it
+        (full, and not holding its last token), so waiting could help."""
+        return num_cached_blocks < (req.num_tokens - 1) // self.block_manager.block_size
+
+    def _blocks_in_flight(self) -> set[int]:
+        """Hashes of the computed (or being computed) full prompt blocks of running requests
+        that the prefix cache does not hold yet. The scan starts at the tail of ``running``
+        (the latest admissions) and stops at the first request that has sampled a token and
+        has its whole prompt in the cache, so a step of steady decode pays one check; a
+        prefilling request further in (rare) is missed, and one that shares its blocks then
+        computes them again, as it would without this."""
+        hashes: set[int] = set()
+        bs = self.block_manager.block_size
+        for req in reversed(self.running):
+            if req.num_hashed_blocks >= req.prefill_len // bs and req.num_output_tokens:
+                break
+            hashes.update(self._unhashed_blocks(req))
+        return hashes
+
+    def _unhashed_blocks(self, req: Request) -> list[int]:
+        bs = self.block_manager.block_size
+        full = min(req.num_computed_tokens, req.num_tokens) // bs
+        return [self.block_manager.block_hash_of(req, i) for i in range(req.num_hashed_blocks, full)]
 
     def _scheduled(self, req: Request, n: int, num_cached: int = 0) -> ScheduledRequest:
         """The step's share of ``req``; marks those tokens computed and the sample pending."""

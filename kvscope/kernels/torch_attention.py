@@ -112,14 +112,14 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         # The step layout is the same for every layer: planned at the first, reused by the rest.
-        self._planned: tuple[AttentionMetadata, tuple[int, int], list[PaddedBatch]] | None = None
+        self._planned: tuple[AttentionMetadata, tuple[int, int, int, int], list[PaddedBatch]] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
                 v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        shape = (q.shape[0], k_cache.shape[1])
+        shape = (q.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2])
         if self._planned is None or self._planned[0] is not meta or self._planned[1] != shape:
             self._planned = (meta, shape, plan_batches(meta, *shape))
         return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v, k_scale, v_scale)

@@ -14,8 +14,13 @@ batch of their own (two calls per layer, still no loop over sequences).
 Grouped-query heads are never repeated: the ``G`` query heads that share a KV head become
 ``G * n`` query rows of that head, so each key is read once per KV head.
 
-Everything that depends only on the step's layout (:func:`plan_batches`) is computed once per
-step and reused by every layer.
+A decode batch (one query row per sequence) that reads the pool gathers its keys head-major
+instead, ``[B * Hkv, L, D]``, and attends with two batched matmuls and a softmax under an
+additive ``-inf`` bias: at this size SDPA's general kernel costs more than the arithmetic.
+
+Everything that depends only on the step's layout (:func:`plan_batches`: slots, masks, biases,
+whether the batch is the packed rows themselves, so nothing needs gathering or scattering) is
+computed once per step and reused by every layer.
 """
 from __future__ import annotations
 
@@ -36,8 +41,14 @@ class PaddedBatch:
     real: torch.Tensor            # [b, n] the slot holds a real query row
     out_rows: torch.Tensor        # packed rows of the real slots, in ``real``'s order
     slots: torch.Tensor | None    # [b * L] pool slot of each padded key; None: keys are this step's k/v
-    visible: torch.Tensor         # [b, 1, 1, n, L] query slot may see key slot
+    mask: torch.Tensor            # [b, 1, G * n, L] query row (of each of a KV head's G query heads) may see key
     length: int                   # L
+    whole: bool                   # slot (i, j) is packed row i * n + j, and every row is one: no gather, no scatter
+    heads: tuple[int, int]        # (G query heads per KV head, Hkv) the batch was laid out for
+    # Decode batches (n = 1) read from the pool: row of each key in the pool seen as [N * bs * Hkv, D],
+    # in [b, Hkv, L] order, and the mask as an additive bias [b * Hkv, 1, L] (0 or -inf).
+    key_rows: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
@@ -59,8 +70,9 @@ def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int
 
 
 def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, num_rows: int,
-                  block_size: int) -> PaddedBatch:
-    """The padded batch of sequences ``seqs`` (all if None), ``n`` query slots each."""
+                  block_size: int, heads: tuple[int, int]) -> PaddedBatch:
+    """The padded batch of sequences ``seqs`` (all if None), ``n`` query slots each, for
+    ``heads`` = (query heads per KV head, KV heads)."""
     starts, ends = meta.cu_seqlens_q[:-1].long(), meta.cu_seqlens_q[1:].long()
     context_lens, tables = meta.context_lens.long(), meta.block_tables
     if seqs is not None:
@@ -77,33 +89,70 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
     # Query slot j of a sequence sits at position first_pos + j and sees the keys up to it;
     # that also keeps every real row inside its own history.
     visible = torch.arange(length, device=starts.device) <= (first_pos[:, None] + j)[:, :, None]
+    b = visible.shape[0]
+    group, hkv = heads
+    mask = visible[:, None, None].expand(b, 1, group, n, length).reshape(b, 1, group * n, length)
+    whole = seqs is None and b * n == num_rows and bool(real.all())
     out_rows = rows[real]
-    return PaddedBatch(rows=rows.clamp_(max=max(num_rows - 1, 0)), real=real, out_rows=out_rows,
-                       slots=slots, visible=visible[:, None, None], length=length)
+    batch = PaddedBatch(rows=rows.clamp_(max=max(num_rows - 1, 0)), real=real, out_rows=out_rows,
+                        slots=slots, mask=mask, length=length, whole=whole, heads=heads)
+    if n == 1 and slots is not None:
+        kv_head = torch.arange(hkv, device=slots.device)
+        batch.key_rows = (slots.view(b, 1, length) * hkv + kv_head[:, None]).view(-1)
+        hidden = torch.zeros(b, 1, length, device=slots.device).masked_fill_(~visible, float("-inf"))
+        batch.bias = hidden.repeat_interleave(hkv, dim=0)
+    return batch
 
 
-def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int) -> list[PaddedBatch]:
+def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int, num_heads: int,
+                 num_kv_heads: int) -> list[PaddedBatch]:
     """Lay one step out as padded batches (the same for every layer): one, or the decode rows
     apart from the longer queries when a step has both."""
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    heads = (num_heads // num_kv_heads, num_kv_heads)
     if meta.decode_only or meta.max_seqlen_q == 1:
-        return [_padded_batch(meta, None, 1, num_rows, block_size)]
+        return [_padded_batch(meta, None, 1, num_rows, block_size, heads)]
     decode = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]) == 1
     if not bool(decode.any()):
-        return [_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size)]
-    return [_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size),
-            _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size)]
+        return [_padded_batch(meta, None, meta.max_seqlen_q, num_rows, block_size, heads)]
+    return [_padded_batch(meta, decode.nonzero().squeeze(1), 1, num_rows, block_size, heads),
+            _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size, heads)]
+
+
+def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
+                   scale: float, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> torch.Tensor:
+    """One query row per sequence, keys from the pool: ``[b, 1, Hq, D]``. The keys are gathered
+    head-major, so each KV head's history is one contiguous matrix and attention is two batched
+    matmuls and a softmax, which on a CPU costs less than SDPA's general kernel at this size."""
+    _, hq, d = q.shape
+    group, hkv = batch.heads
+    b = batch.rows.shape[0]
+    keys = k_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
+    values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
+    # Scores and softmax in float32 whatever the model's dtype, as SDPA and the reference do.
+    f32 = torch.float32
+    keys, values = dequantize_kv(keys, k_scale, f32).to(f32), dequantize_kv(values, v_scale, f32).to(f32)
+    queries = (q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d).to(f32)
+    scores = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale)
+    return torch.bmm(scores.softmax(dim=-1), values).view(b, 1, hq, d)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
-            scale: float, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> None:
-    """One SDPA call over ``batch``; its real rows are written into ``out``."""
+            scale: float, k: torch.Tensor, v: torch.Tensor,
+            k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> torch.Tensor:
+    """Attention over ``batch``: ``[b, n, Hq, D]``, padding slots included."""
     _, hq, d = q.shape
     hkv = k_cache.shape[2]
+    if batch.heads != (hq // hkv, hkv):
+        raise ValueError(f"the plan was made for {batch.heads[0] * batch.heads[1]} query and "
+                         f"{batch.heads[1]} KV heads, not {hq} and {hkv}")
+    if batch.key_rows is not None:
+        return _decode_attend(q, k_cache, v_cache, batch, scale, k_scale, v_scale)
     b, n = batch.rows.shape
     group = hq // hkv
     if batch.slots is None:
-        keys, values = k[batch.rows], v[batch.rows]                   # [b, n, Hkv, D]
+        keys, values = (k.view(b, n, hkv, d), v.view(b, n, hkv, d)) if batch.whole else (k[batch.rows], v[batch.rows])
         # An fp8 pool: what a read of the pool would give, so chunking never changes the result.
         keys = dequantize_kv(quantize_kv(keys, k_scale, k_cache.dtype), k_scale, q.dtype)
         values = dequantize_kv(quantize_kv(values, v_scale, v_cache.dtype), v_scale, q.dtype)
@@ -112,12 +161,11 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
         values = v_cache.view(-1, hkv, d).index_select(0, batch.slots).view(b, batch.length, hkv, d)
         keys, values = dequantize_kv(keys, k_scale, q.dtype), dequantize_kv(values, v_scale, q.dtype)
     # [b, n, Hq, D] -> [b, Hkv, G*n, D]: a KV head's query heads as extra query rows
-    queries = q[batch.rows].view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
-    mask = batch.visible.expand(b, 1, group, n, batch.length).reshape(b, 1, group * n, batch.length)
+    rows = q.view(b, n, hq, d) if batch.whole else q[batch.rows]
+    queries = rows.view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
     o = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=mask, scale=scale)
-    o = o.view(b, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
-    out[batch.out_rows] = o[batch.real].to(out.dtype)
+                                       attn_mask=batch.mask, scale=scale)
+    return o.view(b, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
 
 
 def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -125,12 +173,12 @@ def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    k_scale: torch.Tensor | float = 1.0, v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Attention of every real query row under ``plan``; padding rows come back as zeros. An
     fp8 pool is dequantized as it is gathered."""
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads cannot share {hkv} KV heads evenly")
+    if len(plan) == 1 and plan[0].whole:  # the batch is the packed rows: nothing to scatter
+        return _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).reshape(q.shape).to(q.dtype)
     out = torch.zeros_like(q)
     for batch in plan:
-        _attend(q, k_cache, v_cache, batch, scale, k, v, out, k_scale, v_scale)
+        o = _attend(q, k_cache, v_cache, batch, scale, k, v, k_scale, v_scale)
+        out[batch.out_rows] = o[batch.real].to(out.dtype)
     return out
 
 
@@ -140,5 +188,5 @@ def paged_attention_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     their sequence's history in the pool, which already holds this step's ``k``/``v``
     ``[T, Hkv, D]`` (read from those directly when ``meta.no_prefix``); rows past
     ``cu_seqlens_q[-1]`` come back as zeros."""
-    plan = plan_batches(meta, q.shape[0], k_cache.shape[1])
+    plan = plan_batches(meta, q.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2])
     return attend_planned(q, k_cache, v_cache, plan, scale, k, v)

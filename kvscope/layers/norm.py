@@ -21,9 +21,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        # (The dtype casts are skipped when they would change nothing: a CPU step on the small
+        # model is many small ops, each paying its dispatch.)
+        x32 = x if x.dtype == torch.float32 else x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.weight * (x32 if x.dtype == torch.float32 else x32.to(x.dtype))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -84,9 +84,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by per-token angles; computed in ``x``'s dtype like HF."""
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
+    """Rotate ``x`` ``[T, H, D]`` by per-token angles (``cos``, ``sin``: ``[T, D / 2]``, or
+    ``[T, 1, D / 2]`` in ``x``'s dtype already); computed in ``x``'s dtype like HF."""
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -107,4 +110,5 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
+    cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # once for q and k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -65,12 +65,16 @@ def resolve_kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dt
     return dtype if config.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
+CPU_THREAD_HIDDEN = 128  # auto cpu_threads: one intra-op thread per this much hidden size
+
+
 def resolve_cpu_threads(config: EngineConfig, hf_config: Any) -> int:
-    """Intra-op threads for CPU steps. Small models run several times faster on one thread:
-    their matmuls are too small to pay for thread synchronisation (measured in RESULTS.md)."""
+    """Intra-op threads for CPU steps: torch's setting (the physical cores), but no more than
+    one per ``CPU_THREAD_HIDDEN`` of hidden size, since a small model's matmuls split further
+    cost more in synchronisation than they gain (README, ``cpu_threads``)."""
     if config.cpu_threads is not None:
         return config.cpu_threads
-    return 1 if hf_config.hidden_size < 1024 else torch.get_num_threads()
+    return max(1, min(torch.get_num_threads(), hf_config.hidden_size // CPU_THREAD_HIDDEN))
 
 
 def kv_geometry(hf_config: Any, tp_size: int) -> tuple[int, int, int]:
