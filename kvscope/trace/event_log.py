@@ -9,7 +9,8 @@ request as an index into a :class:`RequestIds` table the whole trace shares (-1 
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence, overload
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
