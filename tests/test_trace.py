@@ -411,7 +411,8 @@ def test_block_hooks_see_the_events_the_recorder_keeps():
         llm.generate(*_workload(), use_tqdm=False)
     ev = trace.block_events
     hashes = [None if pd.isna(h) else int(h) for h in ev.block_hash]
-    assert seen == list(zip(ev.event, ev.block_id, ev.request_id, ev.ref_count, hashes))
+    rids = [None if pd.isna(r) else r for r in ev.request_id]  # (a categorical: NaN for none)
+    assert seen == list(zip(ev.event, ev.block_id, rids, ev.ref_count, hashes))
     assert len(set(ev.event)) >= 5
 
 

@@ -109,7 +109,7 @@ class PoolState:
     ) -> None:
         """Advance over one record; ``on_launch`` sees the tables each launch's rows used (step
         n's synchronously, step n+1's under async scheduling)."""
-        events = rec.block_events
+        events = list(rec.block_events)  # unpacked once: indexing the packed log builds an event per read
         i = 0
         for launch in rec.launches:
             for i in range(i, launch.num_events_before):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Container, NamedTuple
 
 import numpy as np
 
-from kvscope.engine.hooks import BlockEvent
+from kvscope.trace.event_log import EventLog
 from kvscope.trace.events import IDLE, POSTPROCESS, SCHEDULE
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ class StepRecord:
     postprocess_s: float
     # ``blocks`` and ``full`` levels
     scheduled: Scheduled | None = None
-    block_events: list[BlockEvent] | None = None
+    block_events: EventLog | None = None
     num_pre_forward_events: int = 0  # block_events[:n] came before the last launch (after it: post-processing)
     launches: tuple[Launch, ...] = ()  # step's own, and/or step + 1's (async); none at the end of an async run
     running: list[str] | None = None  # queues after the step, head first
@@ -146,24 +146,29 @@ class StepRecord:
     # ``full`` level
     pool: PoolDelta | None = field(default=None)
 
-    def event_phase(self, i: int) -> str:
-        """``idle``, ``schedule`` or ``postprocess`` for ``block_events[i]``."""
-        if i >= self.num_pre_forward_events:
-            return POSTPROCESS
+    def event_phases(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per block event, its phase (an index into ``PHASES``) and the step whose scheduling
+        (``schedule``) or post-processing (``postprocess``) fired it, -1 for ``idle`` events."""
+        events = self.block_events
+        n = len(events) if events is not None else 0
+        i = np.arange(n)
         launches = self.launches
-        return IDLE if not launches or self.block_events[i].engine_step < launches[0].step else SCHEDULE
-
-    def scheduled_step(self, i: int) -> int | None:
-        """The step whose scheduling (phase ``schedule``) or post-processing (``postprocess``)
-        fired ``block_events[i]``; None for ``idle`` events."""
-        phase = self.event_phase(i)
-        if phase != SCHEDULE:
-            return None if phase == IDLE else self.step
-        return next(launch.step for launch in self.launches if i < launch.num_events_before)
+        post = i >= self.num_pre_forward_events
+        idle = ~post
+        if launches:
+            idle &= events.column("engine_step") < launches[0].step
+        bounds = np.array([launch.num_events_before for launch in launches], np.int64)
+        steps = np.array([launch.step for launch in launches] + [-1], np.int64)  # (-1: never read)
+        scheduled = steps[np.searchsorted(bounds, i, side="right")]
+        scheduled[post], scheduled[idle] = self.step, -1
+        phase = np.full(n, PHASES.index(SCHEDULE), np.int8)
+        phase[post], phase[idle] = PHASES.index(POSTPROCESS), PHASES.index(IDLE)
+        return phase, scheduled
 
     def launched(self, step: int) -> Launch | None:
         return next((launch for launch in self.launches if launch.step == step), None)
 
 
+PHASES: tuple[str, ...] = (IDLE, SCHEDULE, POSTPROCESS)  # the codes of StepRecord.event_phases
 _FIELDS = tuple(StepRecord.__dataclass_fields__)
 STEP_COLUMNS: tuple[str, ...] = _FIELDS[: _FIELDS.index("postprocess_s") + 1]  # one trace.steps row

@@ -21,6 +21,7 @@ import pandas as pd
 
 from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
+from kvscope.trace.event_log import EventLog, RequestIds
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
@@ -104,7 +105,8 @@ class Recorder:
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
-        self._pending: list[BlockEvent] = []
+        self._pending: list[BlockEvent] = []  # the engine's sink; packed into an EventLog per record
+        self._request_ids = RequestIds()  # shared by all records' event logs
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
@@ -280,7 +282,7 @@ class Recorder:
         """Hand the record this window's block events and the rows launched in it; under async
         scheduling those include step n+1's, whose decode inputs (sampled by step n) are known now."""
         events = self._pending
-        rec.block_events = events.copy()
+        rec.block_events = EventLog.pack(events, self._request_ids)
         events.clear()
         step, sampled = info.step, info.sampled
         launches = []
@@ -298,8 +300,8 @@ class Recorder:
         if launches:
             rec.num_pre_forward_events = launches[-1].num_events_before
         else:  # nothing launched (the last step of an async run): idle events, then post-processing
-            rec.num_pre_forward_events = next((i for i, e in enumerate(rec.block_events) if e.engine_step > step),
-                                              len(rec.block_events))
+            later = np.flatnonzero(rec.block_events.column("engine_step") > step)
+            rec.num_pre_forward_events = int(later[0]) if len(later) else len(rec.block_events)
 
     def _queries(self, rows: list, admitted: list[int], request_ids: dict[int, str]) -> int:
         """Tokens the step's admissions looked up: each whole sequence, its prompt and what it

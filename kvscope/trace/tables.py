@@ -2,7 +2,8 @@
 
 One schema per table fixes names and dtypes, so an empty table, a filtered one and one read
 back from parquet all compare equal. Strings are ``object`` columns (``None`` for missing),
-hashes nullable ``Int64``, token and owner lists Python lists.
+hashes nullable ``Int64``, token and owner lists Python lists; ``block_events``, the longest
+table, uses categoricals and int32 instead.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from kvscope.engine.hooks import BlockEvent
+from kvscope.engine.hooks import BLOCK_EVENTS
+from kvscope.trace.event_log import EVENT_DTYPE, NONE, EventLog, RequestIds
 from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
-from kvscope.trace.record import STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
+from kvscope.trace.record import PHASES, STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
 _LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
@@ -38,9 +40,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "step": _I, "request_id": _S, "start": _I, "num_new_tokens": _I, "num_cached_tokens": _I,
         "is_prefill": _B, "sample": _B, "token_ids": _L,
     },
+    # compact: a real recording has millions of rows (categories: the request ids present, sorted)
     "block_events": {
-        "step": _I, "event": _S, "block_id": _I, "request_id": _S, "ref_count": _I,
-        "block_hash": _H, "phase": _S, "scheduled_step": _H,
+        "step": "int32", "event": pd.CategoricalDtype(BLOCK_EVENTS), "block_id": "int32",
+        "request_id": "category", "ref_count": "int32", "block_hash": _H,
+        "phase": pd.CategoricalDtype(PHASES), "scheduled_step": "Int32",
     },
     "queues": {"step": _I, "queue": _S, "position": _I, "request_id": _S},
     # a saved ``blocks``/``full`` trace: where in each record's block events rows were launched
@@ -122,11 +126,36 @@ def pool_frames(records: Sequence[StepRecord]) -> tuple[pd.DataFrame, pd.DataFra
 
 
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
-    return frame("block_events", (
-        (rec.step, e.event, e.block_id, e.request_id, e.ref_count, e.block_hash, rec.event_phase(i),
-         rec.scheduled_step(i))
-        for rec in records for i, e in enumerate(rec.block_events)
-    ))
+    """Built from the records' packed columns, never through a tuple per event."""
+    logs = [rec.block_events for rec in records]
+    rows = np.concatenate([log.rows for log in logs]) if logs else np.zeros(0, EVENT_DTYPE)
+    phases = [rec.event_phases() for rec in records]
+    phase = np.concatenate([p for p, _ in phases]) if phases else np.zeros(0, np.int8)
+    scheduled = np.concatenate([s for _, s in phases]) if phases else np.zeros(0, np.int64)
+    return frame("block_events", {
+        "step": np.repeat([rec.step for rec in records], [len(log) for log in logs]).astype(np.int32),
+        "event": pd.Categorical.from_codes(rows["event"], dtype=SCHEMAS["block_events"]["event"]),
+        "block_id": rows["block_id"],
+        "request_id": _request_ids(logs),
+        "ref_count": rows["ref_count"],
+        "block_hash": pd.arrays.IntegerArray(rows["block_hash"], rows["block_hash"] == NONE),
+        "phase": pd.Categorical.from_codes(phase, dtype=SCHEMAS["block_events"]["phase"]),
+        "scheduled_step": pd.arrays.IntegerArray(scheduled.astype(np.int32), scheduled == NONE),
+    })
+
+
+def _request_ids(logs: Sequence[EventLog]) -> pd.Categorical:
+    """The logs' request columns as one categorical whose categories are the ids present, sorted
+    (what a table read back from parquet has, whatever the interning order was)."""
+    tables: dict[int, tuple[RequestIds, list[np.ndarray]]] = {}
+    for log in logs:
+        tables.setdefault(id(log.requests), (log.requests, []))[1].append(log.column("request"))
+    used = sorted({t.names[c] for t, cols in tables.values() for c in np.unique(np.concatenate(cols)).tolist()
+                   if c != NONE})
+    index = {r: i for i, r in enumerate(used)}
+    remap = {k: np.array([index.get(r, NONE) for r in t.names] + [NONE], np.int32) for k, (t, _) in tables.items()}
+    codes = [remap[id(log.requests)][log.column("request")] for log in logs]
+    return pd.Categorical.from_codes(np.concatenate(codes) if codes else np.zeros(0, np.int32), categories=used)
 
 
 def launches_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
@@ -168,15 +197,16 @@ def records_from_frames(
         rec.scheduled = rows_of.get(rec.step, none)
         rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in
                              zip(rows["launched_step"].tolist(), rows["num_events_before"].tolist()))
+    requests = RequestIds(block_events["request_id"].cat.categories)
     for rec, ev in zip(records, _split(block_events, step_ids)):
-        phases = ev["phase"].tolist()
         idle = (rec.launches[0].step if rec.launches else rec.step) - 1
-        rec.block_events = [
-            BlockEvent(e, b, rid, ref, None if pd.isna(h) else int(h), idle if pd.isna(s) else int(s))
-            for e, b, rid, ref, h, s in zip(ev["event"], ev["block_id"].tolist(), ev["request_id"],
-                                           ev["ref_count"].tolist(), ev["block_hash"], ev["scheduled_step"])
-        ]
-        rec.num_pre_forward_events = sum(p != POSTPROCESS for p in phases)
+        rec.block_events = EventLog.from_columns(
+            requests, event=ev["event"].cat.codes.to_numpy(), block_id=ev["block_id"].to_numpy(),
+            request=ev["request_id"].cat.codes.to_numpy(), ref_count=ev["ref_count"].to_numpy(),
+            block_hash=ev["block_hash"].to_numpy(np.int64, na_value=NONE),
+            engine_step=ev["scheduled_step"].to_numpy(np.int64, na_value=idle),
+        )
+        rec.num_pre_forward_events = int((ev["phase"] != POSTPROCESS).sum())
     for rec, q in zip(records, _split(queues, step_ids)):
         for name in QUEUES:
             setattr(rec, name, q["request_id"][q["queue"] == name].tolist())

@@ -23,7 +23,7 @@ from kvscope.engine.hooks import BlockEvent
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
-from kvscope.trace.record import Launch, Scheduled, StepRecord
+from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
@@ -444,12 +444,15 @@ def kv_event_list(records: Sequence[StepRecord], state: PoolState) -> list[tuple
                 add(step, ev)
         resets.clear()
 
+    idle_code = PHASES.index(IDLE)
     for rec in records:
-        def on_event(i: int, ev: BlockEvent, s: PoolState, rec: StepRecord = rec) -> None:
+        phases = rec.event_phases()[0].tolist()
+
+        def on_event(i: int, ev: BlockEvent, s: PoolState, rec: StepRecord = rec, phases: list[int] = phases) -> None:
             b = ev.block_id
             if ev.event == "block.evicted":
                 removed = BlockRemoved([int(s.block_hash[b])], block_id=b, ref_count=ev.ref_count)
-                if rec.event_phase(i) == IDLE:
+                if phases[i] == idle_code:
                     resets.append((rec.step, removed))
                     return
                 flush(s)

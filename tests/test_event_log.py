@@ -1,0 +1,83 @@
+"""The packed block-event log: exactly the events it was built from, and small per event."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_helpers import greedy, make_llm
+from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
+from kvscope.trace.event_log import EventLog, RequestIds
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+from bench_trace_scale import deep_sizeof  # noqa: E402
+
+VOCAB = 320
+
+
+def _prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(24)]
+    return [system[: rng.randrange(0, 24)] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(4, 40))]
+            for _ in range(n)]
+
+
+def _edge_events() -> list[BlockEvent]:
+    """Every kind, missing request ids and hashes, and the extremes of each packed field."""
+    return [
+        BlockEvent(kind, block, rid, ref, h, step)
+        for kind, block, rid, ref, h, step in zip(
+            BLOCK_EVENTS, (0, 2**31 - 1, 5, 6, 7, 8), ("a", None, "a", "b", None, "c"),
+            (1, 0, 3, 2**31 - 1, 0, 1), (None, 0, 2**63 - 1, None, None, 123456789), (0, 1, 2**31 - 1, 3, 4, 5),
+        )
+    ]
+
+
+def test_packed_log_equals_the_events_it_was_built_from():
+    llm = make_llm(block_size=4, num_kv_blocks=24, max_num_batched_tokens=32, enable_prefix_caching=True)
+    events: list[BlockEvent] = []
+    with llm.llm_engine.hooks.add_block_sink(events):
+        llm.generate(_prompts(12), [greedy(8)] * 12, use_tqdm=False)
+        llm.reset_prefix_cache()  # evictions: events without a request id or hash
+    events += _edge_events()
+    assert {e.event for e in events} == set(BLOCK_EVENTS)
+    assert any(e.request_id is None for e in events) and any(e.block_hash is None for e in events)
+
+    requests = RequestIds()
+    log = EventLog.pack(events, requests)
+    assert len(log) == len(events) and list(log) == events
+    assert all(log[i] == events[i] for i in (0, len(events) // 2, -1))
+    assert list(log[5:-7]) == events[5:-7]
+    again = EventLog.pack(events[::-1], requests)  # a second log on the same table reuses its indices
+    assert list(again) == events[::-1] and len(requests.names) == len({e.request_id for e in events} - {None})
+    assert list(EventLog.pack([], requests)) == []
+
+
+def test_block_events_cost_at_most_64_bytes_each_in_a_recorded_trace():
+    """bench_trace_scale's measure (issue 15 part 6) on a CPU recording of 64 requests: what the
+    block events add to the trace (its memory with them, less without them), per event; and the
+    ``block_events`` table's memory per row. (Per-step data and the baseline pool come on top.)"""
+    llm = make_llm(block_size=4, max_num_seqs=64, max_num_batched_tokens=512, async_scheduling=True, validate=False)
+    prompts = _prompts(64, seed=11)
+    with llm.record(level="blocks") as trace:
+        llm.generate(prompts, [greedy(48)] * len(prompts), use_tqdm=False)
+    events = trace.block_events
+    with_events, torch_objects = deep_sizeof(trace)
+    recorder = trace._source
+    for rec in recorder.records:
+        rec.block_events = None
+    recorder._request_ids = None
+    without, _ = deep_sizeof(trace)
+    assert torch_objects == 0 and len(events) > 2000
+    per_event = (with_events - without) / len(events)
+    assert per_event <= 64, f"{per_event:.1f} bytes per block event over {len(events)} events"
+    assert events.memory_usage(deep=True).sum() / len(events) <= 40
+
+
+@pytest.mark.parametrize("field, value", [("block_id", 2**31), ("ref_count", -2**31 - 1), ("block_hash", 2**63)])
+def test_a_value_beyond_its_packed_column_is_refused_not_wrapped(field, value):
+    event = _edge_events()[0]._replace(**{field: value})
+    with pytest.raises(OverflowError):
+        EventLog.pack([event], RequestIds())
