@@ -19,8 +19,8 @@ triton = pytest.importorskip("triton")
 
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
-from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
-                            needs_cuda, rel_err, run_interpreted_tests)
+from triton_testing import (compile_recorded, compile_sm90, compiled_only, interpreted_only,
+                            needs_cuda, record_launches, rel_err, run_interpreted_tests)
 
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
 
@@ -139,31 +139,42 @@ def test_interpreter_suite() -> None:
     run_interpreted_tests(__file__)
 
 
-# (specs, block_size, group, dtype, config, num_splits): every page size against tiles that
-# span several pages, one page, or part of one; GQA 1/2/4; every kind of row in one batch.
+# (specs, block_size, group, head_dim, dtype, config, num_splits): every page size against tiles
+# that span several pages, one page, or part of one; GQA 1/2/4; every kind of row in one batch.
 MIXED = [(0, 7), (5, 3), (13, 1), (0, 1), (16, 9), (30, 1)]
+# Prefills long enough for key tiles wholly below the causal diagonal (the unmasked loop) next
+# to the diagonal's masked tiles, chunked after a cached prefix, and decode rows in between.
+LONG = [(0, 40), (37, 20), (5, 1), (0, 1), (280, 33)]
+CFG16, CFG32 = ta.KernelConfig(16, 16, 4, 1), ta.KernelConfig(32, 16, 4, 1)
+F32, F16 = torch.float32, torch.float16
 INTERP_CASES = [
-    (MIXED, 4, 2, torch.float32, None, None),
-    (MIXED, 1, 4, torch.float16, ta.KernelConfig(16, 16, 4, 1), None),
-    (MIXED, 16, 1, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),
-    (MIXED, 16, 2, torch.float16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
-    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, torch.float32, None, 4),   # decode, split-KV
-    ([(70, 1), (9, 1)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), 32),  # empty splits
-    ([(0, 12), (0, 5)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),  # fresh prefill
+    (MIXED, 4, 2, 32, F32, None, None),
+    (MIXED, 1, 4, 32, F16, CFG16, None),
+    (MIXED, 16, 1, 32, F32, CFG16, None),
+    (MIXED, 16, 2, 32, F16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
+    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, 32, F32, None, 4),   # decode, split-KV
+    ([(70, 1), (9, 1)], 16, 2, 32, F32, CFG16, 32),                 # empty splits
+    ([(0, 12), (0, 5)], 16, 2, 32, F32, CFG16, None),               # fresh prefill
+    (LONG, 1, 2, 32, F32, CFG32, None),                             # a page per key position
+    (LONG, 24, 2, 32, F32, CFG32, None),                            # tiles straddle pages
+    (LONG, 48, 4, 24, F16, CFG32, None),                            # 3 tiles a page; D < BLOCK_D
+    (LONG, 256, 8, 32, F32, None, None),                            # default: a lookup a tile
+    (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
 ]
 
 
 @interpreted_only
-@pytest.mark.parametrize("specs,block_size,group,dtype,config,num_splits", INTERP_CASES)
-def test_interpreted_paged_attention(specs, block_size, group, dtype, config,
+@pytest.mark.parametrize("specs,block_size,group,head_dim,dtype,config,num_splits", INTERP_CASES)
+def test_interpreted_paged_attention(specs, block_size, group, head_dim, dtype, config,
                                      num_splits) -> None:
-    case = make_case(specs, block_size, 2 * group, 2, 32, dtype, "cpu", seed=block_size + group)
+    case = make_case(specs, block_size, 2 * group, 2, head_dim, dtype, "cpu",
+                     seed=block_size + group)
     ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     for i in range(len(specs)):
         k, v = gathered_history(case, i)
         assert torch.equal(k, case.hist_k[i]) and torch.equal(v, case.hist_v[i])
     out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
-                                 config=config, num_splits=num_splits)
+                             config=config, num_splits=num_splits)
     assert rel_err(out, reference(case)) < (1e-5 if dtype == torch.float32 else 3e-3)
 
 
@@ -222,6 +233,7 @@ FP8_CASES = [
     (MIXED, 4, 2, torch.float32, None),
     (MIXED, 16, 4, torch.float16, None),
     ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4),   # decode, split-KV
+    (LONG, 256, 2, torch.float16, None),                            # default prefill tiles
 ]
 
 
@@ -265,8 +277,13 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.store_kvcache(decode.k, decode.v, k8, v8, decode.meta.slot_mapping, *scales)
     ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales)
     ta.paged_attention(mixed.q, *fp8_pools(mixed, *scales), mixed.meta, mixed.scale, *scales)
-    assert [len(r.calls) for r in kernels.values()] == [2, 4, 1]
+    prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
+    assert [len(r.calls) for r in kernels.values()] == [2, 5, 1]
     compile_recorded(kernels)
+    # The default prefill tiles fit one H100/H200 block's shared memory (227 KiB).
+    attention = kernels["_paged_attention_kernel"]
+    assert compile_sm90(attention.fn, attention.calls[-1]).metadata.shared <= 227 * 1024
 
 
 # --- GPU -----------------------------------------------------------------------------------

@@ -10,6 +10,11 @@ one sequence and one KV head, walks that sequence's history through its block ta
 an online softmax in fp32. For decode batches too small to fill the GPU, the same kernel splits
 each history across programs (flash-decoding) and a second kernel merges the partial results.
 Nothing reads device memory on the host, so both launches can be captured in a CUDA graph.
+
+Prefill is compute-bound, so its key loop does the least work per key tile: q carries the
+softmax scale (scores feed ``exp2`` directly), tiles wholly below the causal diagonal run a
+loop with no masks at all, and a tile that sits inside one page costs one block-table lookup
+and loads contiguous rows. Decode is memory-bound and keeps its small tiles.
 """
 from __future__ import annotations
 
@@ -60,29 +65,62 @@ def _quantize(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _key_slots(table, t, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Pool slots of key tile ``t``. A tile that sits inside one page (page size a multiple
+    of BLOCK_N) costs one block-table lookup and its slots are contiguous; otherwise every key
+    position looks up its own page (masked past ``kv_end``, where the table may end)."""
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    if PAGE_SIZE % BLOCK_N == 0:
+        start = t * BLOCK_N
+        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
+        return page * PAGE_SIZE + start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+    if MASKED:
+        page = tl.load(table + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
+    else:
+        page = tl.load(table + pos // PAGE_SIZE)
+    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
+def _load_keys(ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] rows of the pool; zeros where masked. Unmasked tiles load with no
+    mask at all when the head dim fills BLOCK_D, so the loads vectorise fully."""
+    ptrs = ptr + slot[:, None] * c_stride_slot + d[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=pos_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(d < HEAD_DIM)[None, :], other=0.0)
+
+
+@triton.jit
 def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot,
-                      t_begin, t_end, kv_end, scale_log2, d, d_ok,
-                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
-    """Online-softmax update over key tiles [t_begin, t_end); CAUSAL masks keys after each row."""
+                      t_begin, t_end, kv_end, d,
+                      PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Online-softmax update over key tiles [t_begin, t_end) with ``q`` already scaled by
+    softmax scale x log2(e). MASKED tiles (the causal diagonal, the history's end) compare
+    every key with every row; the others are wholly visible to every row and skip that work."""
     for t in range(t_begin, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        # Page of every key position: tiles need not align with pages of any size.
-        page = tl.load(table + pos // PAGE_SIZE, mask=pos_ok, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kt = tl.load(k_ptr + slot[None, :] * c_stride_slot + d[:, None],
-                     mask=pos_ok[None, :] & d_ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, kt) * scale_log2
-        if CAUSAL:
+        slot = _key_slots(table, t, kv_end, PAGE_SIZE, BLOCK_N, MASKED)
+        k = _load_keys(k_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        if MASKED:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * c_stride_slot + d[None, :],
-                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        v = _load_keys(v_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
 
@@ -111,6 +149,10 @@ def _paged_attention_kernel(
     grid needs only host ints (T, B) and a program finds its sequence by binary search.
     """
     tile = tl.program_id(0)
+    if UNMASKED_FIRST:
+        # Causal prefill: the last tiles of a sequence see the most keys, so start them first
+        # and let the short ones fill the tail of the grid.
+        tile = tl.num_programs(0) - 1 - tile
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -140,6 +182,10 @@ def _paged_attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+    # Scores come out of the dot ready for exp2: the scale is applied once per query element.
+    q = (q.to(tl.float32) * scale_log2).to(q.dtype)
 
     # Keys this tile can see end at its last query row; with SPLIT, take one share of them.
     kv_end = first_pos + (tl.minimum(tok0 + BLOCK_Q, q_end) - q_begin)
@@ -152,8 +198,6 @@ def _paged_attention_kernel(
         t_begin = 0
         t_end = num_tiles
 
-    if FP8:
-        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -168,10 +212,10 @@ def _paged_attention_kernel(
                               t_end)
         m_i, l_i, acc = _attend_key_tiles(
             q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_begin, t_masked,
-            kv_end, scale_log2, d, d_ok, PAGE_SIZE, BLOCK_N, False)
+            kv_end, d, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False)
     m_i, l_i, acc = _attend_key_tiles(
         q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_masked, t_end,
-        kv_end, scale_log2, d, d_ok, PAGE_SIZE, BLOCK_N, True)
+        kv_end, d, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True)
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -224,7 +268,7 @@ class KernelConfig:
 
 
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 MAX_SPLITS = 32
 
 
