@@ -65,21 +65,16 @@ def _quantize(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _key_slots(table, t, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr):
-    """Pool slots of key tile ``t``. A tile that sits inside one page (page size a multiple
-    of BLOCK_N) costs one block-table lookup and its slots are contiguous; otherwise every key
-    position looks up its own page (masked past ``kv_end``, where the table may end)."""
-    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+def _tile_pages(table, t, t_end, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block-table entries of key tile ``t`` (zeros for a tile at or past ``t_end``). A tile
+    inside one page (page size a multiple of BLOCK_N) needs one entry and its slots are
+    contiguous; otherwise each key position has its own (zero past ``kv_end``)."""
     if PAGE_SIZE % BLOCK_N == 0:
-        start = t * BLOCK_N
-        page = tl.load(table + start // PAGE_SIZE).to(tl.int64)
-        return page * PAGE_SIZE + start % PAGE_SIZE + tl.arange(0, BLOCK_N)
-    if MASKED:
-        page = tl.load(table + pos // PAGE_SIZE, mask=pos < kv_end, other=0)
+        pages = tl.load(table + (t * BLOCK_N) // PAGE_SIZE, mask=t < t_end, other=0)
     else:
-        page = tl.load(table + pos // PAGE_SIZE)
-    return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pages = tl.load(table + pos // PAGE_SIZE, mask=(pos < kv_end) & (t < t_end), other=0)
+    return pages
 
 
 @triton.jit
@@ -103,10 +98,14 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
     """Online-softmax update over key tiles [t_begin, t_end) with ``q`` already scaled by
     softmax scale x log2(e). MASKED tiles (the causal diagonal, the history's end) compare
     every key with every row; the others are wholly visible to every row and skip that work."""
+    pages = _tile_pages(table, t_begin, t_end, kv_end, PAGE_SIZE, BLOCK_N)
     for t in range(t_begin, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        slot = _key_slots(table, t, kv_end, PAGE_SIZE, BLOCK_N, MASKED)
+        slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        # Look up the next tile's pages now: a K/V address that depends on a load of the same
+        # iteration keeps Triton's pipeliner from fetching K/V more than one tile ahead.
+        pages = _tile_pages(table, t + 1, t_end, kv_end, PAGE_SIZE, BLOCK_N)
         k = _load_keys(k_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
