@@ -38,9 +38,10 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
 DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in
                 ((32, 4, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2))]
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
-PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s) for m, n, w, s in (
-    (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3),
-    (64, 128, 4, 3))]
+PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
+    (128, 64, 8, 3, False), (128, 64, 8, 4, True), (128, 64, 8, 4, False), (128, 64, 4, 3, True),
+    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
+    (64, 128, 4, 3, True))]
 BEFORE_REV = "14cca3e"
 KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 
@@ -165,6 +166,7 @@ def label_of(config: ta.KernelConfig | None) -> str:
     if config is None:
         return "default"
     name = f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"
+    name += "" if config.fold_scale else " scale-in-exp2"
     return name + (" (old default)" if config == OLD_PREFILL_CONFIG else "")
 
 

@@ -160,6 +160,7 @@ INTERP_CASES = [
     (LONG, 48, 4, 24, F16, CFG32, None),                            # 3 tiles a page; D < BLOCK_D
     (LONG, 256, 8, 32, F32, None, None),                            # default: a lookup a tile
     (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
+    (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
 ]
 
 

@@ -92,12 +92,14 @@ def _load_keys(ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM: tl.constexpr,
 
 @triton.jit
 def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot,
-                      t_begin, t_end, kv_end, d,
+                      t_begin, t_end, kv_end, d, qk_scale,
                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                       BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
-    """Online-softmax update over key tiles [t_begin, t_end) with ``q`` already scaled by
-    softmax scale x log2(e). MASKED tiles (the causal diagonal, the history's end) compare
-    every key with every row; the others are wholly visible to every row and skip that work."""
+    """Online-softmax update over key tiles [t_begin, t_end); ``q . k * qk_scale`` are the
+    scores in log2 units (``qk_scale`` is the constant 1 when q carries the scale, and the
+    multiply folds away; else it fuses into the exp2's subtraction). MASKED tiles (the causal
+    diagonal, the history's end) compare every key with every row; the others are wholly
+    visible to every row and skip that work."""
     pages = _tile_pages(table, t_begin, t_end, kv_end, PAGE_SIZE, BLOCK_N)
     for t in range(t_begin, t_end):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,12 +112,12 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
             m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_keys(v_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
@@ -136,6 +138,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
+    FOLD_SCALE: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -183,8 +186,11 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8:
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
-    # Scores come out of the dot ready for exp2: the scale is applied once per query element.
-    q = (q.to(tl.float32) * scale_log2).to(q.dtype)
+    if FOLD_SCALE:  # scores come out of the dot ready for exp2
+        q = (q.to(tl.float32) * scale_log2).to(q.dtype)
+        qk_scale = 1.0
+    else:
+        qk_scale = scale_log2
 
     # Keys this tile can see end at its last query row; with SPLIT, take one share of them.
     kv_end = first_pos + (tl.minimum(tok0 + BLOCK_Q, q_end) - q_begin)
@@ -211,10 +217,10 @@ def _paged_attention_kernel(
                               t_end)
         m_i, l_i, acc = _attend_key_tiles(
             q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_begin, t_masked,
-            kv_end, d, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False)
+            kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False)
     m_i, l_i, acc = _attend_key_tiles(
         q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_masked, t_end,
-        kv_end, d, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True)
+        kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True)
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -264,6 +270,10 @@ class KernelConfig:
     block_n: int     # key positions per loop step, >= 16 for tl.dot
     num_warps: int
     num_stages: int
+    # Scale q once (a tile of q scaled in registers, which Triton then feeds the QK^T dot from
+    # registers) instead of fusing the scale into each score's exp2 argument (q stays in shared
+    # memory as the dot's operand): equal arithmetic, different operand paths; the bench picks.
+    fold_scale: bool = True
 
 
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
@@ -390,6 +400,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FOLD_SCALE=config.fold_scale,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
