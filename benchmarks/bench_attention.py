@@ -40,8 +40,7 @@ DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (128, 64, 8, 4, True), (128, 64, 8, 4, False), (128, 64, 4, 3, True),
-    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
-    (64, 128, 4, 3, True))]
+    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True))]
 BEFORE_REV = "14cca3e"
 KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 

@@ -126,55 +126,20 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
     return m_i, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
-def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    cu_q_ptr, ctx_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
-    num_seqs, num_splits, num_q_heads, scale_log2,
-    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-    c_stride_slot, c_stride_h, bt_stride,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+@triton.jit
+def _attend_query_tile(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
+    num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    c_stride_slot, c_stride_h,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
     FOLD_SCALE: tl.constexpr,
 ):
-    """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
-
-    FP8 pools are dequantized in registers: keys and values are cast to q's dtype as they load
-    (exact: every e4m3 value is a bf16/fp16 value), ``k_scale`` multiplies the scores and
-    ``v_scale`` the accumulated output, both read from device memory (CUDA-graph safe).
-
-    Sequence ``s`` owns tiles starting at ``(cu_q[s] + s * (BLOCK_Q - 1)) // BLOCK_Q``: that
-    index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
-    grid needs only host ints (T, B) and a program finds its sequence by binary search.
-    """
-    tile = tl.program_id(0)
-    if UNMASKED_FIRST:
-        # Causal prefill: the last tiles of a sequence see the most keys, so start them first
-        # and let the short ones fill the tail of the grid.
-        tile = tl.num_programs(0) - 1 - tile
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    lo = tl.full([], 0, tl.int32)
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        mid_start = (tl.load(cu_q_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
-        go_right = mid_start <= tile
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    seq = lo
-    q_begin = tl.load(cu_q_ptr + seq)
-    q_end = tl.load(cu_q_ptr + seq + 1)
-    tok0 = q_begin + (tile - (q_begin + seq * (BLOCK_Q - 1)) // BLOCK_Q) * BLOCK_Q
-    if tok0 >= q_end:
-        return
-    ctx = tl.load(ctx_ptr + seq)
+    """Attention of query tokens [tok0, tok0 + BLOCK_Q) of one sequence (x GROUP query heads
+    of one KV head) over its history, or over one split's share of it."""
     first_pos = ctx - (q_end - q_begin)  # absolute position of the sequence's first query row
-
     r = tl.arange(0, BLOCK_M)
     tok = tok0 + r // GROUP
     head = kv_head * GROUP + r % GROUP
@@ -206,7 +171,6 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = block_table_ptr + seq.to(tl.int64) * bt_stride
     kv_off = kv_head * c_stride_h
     k_ptr, v_ptr = k_cache_ptr + kv_off, v_cache_ptr + kv_off
     t_masked = t_begin
@@ -234,6 +198,74 @@ def _paged_attention_kernel(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # empty history -> zeros, not NaN
         tl.store(out_ptr + tok[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_acc_ptr, part_m_ptr, part_l_ptr,
+    cu_q_ptr, ctx_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
+    num_seqs, num_splits, num_q_heads, scale_log2,
+    q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+    c_stride_slot, c_stride_h, bt_stride,
+    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr,
+):
+    """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
+
+    FP8 pools are dequantized in registers: keys and values are cast to q's dtype as they load
+    (exact: every e4m3 value is a bf16/fp16 value), ``k_scale`` multiplies the scores and
+    ``v_scale`` the accumulated output, both read from device memory (CUDA-graph safe).
+
+    Sequence ``s`` owns tiles starting at ``(cu_q[s] + s * (BLOCK_Q - 1)) // BLOCK_Q``: that
+    index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
+    grid needs only host ints (T, B) and a program finds its sequence by binary search.
+
+    SMALL_M > 0 (mixed steps): a sequence of at most SMALL_M query rows, such as a decode row,
+    runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
+    """
+    tile = tl.program_id(0)
+    if UNMASKED_FIRST:
+        # Causal prefill: the last tiles of a sequence see the most keys, so start them first
+        # and let the short ones fill the tail of the grid.
+        tile = tl.num_programs(0) - 1 - tile
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        mid_start = (tl.load(cu_q_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
+        go_right = mid_start <= tile
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    seq = lo
+    q_begin = tl.load(cu_q_ptr + seq)
+    q_end = tl.load(cu_q_ptr + seq + 1)
+    tok0 = q_begin + (tile - (q_begin + seq * (BLOCK_Q - 1)) // BLOCK_Q) * BLOCK_Q
+    if tok0 >= q_end:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    table = block_table_ptr + seq.to(tl.int64) * bt_stride
+    if SMALL_M > 0:
+        if (q_end - q_begin) * GROUP <= SMALL_M:
+            _attend_query_tile(
+                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
+                num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+                c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
+                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE)
+            return
+    _attend_query_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
+        num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
+        c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
+        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -377,6 +409,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = choose_num_splits(meta, num_kv_heads, q.device, config.block_n)
     block_m = max(config.block_m, triton.next_power_of_2(group))
+    # Decode rows next to prefills (a mixed step) get their own small tiles; a fresh prefill
+    # or a decode batch has no use for them.
+    small_m = max(16, triton.next_power_of_2(group))
+    small_m = small_m if not (meta.decode_only or meta.no_prefix) and small_m < block_m else 0
     block_q = block_m // group
     num_tiles = (num_tokens + meta.num_seqs * (block_q - 1)) // block_q
     block_d = triton.next_power_of_2(head_dim)
@@ -400,7 +436,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        FOLD_SCALE=config.fold_scale,
+        FOLD_SCALE=config.fold_scale, SMALL_M=small_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
