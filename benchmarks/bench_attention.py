@@ -41,6 +41,9 @@ OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the pre
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (128, 64, 8, 4, True), (128, 64, 8, 4, False), (128, 64, 4, 3, True),
     (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True))]
+# Mixed steps compile their own kernel variants: sweep fewer configs there.
+MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(128, 64, 8, s, fold) for s, fold in (
+    (3, False), (4, True))] + [ta.KernelConfig(128, 128, 8, 2)]
 BEFORE_REV = "14cca3e"
 KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 
@@ -210,8 +213,8 @@ def cases(sweep: bool) -> list[tuple[Shape, list, list]]:
             (Shape((Part(16, 8192, True),), 16), [None], [1, None, 4, 16])]
     out += [(Shape((Part(b, n, False),), bs), prefill, [None])
             for b, n in ((4, 4096), (16, 1024)) for bs in (16, 256)]
-    out += [(Shape((Part(64, 1024, True), Part(2, 2048, False)), bs), prefill, [None])
-            for bs in (16, 256)]
+    out += [(Shape((Part(64, 1024, True), Part(2, 2048, False)), bs),
+             [None] + (MIXED_SWEEP if sweep else []), [None]) for bs in (16, 256)]
     return out
 
 
