@@ -161,6 +161,8 @@ INTERP_CASES = [
     (LONG, 256, 8, 32, F32, None, None),                            # default: a lookup a tile
     (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
     (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
+    (LONG, 32, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, tma=True), None),   # TMA, 2 tiles a page
+    (LONG, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
 ]
 
 

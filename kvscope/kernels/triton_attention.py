@@ -78,10 +78,13 @@ def _tile_pages(table, t, t_end, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _load_keys(ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+def _load_keys(ptr, desc, slot, row0, col0, c_stride_slot, pos_ok, d, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """[BLOCK_N, BLOCK_D] rows of the pool; zeros where masked. Unmasked tiles load with no
-    mask at all when the head dim fills BLOCK_D, so the loads vectorise fully."""
+    mask at all when the head dim fills BLOCK_D, so the loads vectorise fully; with TMA (a tile
+    inside one page, BLOCK_D == HEAD_DIM) they are one bulk copy from ``desc`` at row0, col0."""
+    if TMA and not MASKED:
+        return desc.load([row0, col0])
     ptrs = ptr + slot[:, None] * c_stride_slot + d[None, :]
     if MASKED:
         return tl.load(ptrs, mask=pos_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
@@ -91,10 +94,10 @@ def _load_keys(ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot,
-                      t_begin, t_end, kv_end, d, qk_scale,
+def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, col0, table,
+                      c_stride_slot, t_begin, t_end, kv_end, d, qk_scale,
                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+                      BLOCK_D: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
     """Online-softmax update over key tiles [t_begin, t_end); ``q . k * qk_scale`` are the
     scores in log2 units (``qk_scale`` is the constant 1 when q carries the scale, and the
     multiply folds away; else it fuses into the exp2's subtraction). MASKED tiles (the causal
@@ -105,10 +108,14 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        row0 = 0
+        if TMA:  # one page per tile: the tile's first slot
+            row0 = pages * PAGE_SIZE + (t * BLOCK_N) % PAGE_SIZE
         # Look up the next tile's pages now: a K/V address that depends on a load of the same
         # iteration keeps Triton's pipeliner from fetching K/V more than one tile ahead.
         pages = _tile_pages(table, t + 1, t_end, kv_end, PAGE_SIZE, BLOCK_N)
-        k = _load_keys(k_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
+        k = _load_keys(k_ptr, k_desc, slot, row0, col0, c_stride_slot, pos_ok, d, HEAD_DIM,
+                       BLOCK_D, MASKED, TMA)
         s = tl.dot(q, tl.trans(k.to(q.dtype)))
         if MASKED:
             s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -120,7 +127,8 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
         p = tl.exp2(s * qk_scale - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_keys(v_ptr, slot, c_stride_slot, pos_ok, d, HEAD_DIM, BLOCK_D, MASKED)
+        v = _load_keys(v_ptr, v_desc, slot, row0, col0, c_stride_slot, pos_ok, d, HEAD_DIM,
+                       BLOCK_D, MASKED, TMA)
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None])
         m_i = m_new
     return m_i, l_i, acc
@@ -128,14 +136,14 @@ def _attend_key_tiles(q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slo
 
 @triton.jit
 def _attend_query_tile(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
     num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     c_stride_slot, c_stride_h,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Attention of query tokens [tok0, tok0 + BLOCK_Q) of one sequence (x GROUP query heads
     of one KV head) over its history, or over one split's share of it."""
@@ -180,11 +188,13 @@ def _attend_query_tile(
         t_masked = tl.minimum(tl.maximum((first_pos + (tok0 - q_begin) + 1) // BLOCK_N, t_begin),
                               t_end)
         m_i, l_i, acc = _attend_key_tiles(
-            q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_begin, t_masked,
-            kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, False)
+            q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, kv_head * HEAD_DIM, table,
+            c_stride_slot, t_begin, t_masked, kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N,
+            HEAD_DIM, BLOCK_D, False, TMA)
     m_i, l_i, acc = _attend_key_tiles(
-        q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, table, c_stride_slot, t_masked, t_end,
-        kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N, HEAD_DIM, BLOCK_D, True)
+        q, q_pos, m_i, l_i, acc, k_ptr, v_ptr, k_desc, v_desc, kv_head * HEAD_DIM, table,
+        c_stride_slot, t_masked, t_end, kv_end, d, qk_scale, PAGE_SIZE, BLOCK_N,
+        HEAD_DIM, BLOCK_D, True, TMA)
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
 
@@ -202,7 +212,7 @@ def _attend_query_tile(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,
     cu_q_ptr, ctx_ptr, block_table_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, num_splits, num_q_heads, scale_log2,
@@ -212,7 +222,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -254,18 +264,19 @@ def _paged_attention_kernel(
     if SMALL_M > 0:
         if (q_end - q_begin) * GROUP <= SMALL_M:
             _attend_query_tile(
-                q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+                q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
+                part_acc_ptr, part_m_ptr, part_l_ptr,
                 table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
                 num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
                 c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE)
+                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False)
             return
     _attend_query_tile(
-        q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
+        part_acc_ptr, part_m_ptr, part_l_ptr, table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
         num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
         c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE)
+        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE, TMA)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -306,6 +317,9 @@ class KernelConfig:
     # registers) instead of fusing the scale into each score's exp2 argument (q stays in shared
     # memory as the dot's operand): equal arithmetic, different operand paths; the bench picks.
     fold_scale: bool = True
+    # Load the key tiles below the causal diagonal with TMA bulk copies (Hopper+), where a tile
+    # sits in one page and the head dim is a power of two; elsewhere plain loads.
+    tma: bool = False
 
 
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
@@ -331,6 +345,28 @@ def _scale_arg(scale: torch.Tensor | float, cache: torch.Tensor) -> torch.Tensor
     if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32 and scale.device == cache.device:
         return scale
     return torch.as_tensor(scale, dtype=torch.float32, device=cache.device)
+
+
+def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, config: KernelConfig,
+                     block_size: int, block_d: int) -> tuple:
+    """Host-side TMA descriptors of the pools seen as [slots, H_kv * D] (encoded at launch, so a
+    captured CUDA graph keeps them), or the caches themselves where TMA does not apply."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if not (config.tma and block_size % config.block_n == 0 and head_dim == block_d
+            and k_cache.stride(2) == head_dim and _has_tma(k_cache.device)):
+        return k_cache, v_cache
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    shape, strides = [k_cache.shape[0] * block_size, num_kv_heads * head_dim], [k_cache.stride(1), 1]
+    return tuple(TensorDescriptor(c, shape, strides, [config.block_n, head_dim])
+                 for c in (k_cache, v_cache))
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """TMA needs sm_90+; the interpreter (CPU tensors) emulates it."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -425,8 +461,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused: the SPLIT=False branch never touches them
+    k_desc, v_desc = _tma_descriptors(k_cache, v_cache, config, meta.block_size, block_d)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, k_desc, v_desc, out,
         part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
         _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
@@ -436,7 +473,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        FOLD_SCALE=config.fold_scale, SMALL_M=small_m,
+        FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
