@@ -44,6 +44,9 @@ PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m,
 # Mixed steps compile their own kernel variants: sweep fewer configs there.
 MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(128, 64, 8, s, fold) for s, fold in (
     (3, False), (4, True))] + [ta.KernelConfig(128, 128, 8, 2)]
+# TMA loads (tiles inside one page: block_size 256), timed last: a new code path on the GPU.
+TMA_SWEEP = [ta.KernelConfig(128, n, 8, st, fold, tma=True) for n, st, fold in (
+    (64, 3, True), (64, 3, False), (64, 4, True), (128, 2, True))]
 BEFORE_REV = "14cca3e"
 KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 
@@ -168,7 +171,7 @@ def label_of(config: ta.KernelConfig | None) -> str:
     if config is None:
         return "default"
     name = f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"
-    name += "" if config.fold_scale else " scale-in-exp2"
+    name += ("" if config.fold_scale else " scale-in-exp2") + (" tma" if config.tma else "")
     return name + (" (old default)" if config == OLD_PREFILL_CONFIG else "")
 
 
@@ -215,6 +218,11 @@ def cases(sweep: bool) -> list[tuple[Shape, list, list]]:
             for b, n in ((4, 4096), (16, 1024)) for bs in (16, 256)]
     out += [(Shape((Part(64, 1024, True), Part(2, 2048, False)), bs),
              [None] + (MIXED_SWEEP if sweep else []), [None]) for bs in (16, 256)]
+    if sweep:
+        out += [(Shape((Part(b, n, False),), 256), [None] + TMA_SWEEP, [None])
+                for b, n in ((4, 4096), (16, 1024))]
+        out += [(Shape((Part(64, 1024, True), Part(2, 2048, False)), 256), [None] + TMA_SWEEP[:1],
+                 [None])]
     return out
 
 

@@ -310,6 +310,25 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
     assert rel_err(out, reference(case, torch.float32)) <= 1e-2
 
 
+GPU_CONFIGS = [ta.PREFILL_CONFIG, ta.KernelConfig(128, 64, 8, 3, fold_scale=False),
+               ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+@pytest.mark.parametrize("specs", [GPU_MIXED, [(0, 1000), (0, 333), (0, 64)]])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_prefill_configs(config: ta.KernelConfig, specs: list, block_size: int) -> None:
+    """Every prefill variant the bench times, on mixed and on fresh-prefill steps (where the
+    key loop runs unmasked below the diagonal, through TMA where a tile sits in one page)."""
+    case = make_case(specs, block_size, 16, 8, 128, torch.bfloat16, "cuda", seed=block_size)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                             config=config)
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::4])
