@@ -13,8 +13,10 @@ Nothing reads device memory on the host, so both launches can be captured in a C
 
 Prefill is compute-bound, so its key loop does the least work per key tile: q carries the
 softmax scale (scores feed ``exp2`` directly), tiles wholly below the causal diagonal run a
-loop with no masks at all, and a tile that sits inside one page costs one block-table lookup
-and loads contiguous rows. Decode is memory-bound and keeps its small tiles.
+loop with no masks at all, a tile that sits inside one page costs one block-table lookup and
+loads contiguous rows (optionally by TMA), and the next tile's pages are looked up one
+iteration ahead so K/V loads pipeline ``num_stages - 1`` tiles deep. Decode is memory-bound
+and keeps its small tiles; in a mixed step, decode rows get small tiles of their own.
 """
 from __future__ import annotations
 
