@@ -10,6 +10,8 @@ Why the interpreter runs in a subprocess: see ``triton_testing``.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -261,6 +263,48 @@ def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits) -
     assert torch.equal(u8(k8), u8(k8_ref)) and torch.equal(u8(v8), u8(v8_ref))
     assert k8.float().abs().nan_to_num().max() == 448
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@interpreted_only
+def test_interpreted_tuned_config_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning runs every candidate (each computes the right output), caches the fastest on
+    disk, and a later process's default call launches it; an unreadable cache file is
+    reported and the static default applies."""
+    from kvscope.kernels import attention_configs as ac
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ac, "_choices", None)
+    candidates = (CFG16, ta.KernelConfig(32, 16, 4, 1, fold_scale=False),
+                  ta.KernelConfig(16, 32, 4, 1))
+    monkeypatch.setattr(ac, "TUNE_CANDIDATES", candidates)
+    case = make_case(LONG, 16, 4, 2, 32, torch.float32, "cpu", seed=9)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    times, outs = iter([3.0, 1.0, 2.0]), []
+
+    def timer(fn) -> float:
+        outs.append(fn())
+        return next(times)
+
+    best = ta.tune_paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                   timer=timer)
+    assert best == candidates[1] and len(outs) == 3
+    assert all(rel_err(out, reference(case)) < 1e-5 for out in outs)
+    saved = json.loads((tmp_path / "attention_configs.json").read_text())
+    assert list(saved.values()) == [dataclasses.asdict(best)]
+
+    def launched() -> dict:
+        monkeypatch.setattr(ac, "_choices", None)  # as a new process: read the file again
+        with monkeypatch.context() as patch:
+            kernels = record_launches(patch, ta, ("_paged_attention_kernel",))
+            ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        return kernels["_paged_attention_kernel"].calls[0]
+
+    call = launched()
+    assert (call["BLOCK_M"], call["BLOCK_N"], call["FOLD_SCALE"]) == (32, 16, False)
+    (tmp_path / "attention_configs.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the attention config cache"):
+        call = launched()
+    default = ta.PREFILL_CONFIG
+    assert (call["BLOCK_M"], call["BLOCK_N"]) == (default.block_m, default.block_n)
 
 
 # --- CPU: compile the real launches for sm_90 -----------------------------------------------

@@ -21,12 +21,14 @@ and keeps its small tiles; in a mixed step, decode rows get small tiles of their
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels import attention_configs
+from kvscope.kernels.attention_configs import DECODE_CONFIG, PREFILL_CONFIG, KernelConfig
 from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -269,13 +271,15 @@ def _paged_attention_kernel(
                 q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
                 part_acc_ptr, part_m_ptr, part_l_ptr,
                 table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
-                num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-                c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
+                num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h,
+                o_stride_t, o_stride_h, c_stride_slot, c_stride_h,
+                PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
                 SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False)
             return
     _attend_query_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
-        part_acc_ptr, part_m_ptr, part_l_ptr, table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
+        part_acc_ptr, part_m_ptr, part_l_ptr,
+        table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
         num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
         c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
         BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE, TMA)
@@ -307,25 +311,6 @@ def _merge_splits_kernel(
              mask=d_ok)
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Tile shape and launch options of the paged attention kernel."""
-
-    block_m: int     # query rows per tile (tokens x GQA group), >= 16 for tl.dot
-    block_n: int     # key positions per loop step, >= 16 for tl.dot
-    num_warps: int
-    num_stages: int
-    # Scale q once (a tile of q scaled in registers, which Triton then feeds the QK^T dot from
-    # registers) instead of fusing the scale into each score's exp2 argument (q stays in shared
-    # memory as the dot's operand): equal arithmetic, different operand paths; the bench picks.
-    fold_scale: bool = True
-    # Load the key tiles below the causal diagonal with TMA bulk copies (Hopper+), where a tile
-    # sits in one page and the head dim is a power of two; elsewhere plain loads.
-    tma: bool = False
-
-
-DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 MAX_SPLITS = 32
 
 
@@ -358,8 +343,8 @@ def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, config: Kerne
             and k_cache.stride(2) == head_dim and _has_tma(k_cache.device)):
         return k_cache, v_cache
     from triton.tools.tensor_descriptor import TensorDescriptor
-    shape, strides = [k_cache.shape[0] * block_size, num_kv_heads * head_dim], [k_cache.stride(1), 1]
-    return tuple(TensorDescriptor(c, shape, strides, [config.block_n, head_dim])
+    shape = [k_cache.shape[0] * block_size, num_kv_heads * head_dim]
+    return tuple(TensorDescriptor(c, shape, [k_cache.stride(1), 1], [config.block_n, head_dim])
                  for c in (k_cache, v_cache))
 
 
@@ -442,8 +427,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    if config is None:
-        config = DECODE_CONFIG if meta.decode_only else PREFILL_CONFIG
+    if config is None and meta.decode_only:
+        config = DECODE_CONFIG
+    elif config is None:
+        config = attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or PREFILL_CONFIG
     if num_splits is None:
         num_splits = choose_num_splits(meta, num_kv_heads, q.device, config.block_n)
     block_m = max(config.block_m, triton.next_power_of_2(group))
@@ -485,6 +472,34 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
         )
     return out
+
+
+def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> str:
+    return attention_configs.shape_key(
+        q.device, "prefill" if meta.no_prefix else "mixed", meta.block_size,
+        q.shape[1] // k_cache.shape[2], q.shape[2], q.dtype, k_cache.dtype, meta.max_seqlen_q)
+
+
+def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float,
+                         timer: Callable[[Callable[[], object]], float] | None = None
+                         ) -> KernelConfig:
+    """Pick the fastest of ``attention_configs.TUNE_CANDIDATES`` for this prefill or mixed step's
+    shape class on this GPU and cache it on disk; later calls of that class use it. ``timer``
+    (ms of a callable) defaults to ``triton.testing.do_bench``'s median."""
+    if meta.decode_only:
+        raise ValueError("tune_paged_attention tunes prefill and mixed steps; decode keeps "
+                         "DECODE_CONFIG and its split heuristic")
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn: Callable[[], object]) -> float:
+            return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def run(config: KernelConfig) -> torch.Tensor:
+        return paged_attention(q, k_cache, v_cache, meta, scale, config=config)
+
+    return attention_configs.tune(_shape_key(q, k_cache, meta), run, timer)
 
 
 class TritonAttentionBackend:
