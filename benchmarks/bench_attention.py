@@ -6,10 +6,12 @@ dense [B, L, H_kv, D] cache). Prefill: causal TFLOP/s (2 * B * Hq * L^2 * D). A 
 parts as two calls. Ratios are ours over cuDNN (else the best SDPA backend that runs the shape).
 
 ``--sweep`` also times other kernel configs per shape, so one device call can pick the
-defaults; ``--before REV`` (default: the commit before the prefill rework) adds the kernel module
-of that git revision as the "before" row, where git is available.
+defaults. ``--tune`` first tunes each prefill/mixed shape's default (``tune_paged_attention``,
+cached on disk), so "default" is the tuned choice. ``--before REV`` (default: the commit
+before the prefill rework) adds that git revision's kernel module as the "before" row, where
+git is available.
 
-    python benchmarks/bench_attention.py [--sweep] [--before REV]
+    python benchmarks/bench_attention.py [--sweep] [--tune] [--before REV]
 """
 from __future__ import annotations
 
@@ -167,24 +169,26 @@ def load_before(rev: str) -> ModuleType | None:
     return module
 
 
-def label_of(config: ta.KernelConfig | None) -> str:
-    if config is None:
-        return "default"
+def label_of(config: ta.KernelConfig) -> str:
     name = f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"
     name += ("" if config.fold_scale else " scale-in-exp2") + (" tma" if config.tma else "")
     return name + (" (old default)" if config == OLD_PREFILL_CONFIG else "")
 
 
 def bench_shape(shape: Shape, configs: list[ta.KernelConfig | None], splits: list[int | None],
-                before: ModuleType | None) -> list[tuple[str, float, float]]:
-    """Rows (label, ms, rate): every SDPA backend, then our kernel per config and split count,
-    then the ``before`` module's default. A config that fails (e.g. out of shared memory) is
-    reported and skipped."""
+                before: ModuleType | None, tune: bool) -> list[tuple[str, float, float]]:
+    """Rows (label, ms, rate): every SDPA backend, then our kernel per config (None: the
+    default, tuned first with ``tune``) and split count, then the ``before`` module's default.
+    A config that fails (e.g. out of shared memory) is reported and skipped."""
     q, k_cache, v_cache, meta = paged_inputs(shape)
     scale = D ** -0.5
     rows = [(f"sdpa[{name}]", ms, shape.rate(ms)) for name, ms in sdpa_ms(shape).items()]
-    runs = [(label_of(c) + (f" splits={n or ta.choose_num_splits(meta, HKV, q.device)}"
-                            if len(splits) > 1 else ""),
+    if tune and not shape.decode:
+        ta.tune_paged_attention(q, k_cache, v_cache, meta, scale)
+    default = ta.default_config(q, k_cache, meta)
+    runs = [((f"default={label_of(default)}" if c is None else label_of(c))
+             + (f" splits={n or ta.choose_num_splits(meta, HKV, q.device)}"
+                if len(splits) > 1 else ""),
              lambda c=c, n=n: ta.paged_attention(q, k_cache, v_cache, meta, scale, config=c,
                                                  num_splits=n))
             for c in configs for n in splits]
@@ -229,6 +233,8 @@ def cases(sweep: bool) -> list[tuple[Shape, list, list]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other kernel configs")
+    parser.add_argument("--tune", action="store_true",
+                        help="tune prefill/mixed defaults first (cached on disk for later runs)")
     parser.add_argument("--before", default=BEFORE_REV,
                         help="git revision whose kernel module is the 'before' row ('' = none)")
     args = parser.parse_args()
@@ -240,7 +246,8 @@ def main() -> None:
     summary = []
     for shape, configs, splits in cases(args.sweep):
         print(f"\n{shape.title()}")
-        rows = bench_shape(shape, configs, splits, before if len(splits) == 1 else None)
+        rows = bench_shape(shape, configs, splits, before if len(splits) == 1 else None,
+                           args.tune)
         sdpa = {r[0]: r for r in rows if r[0].startswith("sdpa")}
         ref = sdpa.get("sdpa[cudnn]") or max(sdpa.values(), key=lambda r: r[2], default=None)
         for label, ms, r in rows:

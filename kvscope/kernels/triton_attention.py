@@ -427,10 +427,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    if config is None and meta.decode_only:
-        config = DECODE_CONFIG
-    elif config is None:
-        config = attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or PREFILL_CONFIG
+    config = config or default_config(q, k_cache, meta)
     if num_splits is None:
         num_splits = choose_num_splits(meta, num_kv_heads, q.device, config.block_n)
     block_m = max(config.block_m, triton.next_power_of_2(group))
@@ -478,6 +475,14 @@ def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) 
     return attention_configs.shape_key(
         q.device, "prefill" if meta.no_prefix else "mixed", meta.block_size,
         q.shape[1] // k_cache.shape[2], q.shape[2], q.dtype, k_cache.dtype, meta.max_seqlen_q)
+
+
+def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> KernelConfig:
+    """DECODE_CONFIG for decode steps; for others the tuned choice of their shape class on this
+    GPU (see :func:`tune_paged_attention`), else PREFILL_CONFIG."""
+    if meta.decode_only:
+        return DECODE_CONFIG
+    return attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or PREFILL_CONFIG
 
 
 def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
