@@ -235,16 +235,17 @@ def snap_to_fp8(case: PagedCase, k_scale: torch.Tensor, v_scale: torch.Tensor) -
 
 
 FP8_CASES = [
-    (MIXED, 4, 2, torch.float32, None),
-    (MIXED, 16, 4, torch.float16, None),
-    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4),   # decode, split-KV
-    (LONG, 256, 2, torch.float16, None),                            # default prefill tiles
+    (MIXED, 4, 2, torch.float32, None, None),
+    (MIXED, 16, 4, torch.float16, None, None),
+    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4, None),   # decode, split-KV
+    (LONG, 256, 2, torch.float16, None, None),                            # default prefill tiles
+    (LONG, 32, 2, torch.float32, None, ta.KernelConfig(32, 16, 4, 1, fold_scale=False, tma=True)),
 ]
 
 
 @interpreted_only
-@pytest.mark.parametrize("specs,block_size,group,dtype,num_splits", FP8_CASES)
-def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits) -> None:
+@pytest.mark.parametrize("specs,block_size,group,dtype,num_splits,config", FP8_CASES)
+def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits, config) -> None:
     """Triton store + paged attention over fp8 pools equal the torch reference backend (which
     reads only each sequence's own slots; the pools' unused slots hold NaN): the same bytes
     stored, the same output."""
@@ -256,7 +257,7 @@ def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits) -
     k8_ref, v8_ref = k8.clone(), v8.clone()
     ta.store_kvcache(case.k, case.v, k8, v8, case.meta.slot_mapping, k_scale, v_scale)
     out = ta.paged_attention(case.q, k8, v8, case.meta, case.scale, k_scale, v_scale,
-                             num_splits=num_splits)
+                             config=config, num_splits=num_splits)
     expect = TorchReferenceBackend().forward(case.q, case.k, case.v, k8_ref, v8_ref, case.meta,
                                              case.scale, k_scale, v_scale)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731  (NaN != NaN: compare the bytes)
@@ -376,9 +377,11 @@ def test_gpu_prefill_configs(config: ta.KernelConfig, specs: list, block_size: i
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::4])
-def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int) -> None:
+@pytest.mark.parametrize("config", [None, ta.KernelConfig(128, 64, 8, 3, tma=True)])
+def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int,
+                          config: ta.KernelConfig | None) -> None:
     """fp8 pools on the GPU: the store rounds as torch does (incl. clamping), the attention
-    matches the torch reference backend over the same pools."""
+    (default or TMA tiles) matches the torch reference backend over the same pools."""
     from kvscope.kernels.torch_attention import TorchReferenceBackend
     case = make_case(GPU_MIXED, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
                      seed=block_size + group)
@@ -386,8 +389,9 @@ def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int) -> None:
     v_scale = torch.tensor(0.02, device="cuda")
     k8, v8 = fp8_pools(case, k_scale, v_scale)
     k8_ref, v8_ref = k8.clone(), v8.clone()
-    out = ta.TritonAttentionBackend().forward(case.q, case.k, case.v, k8, v8, case.meta,
-                                              case.scale, k_scale, v_scale)
+    ta.store_kvcache(case.k, case.v, k8, v8, case.meta.slot_mapping, k_scale, v_scale)
+    out = ta.paged_attention(case.q, k8, v8, case.meta, case.scale, k_scale, v_scale,
+                             config=config)
     expect = TorchReferenceBackend().forward(case.q, case.k, case.v, k8_ref, v8_ref, case.meta,
                                              case.scale, k_scale, v_scale)
     assert torch.equal(k8.view(torch.uint8), k8_ref.view(torch.uint8))
