@@ -38,7 +38,7 @@ HQ, HKV, D, DTYPE = 16, 8, 128, torch.bfloat16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
 DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in
-                ((32, 4, 4), (64, 4, 2), (64, 4, 4), (128, 4, 2))]
+                ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 2))]
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (128, 64, 8, 4, True), (128, 64, 8, 4, False), (128, 64, 4, 3, True),

@@ -38,7 +38,10 @@ class KernelConfig:
     tma: bool = False
 
 
-DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# Two stages: with the page lookup one tile ahead, K/V still load a tile ahead, and the
+# shared memory (~38 KB at D=128) and registers match what decode used before that change,
+# so as many programs stay resident per SM (memory-bound decode lives on that).
+DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic). Each fits one
 # Hopper block's shared memory at D=128; TMA candidates fall back to plain loads where TMA
