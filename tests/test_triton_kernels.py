@@ -146,7 +146,8 @@ def test_interpreter_suite() -> None:
 MIXED = [(0, 7), (5, 3), (13, 1), (0, 1), (16, 9), (30, 1)]
 # Prefills long enough for key tiles wholly below the causal diagonal (the unmasked loop) next
 # to the diagonal's masked tiles, chunked after a cached prefix, and decode rows in between.
-LONG = [(0, 40), (37, 20), (5, 1), (0, 1), (280, 33)]
+LONG = [(0, 40), (37, 20), (5, 1), (0, 1), (90, 17)]
+LONG256 = [(0, 40), (5, 1), (330, 20)]  # unmasked key tiles on two pages of 256
 CFG16, CFG32 = ta.KernelConfig(16, 16, 4, 1), ta.KernelConfig(32, 16, 4, 1)
 F32, F16 = torch.float32, torch.float16
 INTERP_CASES = [
@@ -160,11 +161,11 @@ INTERP_CASES = [
     (LONG, 1, 2, 32, F32, CFG32, None),                             # a page per key position
     (LONG, 24, 2, 32, F32, CFG32, None),                            # tiles straddle pages
     (LONG, 48, 4, 24, F16, CFG32, None),                            # 3 tiles a page; D < BLOCK_D
-    (LONG, 256, 8, 32, F32, None, None),                            # default: a lookup a tile
+    (LONG256, 256, 8, 32, F32, None, None),                         # default: a lookup a tile
     (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
     (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
     (LONG, 32, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, tma=True), None),   # TMA, 2 tiles a page
-    (LONG, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
+    (LONG256, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
 ]
 
 
@@ -238,7 +239,7 @@ FP8_CASES = [
     (MIXED, 4, 2, torch.float32, None, None),
     (MIXED, 16, 4, torch.float16, None, None),
     ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4, None),   # decode, split-KV
-    (LONG, 256, 2, torch.float16, None, None),                            # default prefill tiles
+    (LONG256, 256, 2, torch.float16, None, None),                         # default prefill tiles
     (LONG, 32, 2, torch.float32, None, ta.KernelConfig(32, 16, 4, 1, fold_scale=False, tma=True)),
 ]
 
@@ -277,7 +278,7 @@ def test_interpreted_tuned_config_cached_on_disk(tmp_path, monkeypatch: pytest.M
     candidates = (CFG16, ta.KernelConfig(32, 16, 4, 1, fold_scale=False),
                   ta.KernelConfig(16, 32, 4, 1))
     monkeypatch.setattr(ac, "TUNE_CANDIDATES", candidates)
-    case = make_case(LONG, 16, 4, 2, 32, torch.float32, "cpu", seed=9)
+    case = make_case([(0, 24), (7, 9), (5, 1)], 16, 4, 2, 32, torch.float32, "cpu", seed=9)
     ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     times, outs = iter([3.0, 1.0, 2.0]), []
 
