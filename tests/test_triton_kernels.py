@@ -327,8 +327,11 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales)
     ta.paged_attention(mixed.q, *fp8_pools(mixed, *scales), mixed.meta, mixed.scale, *scales)
     prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
+    monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
+                       config=ta.KernelConfig(128, 64, 8, 3, tma=True))
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 5, 1]
+    assert [len(r.calls) for r in kernels.values()] == [2, 6, 1]
     compile_recorded(kernels)
     # The default prefill tiles fit one H100/H200 block's shared memory (227 KiB).
     attention = kernels["_paged_attention_kernel"]
