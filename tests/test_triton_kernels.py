@@ -185,6 +185,18 @@ def test_interpreted_paged_attention(specs, block_size, group, head_dim, dtype, 
 
 
 @interpreted_only
+def test_interpreted_sequences_found_over_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programs find their sequence by counting first tiles chunk by chunk; with chunks of 4,
+    six sequences take two (a batch beyond the real chunk of 256 does so too)."""
+    monkeypatch.setattr(ta, "_SEQ_CHUNK", 4)
+    case = make_case(MIXED, 4, 2, 2, 32, torch.float32, "cpu", seed=8)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                             config=CFG16)
+    assert rel_err(out, reference(case)) < 1e-5
+
+
+@interpreted_only
 def test_interpreted_store_skips_negative_slots() -> None:
     case = make_case([(0, 5), (3, 2)], 4, 2, 2, 32, torch.float32, "cpu", seed=1)
     before = case.k_cache.clone()

@@ -33,6 +33,7 @@ from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
+_SEQ_CHUNK = tl.constexpr(256)  # sequences a program scans per load to find its own
 
 
 @triton.jit
@@ -214,6 +215,19 @@ def _attend_query_tile(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _owning_sequence(cu_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The last sequence whose first tile is at or before ``tile`` (first tiles are monotone).
+    Counting them over a vector of sequences costs one load latency per _SEQ_CHUNK sequences,
+    where a binary search waits on log2(num_seqs) loads in a row before the tile can start."""
+    count = tl.full([], 0, tl.int32)
+    for first in range(0, num_seqs, _SEQ_CHUNK):
+        s = first + tl.arange(0, _SEQ_CHUNK)
+        starts = (tl.load(cu_q_ptr + s, mask=s < num_seqs, other=0) + s * (BLOCK_Q - 1)) // BLOCK_Q
+        count += tl.sum(((starts <= tile) & (s < num_seqs)).to(tl.int32), 0)
+    return count - 1
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
@@ -236,7 +250,7 @@ def _paged_attention_kernel(
 
     Sequence ``s`` owns tiles starting at ``(cu_q[s] + s * (BLOCK_Q - 1)) // BLOCK_Q``: that
     index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
-    grid needs only host ints (T, B) and a program finds its sequence by binary search.
+    grid needs only host ints (T, B) and a program finds its sequence by counting.
 
     SMALL_M > 0 (mixed steps): a sequence of at most SMALL_M query rows, such as a decode row,
     runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
@@ -249,15 +263,7 @@ def _paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    lo = tl.full([], 0, tl.int32)
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        mid_start = (tl.load(cu_q_ptr + mid) + mid * (BLOCK_Q - 1)) // BLOCK_Q
-        go_right = mid_start <= tile
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    seq = lo
+    seq = _owning_sequence(cu_q_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(cu_q_ptr + seq)
     q_end = tl.load(cu_q_ptr + seq + 1)
     tok0 = q_begin + (tile - (q_begin + seq * (BLOCK_Q - 1)) // BLOCK_Q) * BLOCK_Q
