@@ -416,8 +416,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Causal attention of packed query rows ``q`` [T, Hq, D] over their paged histories;
     an fp8 cache is dequantized with ``k_scale`` / ``v_scale``.
 
-    ``config`` and ``num_splits`` default to the heuristics above; tests and benchmarks pass
-    them to reach every path.
+    ``config`` defaults to :func:`default_config` (tuned per GPU and shape class where
+    :func:`tune_paged_attention` ran) and ``num_splits`` to :func:`choose_num_splits`; tests
+    and benchmarks pass them to reach every path.
     """
     _check_cache(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = q.shape
