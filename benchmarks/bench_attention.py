@@ -37,18 +37,17 @@ from kvscope.kernels.base import AttentionMetadata
 HQ, HKV, D, DTYPE = 16, 8, 128, torch.bfloat16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
-DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in
-                ((32, 4, 4), (64, 4, 3), (64, 4, 4), (128, 4, 2))]
+DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in ((32, 4, 4), (64, 4, 4), (128, 4, 2))]
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
-    (128, 64, 8, 3, False), (128, 64, 8, 4, True), (128, 64, 8, 4, False), (128, 64, 4, 3, True),
-    (128, 128, 8, 2, True), (128, 128, 8, 3, True), (128, 128, 8, 3, False), (64, 64, 4, 3, True))]
+    (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
+    (64, 64, 4, 3, False))]
 # Mixed steps compile their own kernel variants: sweep fewer configs there.
-MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(128, 64, 8, s, fold) for s, fold in (
-    (3, False), (4, True))] + [ta.KernelConfig(128, 128, 8, 2)]
-# TMA loads (tiles inside one page: block_size 256), timed last: a new code path on the GPU.
-TMA_SWEEP = [ta.KernelConfig(128, n, 8, st, fold, tma=True) for n, st, fold in (
-    (64, 3, True), (64, 3, False), (64, 4, True), (128, 2, True))]
+MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
+    (128, 64, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 4, True))]
+# TMA loads (tiles inside one page: block_size 256), timed last: no faster than plain loads so
+# far on the H200, kept in view.
+TMA_SWEEP = [ta.KernelConfig(128, 64, 8, 3, False, tma=True)]
 BEFORE_REV = "14cca3e"
 KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 
@@ -225,8 +224,6 @@ def cases(sweep: bool) -> list[tuple[Shape, list, list]]:
     if sweep:
         out += [(Shape((Part(b, n, False),), 256), [None] + TMA_SWEEP, [None])
                 for b, n in ((4, 4096), (16, 1024))]
-        out += [(Shape((Part(64, 1024, True), Part(2, 2048, False)), 256), [None] + TMA_SWEEP[:1],
-                 [None])]
     return out
 
 

@@ -317,7 +317,7 @@ def test_interpreted_tuned_config_cached_on_disk(tmp_path, monkeypatch: pytest.M
     (tmp_path / "attention_configs.json").write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the attention config cache"):
         call = launched()
-    default = ta.PREFILL_CONFIG
+    default = ta.MIXED_CONFIG  # the step has cached prefixes
     assert (call["BLOCK_M"], call["BLOCK_N"]) == (default.block_m, default.block_n)
 
 

@@ -38,22 +38,22 @@ class KernelConfig:
     tma: bool = False
 
 
-# Two stages: with the page lookup one tile ahead, K/V still load a tile ahead, and the
-# shared memory (~38 KB at D=128) and registers match what decode used before that change,
-# so as many programs stay resident per SM (memory-bound decode lives on that).
-DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
-# Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic). Each fits one
-# Hopper block's shared memory at D=128; TMA candidates fall back to plain loads where TMA
-# does not apply, so every candidate runs every shape.
+# Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
+# beat 2; for prefill the scale fused into exp2 matched or beat q scaled once; mixed steps
+# (decode rows next to prefill chunks) ran fastest in 64-row tiles of 4 warps.
+DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
+                              fold_scale=False)
+MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
+# Hopper block's shared memory at D=128. TMA is left out: it measured no faster on the H200.
 TUNE_CANDIDATES = (
     PREFILL_CONFIG,
-    KernelConfig(128, 64, 8, 3, fold_scale=False),
-    KernelConfig(128, 64, 8, 4),
-    KernelConfig(128, 128, 8, 2),
-    KernelConfig(128, 64, 8, 3, tma=True),
-    KernelConfig(128, 128, 8, 2, tma=True),
-    KernelConfig(64, 64, 4, 3),
+    MIXED_CONFIG,
+    KernelConfig(128, 64, 8, 3),
+    KernelConfig(128, 64, 8, 4, fold_scale=False),
+    KernelConfig(128, 128, 8, 3, fold_scale=False),
+    KernelConfig(64, 64, 4, 3, fold_scale=False),
 )
 
 _choices: dict[str, KernelConfig] | None = None

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from kvscope.kernels import attention_configs
-from kvscope.kernels.attention_configs import DECODE_CONFIG, PREFILL_CONFIG, KernelConfig
+from kvscope.kernels.attention_configs import (DECODE_CONFIG, MIXED_CONFIG, PREFILL_CONFIG,
+                                               KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -486,10 +487,12 @@ def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) 
 
 def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> KernelConfig:
     """DECODE_CONFIG for decode steps; for others the tuned choice of their shape class on this
-    GPU (see :func:`tune_paged_attention`), else PREFILL_CONFIG."""
+    GPU (see :func:`tune_paged_attention`), else PREFILL_CONFIG for fresh prefills and
+    MIXED_CONFIG for steps with cached prefixes (decode rows, chunked prefill)."""
     if meta.decode_only:
         return DECODE_CONFIG
-    return attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or PREFILL_CONFIG
+    static = PREFILL_CONFIG if meta.no_prefix else MIXED_CONFIG
+    return attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or static
 
 
 def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
