@@ -10,6 +10,8 @@ Why the interpreter runs in a subprocess: see ``triton_testing``.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -19,8 +21,8 @@ triton = pytest.importorskip("triton")
 
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
-from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
-                            needs_cuda, rel_err, run_interpreted_tests)
+from triton_testing import (compile_recorded, compile_sm90, compiled_only, interpreted_only,
+                            needs_cuda, record_launches, rel_err, run_interpreted_tests)
 
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
 
@@ -139,32 +141,59 @@ def test_interpreter_suite() -> None:
     run_interpreted_tests(__file__)
 
 
-# (specs, block_size, group, dtype, config, num_splits): every page size against tiles that
-# span several pages, one page, or part of one; GQA 1/2/4; every kind of row in one batch.
+# (specs, block_size, group, head_dim, dtype, config, num_splits): every page size against tiles
+# that span several pages, one page, or part of one; GQA 1/2/4; every kind of row in one batch.
 MIXED = [(0, 7), (5, 3), (13, 1), (0, 1), (16, 9), (30, 1)]
+# Prefills long enough for key tiles wholly below the causal diagonal (the unmasked loop) next
+# to the diagonal's masked tiles, chunked after a cached prefix, and decode rows in between.
+LONG = [(0, 40), (37, 20), (5, 1), (0, 1), (90, 17)]
+LONG256 = [(0, 40), (5, 1), (330, 20)]  # unmasked key tiles on two pages of 256
+CFG16, CFG32 = ta.KernelConfig(16, 16, 4, 1), ta.KernelConfig(32, 16, 4, 1)
+F32, F16 = torch.float32, torch.float16
 INTERP_CASES = [
-    (MIXED, 4, 2, torch.float32, None, None),
-    (MIXED, 1, 4, torch.float16, ta.KernelConfig(16, 16, 4, 1), None),
-    (MIXED, 16, 1, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),
-    (MIXED, 16, 2, torch.float16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
-    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, torch.float32, None, 4),   # decode, split-KV
-    ([(70, 1), (9, 1)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), 32),  # empty splits
-    ([(0, 12), (0, 5)], 16, 2, torch.float32, ta.KernelConfig(16, 16, 4, 1), None),  # fresh prefill
+    (MIXED, 4, 2, 32, F32, None, None),
+    (MIXED, 1, 4, 32, F16, CFG16, None),
+    (MIXED, 16, 1, 32, F32, CFG16, None),
+    (MIXED, 16, 2, 32, F16, ta.KernelConfig(16, 8, 4, 1), 3),      # tile inside a page, split
+    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 4, 32, F32, None, 4),   # decode, split-KV
+    ([(70, 1), (9, 1)], 16, 2, 32, F32, CFG16, 32),                 # empty splits
+    ([(0, 12), (0, 5)], 16, 2, 32, F32, CFG16, None),               # fresh prefill
+    (LONG, 1, 2, 32, F32, CFG32, None),                             # a page per key position
+    (LONG, 24, 2, 32, F32, CFG32, None),                            # tiles straddle pages
+    (LONG, 48, 4, 24, F16, CFG32, None),                            # 3 tiles a page; D < BLOCK_D
+    (LONG256, 256, 8, 32, F32, None, None),                         # default: a lookup a tile
+    (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
+    (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
+    (LONG, 32, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, tma=True), None),   # TMA, 2 tiles a page
+    (LONG256, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
 ]
 
 
 @interpreted_only
-@pytest.mark.parametrize("specs,block_size,group,dtype,config,num_splits", INTERP_CASES)
-def test_interpreted_paged_attention(specs, block_size, group, dtype, config,
+@pytest.mark.parametrize("specs,block_size,group,head_dim,dtype,config,num_splits", INTERP_CASES)
+def test_interpreted_paged_attention(specs, block_size, group, head_dim, dtype, config,
                                      num_splits) -> None:
-    case = make_case(specs, block_size, 2 * group, 2, 32, dtype, "cpu", seed=block_size + group)
+    case = make_case(specs, block_size, 2 * group, 2, head_dim, dtype, "cpu",
+                     seed=block_size + group)
     ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     for i in range(len(specs)):
         k, v = gathered_history(case, i)
         assert torch.equal(k, case.hist_k[i]) and torch.equal(v, case.hist_v[i])
     out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
-                                 config=config, num_splits=num_splits)
+                             config=config, num_splits=num_splits)
     assert rel_err(out, reference(case)) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@interpreted_only
+def test_interpreted_sequences_found_over_several_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programs find their sequence by counting first tiles chunk by chunk; with chunks of 4,
+    six sequences take two (a batch beyond the real chunk of 256 does so too)."""
+    monkeypatch.setattr(ta, "_SEQ_CHUNK", 4)
+    case = make_case(MIXED, 4, 2, 2, 32, torch.float32, "cpu", seed=8)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                             config=CFG16)
+    assert rel_err(out, reference(case)) < 1e-5
 
 
 @interpreted_only
@@ -219,15 +248,17 @@ def snap_to_fp8(case: PagedCase, k_scale: torch.Tensor, v_scale: torch.Tensor) -
 
 
 FP8_CASES = [
-    (MIXED, 4, 2, torch.float32, None),
-    (MIXED, 16, 4, torch.float16, None),
-    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4),   # decode, split-KV
+    (MIXED, 4, 2, torch.float32, None, None),
+    (MIXED, 16, 4, torch.float16, None, None),
+    ([(40, 1), (3, 1), (0, 1), (17, 1)], 4, 2, torch.float32, 4, None),   # decode, split-KV
+    (LONG256, 256, 2, torch.float16, None, None),                         # default prefill tiles
+    (LONG, 32, 2, torch.float32, None, ta.KernelConfig(32, 16, 4, 1, fold_scale=False, tma=True)),
 ]
 
 
 @interpreted_only
-@pytest.mark.parametrize("specs,block_size,group,dtype,num_splits", FP8_CASES)
-def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits) -> None:
+@pytest.mark.parametrize("specs,block_size,group,dtype,num_splits,config", FP8_CASES)
+def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits, config) -> None:
     """Triton store + paged attention over fp8 pools equal the torch reference backend (which
     reads only each sequence's own slots; the pools' unused slots hold NaN): the same bytes
     stored, the same output."""
@@ -239,13 +270,55 @@ def test_interpreted_fp8_kv_cache(specs, block_size, group, dtype, num_splits) -
     k8_ref, v8_ref = k8.clone(), v8.clone()
     ta.store_kvcache(case.k, case.v, k8, v8, case.meta.slot_mapping, k_scale, v_scale)
     out = ta.paged_attention(case.q, k8, v8, case.meta, case.scale, k_scale, v_scale,
-                             num_splits=num_splits)
+                             config=config, num_splits=num_splits)
     expect = TorchReferenceBackend().forward(case.q, case.k, case.v, k8_ref, v8_ref, case.meta,
                                              case.scale, k_scale, v_scale)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731  (NaN != NaN: compare the bytes)
     assert torch.equal(u8(k8), u8(k8_ref)) and torch.equal(u8(v8), u8(v8_ref))
     assert k8.float().abs().nan_to_num().max() == 448
     assert rel_err(out, expect) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@interpreted_only
+def test_interpreted_tuned_config_cached_on_disk(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning runs every candidate (each computes the right output), caches the fastest on
+    disk, and a later process's default call launches it; an unreadable cache file is
+    reported and the static default applies."""
+    from kvscope.kernels import attention_configs as ac
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ac, "_choices", None)
+    candidates = (CFG16, ta.KernelConfig(32, 16, 4, 1, fold_scale=False),
+                  ta.KernelConfig(16, 32, 4, 1))
+    monkeypatch.setattr(ac, "TUNE_CANDIDATES", candidates)
+    case = make_case([(0, 24), (7, 9), (5, 1)], 16, 4, 2, 32, torch.float32, "cpu", seed=9)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    times, outs = iter([3.0, 1.0, 2.0]), []
+
+    def timer(fn) -> float:
+        outs.append(fn())
+        return next(times)
+
+    best = ta.tune_paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                   timer=timer)
+    assert best == candidates[1] and len(outs) == 3
+    assert all(rel_err(out, reference(case)) < 1e-5 for out in outs)
+    saved = json.loads((tmp_path / "attention_configs.json").read_text())
+    assert list(saved.values()) == [dataclasses.asdict(best)]
+
+    def launched() -> dict:
+        monkeypatch.setattr(ac, "_choices", None)  # as a new process: read the file again
+        with monkeypatch.context() as patch:
+            kernels = record_launches(patch, ta, ("_paged_attention_kernel",))
+            ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        return kernels["_paged_attention_kernel"].calls[0]
+
+    call = launched()
+    assert (call["BLOCK_M"], call["BLOCK_N"], call["FOLD_SCALE"]) == (32, 16, False)
+    (tmp_path / "attention_configs.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="ignoring the attention config cache"):
+        call = launched()
+    default = ta.MIXED_CONFIG  # the step has cached prefixes
+    assert (call["BLOCK_M"], call["BLOCK_N"]) == (default.block_m, default.block_n)
 
 
 # --- CPU: compile the real launches for sm_90 -----------------------------------------------
@@ -265,8 +338,16 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.store_kvcache(decode.k, decode.v, k8, v8, decode.meta.slot_mapping, *scales)
     ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales)
     ta.paged_attention(mixed.q, *fp8_pools(mixed, *scales), mixed.meta, mixed.scale, *scales)
-    assert [len(r.calls) for r in kernels.values()] == [2, 4, 1]
+    prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
+    monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
+                       config=ta.KernelConfig(128, 64, 8, 3, tma=True))
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
+    assert [len(r.calls) for r in kernels.values()] == [2, 6, 1]
     compile_recorded(kernels)
+    # The default prefill tiles fit one H100/H200 block's shared memory (227 KiB).
+    attention = kernels["_paged_attention_kernel"]
+    assert compile_sm90(attention.fn, attention.calls[-1]).metadata.shared <= 227 * 1024
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -290,12 +371,33 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
     assert rel_err(out, reference(case, torch.float32)) <= 1e-2
 
 
+GPU_CONFIGS = [ta.PREFILL_CONFIG, ta.KernelConfig(128, 64, 8, 3, fold_scale=False),
+               ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", GPU_CONFIGS)
+@pytest.mark.parametrize("specs", [GPU_MIXED, [(0, 1000), (0, 333), (0, 64)]])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_prefill_configs(config: ta.KernelConfig, specs: list, block_size: int) -> None:
+    """Every prefill variant the bench times, on mixed and on fresh-prefill steps (where the
+    key loop runs unmasked below the diagonal, through TMA where a tile sits in one page)."""
+    case = make_case(specs, block_size, 16, 8, 128, torch.bfloat16, "cuda", seed=block_size)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                             config=config)
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::4])
-def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int) -> None:
+@pytest.mark.parametrize("config", [None, ta.KernelConfig(128, 64, 8, 3, tma=True)])
+def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int,
+                          config: ta.KernelConfig | None) -> None:
     """fp8 pools on the GPU: the store rounds as torch does (incl. clamping), the attention
-    matches the torch reference backend over the same pools."""
+    (default or TMA tiles) matches the torch reference backend over the same pools."""
     from kvscope.kernels.torch_attention import TorchReferenceBackend
     case = make_case(GPU_MIXED, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
                      seed=block_size + group)
@@ -303,8 +405,9 @@ def test_gpu_fp8_kv_cache(block_size: int, group: int, head_dim: int) -> None:
     v_scale = torch.tensor(0.02, device="cuda")
     k8, v8 = fp8_pools(case, k_scale, v_scale)
     k8_ref, v8_ref = k8.clone(), v8.clone()
-    out = ta.TritonAttentionBackend().forward(case.q, case.k, case.v, k8, v8, case.meta,
-                                              case.scale, k_scale, v_scale)
+    ta.store_kvcache(case.k, case.v, k8, v8, case.meta.slot_mapping, k_scale, v_scale)
+    out = ta.paged_attention(case.q, k8, v8, case.meta, case.scale, k_scale, v_scale,
+                             config=config)
     expect = TorchReferenceBackend().forward(case.q, case.k, case.v, k8_ref, v8_ref, case.meta,
                                              case.scale, k_scale, v_scale)
     assert torch.equal(k8.view(torch.uint8), k8_ref.view(torch.uint8))

@@ -85,6 +85,10 @@ def compile_sm90(fn, call: dict):
     aligned = [["tt.divisibility", 16]]
     for i, param in enumerate(fn.params):
         value = call[param.name]
+        if type(value).__name__ == "TensorDescriptor":  # a host-side TMA descriptor
+            from triton.runtime.jit import mangle_type
+            signature[param.name] = mangle_type(value)
+            continue
         is_one = type(value) is int and value == 1 and not param.do_not_specialize
         if param.is_constexpr or is_one:
             signature[param.name], constexprs[param.name] = "constexpr", value
