@@ -2,13 +2,17 @@
 
 It runs all cells, then checks in the page itself that the block-pool view draws the
 configured number of blocks, that it changes while generation runs, and that Pause / Step /
-Resume hold the background run between engine steps. Screenshots go to assets/screenshots/.
+Resume hold the background run between engine steps. Screenshots go to a temp dir, or to
+assets/screenshots/ (the README's images) with KVSCOPE_UPDATE_SCREENSHOTS=1, so a test run never
+leaves the working tree dirty.
 Skipped when chromium, playwright or jupyterlab is missing.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +27,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing() is not None, rea
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
-SHOTS = ROOT / "assets" / "screenshots"
+SHOTS = (ROOT / "assets" / "screenshots" if os.environ.get("KVSCOPE_UPDATE_SCREENSHOTS") == "1"
+         else Path(tempfile.gettempdir()) / "kvscope-screenshots")
 
 POOL = "[data-kvscope-view=pool]"
 LIFE = "[data-kvscope-view=lifecycle]"
