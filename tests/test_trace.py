@@ -43,7 +43,7 @@ def _workload(seed: int = 7, n: int = 8, stops: bool = True) -> tuple[list[list[
 
 def _tight_llm(**config) -> LLM:
     """Small pool (preemption), small budget (chunked prefill), prefix caching on."""
-    return make_llm(block_size=4, num_kv_blocks=16, max_num_batched_tokens=24, **config)
+    return make_llm(**{"block_size": 4, "num_kv_blocks": 16, "max_num_batched_tokens": 24, **config})
 
 
 @dataclass
@@ -193,30 +193,40 @@ def test_replay_holds_across_aborts_from_hooks(async_scheduling, tmp_path):
     ``request.preempted`` hook keep the replay equal to the snapshots and the tables the
     runner's, survive save/load, and change no token against the same run unrecorded."""
     victims: dict[LLM, list[str]] = {}
+    ended: dict[LLM, str] = {}  # the request a step.end hook aborted: the first running at step 8's end
 
     def hooks(llm: LLM) -> dict:
-        def abort_at(step: int, rid: str):
-            return lambda **p: (p.get("step") or p["info"].step) == step and llm.abort_request(rid)
+        def abort_at_schedule(step: int, **_) -> None:
+            if step == 5:
+                llm.abort_request("1")
+
+        def abort_at_end(info, **_) -> None:
+            if info.step == 8 and info.running:
+                ended[llm] = info.running[0]
+                llm.abort_request(ended[llm])
 
         def abort_first_victim(request_id: str, **_) -> None:
             if not victims.setdefault(llm, []):
                 victims[llm].append(request_id)
                 llm.abort_request(request_id)
-        return {"step.scheduled": abort_at(5, "1"), "step.end": abort_at(8, "4"),
+        return {"step.scheduled": abort_at_schedule, "step.end": abort_at_end,
                 "request.preempted": abort_first_victim}
 
-    plain = _tight_llm(async_scheduling=async_scheduling)
+    # 14 blocks: with in-batch prefix sharing the usual 16 leave the async run without a preemption.
+    plain = _tight_llm(async_scheduling=async_scheduling, num_kv_blocks=14)
     with plain.hooks(hooks(plain)):
         expected = plain.generate(*_workload(), use_tqdm=False)
-    llm = _tight_llm(async_scheduling=async_scheduling)
+    llm = _tight_llm(async_scheduling=async_scheduling, num_kv_blocks=14)
     run = _record(llm, hooks=hooks(llm))
-    assert token_ids(run.outputs) == token_ids(expected) and victims[llm] == victims[plain]
+    assert victims.get(plain), "the workload should preempt"
+    assert token_ids(run.outputs) == token_ids(expected) and victims.get(llm) == victims[plain]
+    assert ended.get(llm) == ended[plain] not in ("1", *victims[plain])
     reasons = {o.request_id: o.outputs[0].finish_reason for o in run.outputs}
-    assert [reasons[r] for r in ("1", "4", *victims[llm])] == ["abort"] * 3
+    assert [reasons[r] for r in ("1", ended[llm], *victims[llm])] == ["abort"] * 3
     sched = run.blocks.scheduled()
     assert sched.query("request_id == '1' and step == 5").empty  # its row never ran
     if async_scheduling:  # aborted at step 8's end, with its step-9 row in flight
-        assert not sched.query("request_id == '4' and step == 9").empty
+        assert not sched.query(f"request_id == '{ended[llm]}' and step == 9").empty
     _assert_replay_equals_snapshot(run)
     _assert_tables_are_the_runners(run)
     _assert_same_trace(run.blocks, Trace.load(run.blocks.save(tmp_path / "blocks")))

@@ -82,14 +82,20 @@ class HookRegistry:
         self._sinks: dict[int, list[BlockEvent]] = {}
         self.block_sinks: tuple[list[BlockEvent], ...] = ()  # read by the block manager per event
 
-    def add(self, name: str, fn: Hook) -> HookHandle:
-        """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``."""
+    def add(self, name: str, fn: Hook, first: bool = False) -> HookHandle:
+        """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``. ``first``: before
+        the hooks already there (a recorder closes step n's record before a ``step.end`` hook
+        that steps the engine again can start step n+1)."""
         if name not in HOOK_POINTS:
             raise ValueError(f"unknown hook point {name!r}; known hook points: {', '.join(HOOK_POINTS)}")
         if not callable(fn):
             raise TypeError(f"hook for {name!r} must be callable, got {type(fn).__name__}")
         key = next(self._keys)
-        self._hooks.setdefault(name, {})[key] = fn
+        fns = self._hooks.setdefault(name, {})
+        if first:
+            self._hooks[name] = {key: fn, **fns}
+        else:
+            fns[key] = fn
         return HookHandle(self, name, key)
 
     @contextlib.contextmanager

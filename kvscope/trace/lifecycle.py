@@ -33,6 +33,7 @@ class LifecycleBuilder:
         self.closed: list[tuple] = []
         self._open: dict[str, Row] = {}
         self._preempted: set[str] = set()  # preempted, and not decoding again yet
+        self._ended: set[str] = set()  # finished or aborted: no state after that
         self._order: dict[str, int] = {}  # request id -> when first seen
         self.first_step: int | None = None
         self.last_step: int | None = None
@@ -45,7 +46,7 @@ class LifecycleBuilder:
         sched = rec.scheduled
         # Under async scheduling a row may belong to a request that ended after it was launched
         # (it finished in the step before, or was aborted): only a live request's row counts.
-        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted}
+        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted} - self._ended
         for rid, prefill, start, n, cached in zip(
                 sched.request_ids, sched.is_prefill.tolist(), sched.start.tolist(),
                 sched.num_new_tokens.tolist(), sched.num_cached_tokens.tolist()):
@@ -58,7 +59,9 @@ class LifecycleBuilder:
                 self._preempted.discard(rid)
             # an admission starts right after its cached prefix; later chunks carry no hit
             now[rid] = (state, n, cached if start == cached else 0)
-        for rid in rec.preempted:
+        # Under async scheduling step n+1's scheduling may preempt a request that step n's
+        # post-processing then finishes: the preemption lands in a later record than the finish.
+        for rid in (r for r in rec.preempted if r not in self._ended):
             now[rid] = ("preempted", 0, 0)
             self._preempted.add(rid)
         for rid in rec.waiting:
@@ -80,11 +83,13 @@ class LifecycleBuilder:
             if rid in self._open:
                 self._close(rid)
             self._preempted.discard(rid)
+            self._ended.add(rid)
             self.closed.append((rid, "finished", rec.step, rec.step, 0, end, end, 0, 0))
             now.pop(rid, None)
         for rid in [r for r in self._open if r not in now]:  # gone without finishing: aborted between steps
             self._close(rid)
             self._preempted.discard(rid)
+            self._ended.add(rid)
             self.closed.append((rid, "aborted", rec.step, rec.step, 0, start, start, 0, 0))
         self.last_step = rec.step
 

@@ -148,7 +148,7 @@ class Recorder:
         self._handles += [
             hooks.add("request.added", self._on_added),
             hooks.add("request.finished", self._on_finished),
-            hooks.add("step.end", self._on_step_end),
+            hooks.add("step.end", self._on_step_end, first=True),
         ]
         return self.trace
 
