@@ -79,8 +79,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
+        for i in range(self.num_cacheable_blocks(req)):
             b = self.hash_to_block.get(self.block_hash_of(req, i))
             if b is None or not np.array_equal(
                 self.block_tokens[b], req.block_tokens(i, self.block_size)
@@ -88,6 +87,15 @@ class BlockManager:
                 break
             hits.append(b)
         return hits
+
+    def num_cacheable_blocks(self, req: Request) -> int:
+        """How many of ``req``'s blocks a prefix-cache hit may cover: full ones, never the one
+        holding its last token (at least one token is computed, for the next token's logits)."""
+        return (req.num_tokens - 1) // self.block_size
+
+    def num_full_computed_blocks(self, req: Request) -> int:
+        """``req``'s full blocks whose tokens are all computed, never past a token still in flight."""
+        return min(req.num_computed_tokens, req.num_tokens) // self.block_size
 
     def count_admission(self, num_tokens: int, num_cached_tokens: int) -> None:
         """Count one successful admission in vLLM's prefix-cache counters (failed tries don't count)."""
@@ -166,8 +174,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(req.num_computed_tokens, req.num_tokens) // bs  # never past a token still in flight
-        for i in range(req.num_hashed_blocks, full):
+        for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
             b = req.block_table[i]
             req.num_hashed_blocks = i + 1
             if self.block_hash[b] != NO_HASH:

@@ -187,7 +187,7 @@ class Scheduler:
     def _may_hit_more(self, req: Request, num_cached_blocks: int) -> bool:
         """Whether ``req`` has a block past its cached prefix that the cache could give it
         (full, and not holding its last token), so waiting could help."""
-        return num_cached_blocks < (req.num_tokens - 1) // self.block_manager.block_size
+        return num_cached_blocks < self.block_manager.num_cacheable_blocks(req)
 
     def _blocks_in_flight(self) -> set[int]:
         """Hashes of the computed (or being computed) full prompt blocks of running requests
@@ -205,9 +205,8 @@ class Scheduler:
         return hashes
 
     def _unhashed_blocks(self, req: Request) -> list[int]:
-        bs = self.block_manager.block_size
-        full = min(req.num_computed_tokens, req.num_tokens) // bs
-        return [self.block_manager.block_hash_of(req, i) for i in range(req.num_hashed_blocks, full)]
+        bm = self.block_manager
+        return [bm.block_hash_of(req, i) for i in range(req.num_hashed_blocks, bm.num_full_computed_blocks(req))]
 
     def _scheduled(self, req: Request, n: int, num_cached: int = 0) -> ScheduledRequest:
         """The step's share of ``req``; marks those tokens computed and the sample pending."""
