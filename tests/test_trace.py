@@ -532,3 +532,25 @@ def test_full_snapshots_keep_only_what_each_step_changed(run):
         assert set(rec.pool.block_ids.tolist()) <= named, f"step {rec.step}"
     changed = sum(len(r.pool.block_ids) for r in recs[1:])
     assert 0 < changed < run.full.num_blocks * (len(recs) - 1) / 3
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_end_hook_that_steps_the_engine_leaves_the_records_in_order(async_scheduling):
+    """A ``step.end`` hook added before the recorder runs ``generate``: the recorder's own
+    ``step.end`` fires first, so step n's record is closed before the nested steps are recorded,
+    and the replay still equals the full level's snapshots at every step."""
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    fired: list[int] = []
+
+    def nested(info, **_) -> None:
+        if not fired:
+            fired.append(info.step)
+            llm.generate([[3, 4, 5]], greedy(2), use_tqdm=False)
+
+    llm.hooks.add("step.end", nested)
+    with llm.record("full") as full, llm.record("blocks") as blocks:
+        llm.generate([[3]], greedy(4), use_tqdm=False)
+    assert fired and blocks.step_ids == sorted(set(blocks.step_ids)) == full.step_ids
+    for step in blocks.step_ids:
+        snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
+        assert all(np.array_equal(snap[k], replay[k]) for k in snap)
