@@ -1,7 +1,7 @@
 """A throw-away JupyterLab server and a headless Chromium page on it, for real-browser tests.
 
-The recipe (measured on this project's CPU machine) is in ``/work/shared/notes/browser-testing.md``:
-Debian's ``/usr/bin/chromium`` driven by Python Playwright (never ``playwright install``),
+The recipe (measured on this project's CPU machine): Debian's ``/usr/bin/chromium`` driven by
+Python Playwright (never ``playwright install``),
 one fresh server per test with an isolated config directory, and "ready" meaning the kernel is
 connected and idle, not the toolbar's indicator.
 """
