@@ -117,6 +117,28 @@ def test_abort_add_and_reset_from_every_hook_point(point: str) -> None:
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_hook_that_aborts_the_only_scheduled_row_leaves_a_held_back_request_to_the_next_step(
+        async_scheduling: bool) -> None:
+    """The second prompt waits for the first one's prefix block (in-batch sharing); a
+    ``step.scheduled`` hook aborts the first, leaving the step empty. That is not a stalled
+    scheduler: the next step runs the second prompt (found by the state machine in CI)."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    first = llm.add_request(PREFIX, greedy(1))
+    aborted: list[str] = []
+
+    def hook(**_) -> None:
+        if not aborted:
+            aborted.append(first)
+            llm.abort_request(first)
+
+    with llm.hooks({"step.scheduled": hook}):
+        out = llm.generate([PREFIX + [7]], greedy(1), use_tqdm=False)
+    assert aborted and token_ids(out) == fresh_tokens([PREFIX + [7]], 1)
+    assert drain(llm)[first].outputs[0].finish_reason == "abort"
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 4
 @pytest.mark.parametrize("point", [p for p in HOOK_POINTS if p != "step.end"])
 def test_generate_from_inside_a_hook_is_refused_and_touches_nothing(point: str) -> None:

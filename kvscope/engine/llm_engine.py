@@ -306,8 +306,10 @@ class LLMEngine:
         if self._num_aborts != aborts:  # a hook aborted requests while this step was scheduled
             self.scheduler.discard_finished_rows(out)
 
-    def _no_progress(self) -> None:
-        if self.scheduler.has_unfinished():
+    def _no_progress(self, aborts: int) -> None:
+        """An empty step is a bug unless a hook aborted the rows it had scheduled (``aborts``:
+        the abort count before scheduling); the next step then schedules what they held back."""
+        if self.scheduler.has_unfinished() and self._num_aborts == aborts:
             raise RuntimeError(
                 "scheduler made no progress with unfinished requests; this is a kvscope bug "
                 f"(waiting={len(self.scheduler.waiting)}, running={len(self.scheduler.running)}, "
@@ -316,6 +318,7 @@ class LLMEngine:
 
     def _step_async(self) -> tuple[list[Request], list[Request]]:
         """Schedule and launch step n, then read back and post-process step n-1."""
+        aborts = self._num_aborts
         out, t0, schedule_s, request_ids = self._schedule()
         launched = None
         if out.requests or out.preempted_seq_ids:  # (a step of preemptions alone is reported too)
@@ -328,7 +331,7 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             if launched is None:
-                self._no_progress()
+                self._no_progress(aborts)
             return [], []
         return self._resolve(previous, launched=out)
 
@@ -359,9 +362,10 @@ class LLMEngine:
                 if i in live}
 
     def _step_sync(self) -> tuple[list[Request], list[Request]]:
+        aborts = self._num_aborts
         out, t0, schedule_s, request_ids = self._schedule()
         if out.is_empty and not out.preempted_seq_ids:
-            self._no_progress()
+            self._no_progress(aborts)
             return [], []
         try:
             result = self.executor.execute(out) if out.requests else StepResult(tokens={})
