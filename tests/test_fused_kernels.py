@@ -85,7 +85,8 @@ def check_qk_norm_rope(tokens: int, num_q_heads: int, num_kv_heads: int, head_di
                              num_kv_heads * head_dim], dim=-1)
         return q.view(tokens, num_q_heads, head_dim), k.view(tokens, num_kv_heads, head_dim)
 
-    ref_q, ref_k = rotate_qk(*heads(qkv.float()), cos, sin, *norms)
+    ref_qk = qkv.float()[:, :(num_q_heads + num_kv_heads) * head_dim].view(tokens, -1, head_dim)
+    ref_q, ref_k = rotate_qk(ref_qk, num_q_heads, cos, sin, *norms)
     fused_qkv = qkv.to(device)
     weights = [n.weight.detach().to(device, dtype) for n in norms] if qk_norm else [None, None]
     q, k = tf.qk_norm_rope(*heads(fused_qkv), cos.to(device), sin.to(device), *weights, EPS)

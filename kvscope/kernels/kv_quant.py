@@ -12,7 +12,7 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, cache_dtype: torch
     """``x`` as stored in a pool of ``cache_dtype``: an fp8 pool holds ``x / scale``, clamped to
     the e4m3 range (a cast alone turns out-of-range values into NaN)."""
     if cache_dtype != FP8_DTYPE:
-        return x.to(cache_dtype)
+        return x if x.dtype == cache_dtype else x.to(cache_dtype)
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
 
 

@@ -17,15 +17,17 @@ from kvscope.kernels.torch_batched_attention import PaddedBatch, attend_planned,
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: torch.Tensor | float = 1.0,
-             v_scale: torch.Tensor | float = 1.0) -> None:
+             v_scale: torch.Tensor | float = 1.0, *, all_written: bool = False) -> None:
     """Write row ``t`` of ``k``/``v`` (``[T, Hkv, D]``) to flat slot ``slot_mapping[t]``; -1 skips.
 
-    An fp8 pool stores them quantized with ``k_scale`` / ``v_scale``.
+    An fp8 pool stores them quantized with ``k_scale`` / ``v_scale``. ``all_written``: the
+    caller already knows no slot is -1 (checked once per step, not once per layer).
     """
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        rows = keep.nonzero().squeeze(1)
-        k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
+    if not all_written:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            rows = keep.nonzero().squeeze(1)
+            k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     _, _, hkv, d = k_cache.shape
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         x = quantize_kv(x, scale, cache.dtype)
@@ -111,18 +113,20 @@ class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # The step layout is the same for every layer: planned at the first, reused by the rest.
-        self._planned: tuple[AttentionMetadata, tuple[int, int, int, int], list[PaddedBatch]] | None = None
+        # The step layout is the same for every layer: planned at the first, reused by the rest
+        # (with whether every row writes its K/V).
+        self._planned: tuple[AttentionMetadata, tuple[int, int, int, int], list[PaddedBatch], bool] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
                 v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         shape = (q.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2])
         if self._planned is None or self._planned[0] is not meta or self._planned[1] != shape:
-            self._planned = (meta, shape, plan_batches(meta, *shape))
-        return attend_planned(q, k_cache, v_cache, self._planned[2], scale, k, v, k_scale, v_scale)
+            self._planned = (meta, shape, plan_batches(meta, *shape), bool((meta.slot_mapping >= 0).all()))
+        _, _, plan, all_written = self._planned
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, all_written=all_written)
+        return attend_planned(q, k_cache, v_cache, plan, scale, k, v, k_scale, v_scale)
 
 
 class TorchReferenceBackend:

@@ -120,6 +120,10 @@ def plan_batches(meta: AttentionMetadata, num_rows: int, block_size: int, num_he
             _padded_batch(meta, (~decode).nonzero().squeeze(1), meta.max_seqlen_q, num_rows, block_size, heads)]
 
 
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
                    scale: float, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> torch.Tensor:
     """One query row per sequence, keys from the pool: ``[b, 1, Hq, D]``. The keys are gathered
@@ -131,9 +135,9 @@ def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     keys = k_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
     values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
     # Scores and softmax in float32 whatever the model's dtype, as SDPA and the reference do.
-    f32 = torch.float32
-    keys, values = dequantize_kv(keys, k_scale, f32).to(f32), dequantize_kv(values, v_scale, f32).to(f32)
-    queries = (q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d).to(f32)
+    keys = _float32(dequantize_kv(keys, k_scale, torch.float32))
+    values = _float32(dequantize_kv(values, v_scale, torch.float32))
+    queries = _float32((q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d))
     scores = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale)
     return torch.bmm(scores.softmax(dim=-1), values).view(b, 1, hq, d)
 
@@ -174,7 +178,8 @@ def attend_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """Attention of every real query row under ``plan``; padding rows come back as zeros. An
     fp8 pool is dequantized as it is gathered."""
     if len(plan) == 1 and plan[0].whole:  # the batch is the packed rows: nothing to scatter
-        return _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).reshape(q.shape).to(q.dtype)
+        out = _attend(q, k_cache, v_cache, plan[0], scale, k, v, k_scale, v_scale).reshape(q.shape)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
     out = torch.zeros_like(q)
     for batch in plan:
         o = _attend(q, k_cache, v_cache, batch, scale, k, v, k_scale, v_scale)

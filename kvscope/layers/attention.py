@@ -42,7 +42,8 @@ class Attention(nn.Module):
         self.calculate_kv_scales = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[T, Hq*D]``, ``k``/``v`` ``[T, Hkv*D]`` (after RoPE) -> ``[T, Hq*D]``."""
+        """``q`` ``[T, Hq*D]`` or ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv*D]`` or ``[T, Hkv, D]``
+        (after RoPE; strided head views of the packed projection are fine) -> ``[T, Hq*D]``."""
         meta = get_forward_context().attn
         if meta is None:
             raise RuntimeError("Attention called outside kvscope.forward_context(...)")

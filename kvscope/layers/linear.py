@@ -91,10 +91,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias, shard_ids=("q", "k", "v"))
 
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split this rank's packed output into q ``[T, Hq*D]``, k and v ``[T, Hkv*D]``."""
-        q, k, v = qkv.split(self.local_sizes, dim=-1)
-        return q, k, v
+    def split_qk_v(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's packed output as the q and k heads together, ``[T, Hq + Hkv, D]`` (views;
+        q first), and v ``[T, Hkv*D]``."""
+        qk, v = qkv.split([self.local_sizes[0] + self.local_sizes[1], self.local_sizes[2]], dim=-1)
+        return qk.view(qk.shape[0], self.num_heads + self.num_kv_heads, self.head_dim), v
 
 
 class RowParallelLinear(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvscope.kernels.fused import fused_kernels
-from kvscope.layers.norm import RMSNorm
+from kvscope.layers.norm import RMSNorm, rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -94,21 +94,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def rotate_qk(qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
               q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]``, each first normalised per head
-    when the norms are given (Qwen3: both, with one ``eps``).
+    """RoPE on the query and key heads ``qk`` ``[T, Hq + Hkv, D]`` (the first ``num_q_heads``
+    are q), each head first normalised when the norms are given (Qwen3: both, with one ``eps``).
+    Returns q ``[T, Hq, D]`` and k ``[T, Hkv, D]``.
 
-    On CUDA this is one kernel that works in place on ``q`` and ``k`` (views of the step's
-    fresh qkv projection); the torch path returns new tensors.
+    q and k sit side by side in the packed qkv projection, so the torch path normalises and
+    rotates them together (one weight row per head), half the small ops of doing each apart.
+    On CUDA this is one kernel that works in place on the q and k views of ``qk``.
     """
-    fused = fused_kernels(q)
+    q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+    fused = fused_kernels(qk)
     if fused is not None:
         if q_norm is None:
             return fused.qk_norm_rope(q, k, cos, sin)
         return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
     if q_norm is not None:
-        q, k = q_norm(q), k_norm(k)
-    cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)  # once for q and k
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        d = qk.shape[-1]
+        weight = torch.cat((q_norm.weight.expand(num_q_heads, d), k_norm.weight.expand(k.shape[1], d)))
+        qk = rms_norm(qk, weight, q_norm.eps)
+    qk = apply_rotary(qk, cos, sin)
+    return qk[:, :num_q_heads], qk[:, num_q_heads:]

@@ -75,13 +75,9 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
-        return self.o_proj(out)
+        qk, v = self.qkv_proj.split_qk_v(self.qkv_proj(hidden))
+        q, k = rotate_qk(qk, self.num_heads, cos, sin, self.q_norm, self.k_norm)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class DecoderMLP(nn.Module):
