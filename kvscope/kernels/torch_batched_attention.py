@@ -15,8 +15,10 @@ Grouped-query heads are never repeated: the ``G`` query heads that share a KV he
 ``G * n`` query rows of that head, so each key is read once per KV head.
 
 A decode batch (one query row per sequence) that reads the pool gathers its keys head-major
-instead, ``[B * Hkv, L, D]``, and attends with two batched matmuls and a softmax under an
-additive ``-inf`` bias: at this size SDPA's general kernel costs more than the arithmetic.
+instead, ``[B * Hkv, L, D]``, and scores them with one batched matmul and a softmax under an
+additive ``-inf`` bias (at this size SDPA's general kernel costs more than the arithmetic);
+a float32 pool's values are summed straight from the pool by ``F.embedding_bag``, weighted by
+the probabilities, so they are never copied out.
 
 Everything that depends only on the step's layout (:func:`plan_batches`: slots, masks, biases,
 whether the batch is the packed rows themselves, so nothing needs gathering or scattering) is
@@ -49,6 +51,9 @@ class PaddedBatch:
     # in [b, Hkv, L] order, and the mask as an additive bias [b * Hkv, 1, L] (0 or -inf).
     key_rows: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    # The same rows once per query head, [b * Hkv * G, L]: the bags F.embedding_bag sums the
+    # values over, weighted by the probabilities.
+    value_bags: torch.Tensor | None = None
 
 
 def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
@@ -98,7 +103,9 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
                         slots=slots, mask=mask, length=length, whole=whole, heads=heads)
     if n == 1 and slots is not None:
         kv_head = torch.arange(hkv, device=slots.device)
-        batch.key_rows = (slots.view(b, 1, length) * hkv + kv_head[:, None]).view(-1)
+        key_rows = slots.view(b, 1, length) * hkv + kv_head[:, None]
+        batch.key_rows = key_rows.view(-1)
+        batch.value_bags = key_rows.view(b * hkv, 1, length).expand(b * hkv, group, length).reshape(-1, length)
         hidden = torch.zeros(b, 1, length, device=slots.device).masked_fill_(~visible, float("-inf"))
         batch.bias = hidden.repeat_interleave(hkv, dim=0)
     return batch
@@ -127,19 +134,25 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
 def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
                    scale: float, k_scale: torch.Tensor | float, v_scale: torch.Tensor | float) -> torch.Tensor:
     """One query row per sequence, keys from the pool: ``[b, 1, Hq, D]``. The keys are gathered
-    head-major, so each KV head's history is one contiguous matrix and attention is two batched
-    matmuls and a softmax, which on a CPU costs less than SDPA's general kernel at this size."""
+    head-major, so each KV head's history is one contiguous matrix and the scores are one
+    batched matmul, which on a CPU costs less than SDPA's general kernel at this size. A float32
+    pool's values are not gathered at all: ``F.embedding_bag`` sums the pool rows the
+    probabilities weight, in one pass."""
     _, hq, d = q.shape
     group, hkv = batch.heads
-    b = batch.rows.shape[0]
-    keys = k_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
-    values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, batch.length, d)
+    b, length = batch.rows.shape[0], batch.length
+    keys = k_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, length, d)
     # Scores and softmax in float32 whatever the model's dtype, as SDPA and the reference do.
     keys = _float32(dequantize_kv(keys, k_scale, torch.float32))
-    values = _float32(dequantize_kv(values, v_scale, torch.float32))
     queries = _float32((q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d))
-    scores = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale)
-    return torch.bmm(scores.softmax(dim=-1), values).view(b, 1, hq, d)
+    probs = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
+    if v_cache.dtype == torch.float32:
+        out = F.embedding_bag(batch.value_bags, v_cache.view(-1, d), mode="sum",
+                              per_sample_weights=probs.view(-1, length))
+        return out.view(b, 1, hq, d)
+    values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, length, d)
+    values = _float32(dequantize_kv(values, v_scale, torch.float32))
+    return torch.bmm(probs, values).view(b, 1, hq, d)
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PaddedBatch,
