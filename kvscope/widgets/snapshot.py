@@ -197,7 +197,8 @@ def lifecycle_state(d: StepData) -> dict[str, Any]:
         life["num_tokens"].to_numpy(), life["num_cached_tokens"].to_numpy(),
     ], axis=1).astype(np.int32) if len(life) else np.zeros((0, 6), np.int32)
     keys = ("prompt_len", "output_len", "num_cached_tokens", "num_preemptions", "ttft_s", "mean_itl_s", "finish_reason")
-    requests = [{"id": str(rid), **{k: _plain(facts.at[rid, k]) for k in keys}} for rid in order]
+    columns = [[_plain(v) for v in facts[k].tolist()] for k in keys]  # whole columns: no per-cell lookups
+    requests = [{"id": str(rid), **dict(zip(keys, row))} for rid, *row in zip(order, *columns)]
     ids = d.trace.step_ids
     return {"step": d.step, "first_step": int(ids[0]), "last_step": int(ids[-1]), "states": list(LIFECYCLE_STATES),
             "requests": requests, "intervals": cols.tobytes()}
