@@ -75,7 +75,7 @@ def check_qk_norm_rope(tokens: int, num_q_heads: int, num_kv_heads: int, head_di
     gen = torch.Generator().manual_seed(tokens * head_dim + num_q_heads + qk_norm)
     rotary = RotaryEmbedding(head_dim, 512, rope)
     positions = torch.randint(0, 512, (tokens,), generator=gen)
-    cos, sin = rotary(positions)
+    cos, sin = rotary.cos_sin[positions].chunk(2, dim=-1)  # the fused kernel's tables
     qkv = (2 * torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim,
                            generator=gen)).to(dtype)
     norms = (random_norm(head_dim, gen), random_norm(head_dim, gen)) if qk_norm else (None, None)
@@ -86,7 +86,7 @@ def check_qk_norm_rope(tokens: int, num_q_heads: int, num_kv_heads: int, head_di
         return q.view(tokens, num_q_heads, head_dim), k.view(tokens, num_kv_heads, head_dim)
 
     ref_qk = qkv.float()[:, :(num_q_heads + num_kv_heads) * head_dim].view(tokens, -1, head_dim)
-    ref_q, ref_k = rotate_qk(ref_qk, num_q_heads, cos, sin, *norms)
+    ref_q, ref_k = rotate_qk(ref_qk, num_q_heads, *rotary(positions, ref_qk), *norms)
     fused_qkv = qkv.to(device)
     weights = [n.weight.detach().to(device, dtype) for n in norms] if qk_norm else [None, None]
     q, k = tf.qk_norm_rope(*heads(fused_qkv), cos.to(device), sin.to(device), *weights, EPS)

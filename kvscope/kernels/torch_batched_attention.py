@@ -51,9 +51,10 @@ class PaddedBatch:
     # in [b, Hkv, L] order, and the mask as an additive bias [b * Hkv, 1, L] (0 or -inf).
     key_rows: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    # The same rows once per query head, [b * Hkv * G, L]: the bags F.embedding_bag sums the
-    # values over, weighted by the probabilities.
+    # The same rows once per query head, flat, and where each head's bag of L rows starts: what
+    # F.embedding_bag sums the values over, weighted by the probabilities.
     value_bags: torch.Tensor | None = None
+    value_offsets: torch.Tensor | None = None
 
 
 def _history_slots(tables: torch.Tensor, context_lens: torch.Tensor, length: int, block_size: int,
@@ -105,7 +106,8 @@ def _padded_batch(meta: AttentionMetadata, seqs: torch.Tensor | None, n: int, nu
         kv_head = torch.arange(hkv, device=slots.device)
         key_rows = slots.view(b, 1, length) * hkv + kv_head[:, None]
         batch.key_rows = key_rows.view(-1)
-        batch.value_bags = key_rows.view(b * hkv, 1, length).expand(b * hkv, group, length).reshape(-1, length)
+        batch.value_bags = key_rows.view(b * hkv, 1, length).expand(b * hkv, group, length).reshape(-1)
+        batch.value_offsets = torch.arange(0, batch.value_bags.numel(), length, device=slots.device)
         hidden = torch.zeros(b, 1, length, device=slots.device).masked_fill_(~visible, float("-inf"))
         batch.bias = hidden.repeat_interleave(hkv, dim=0)
     return batch
@@ -147,8 +149,8 @@ def _decode_attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     queries = _float32((q if batch.whole else q[batch.rows[:, 0]]).reshape(b * hkv, group, d))
     probs = torch.baddbmm(batch.bias, queries, keys.transpose(1, 2), alpha=scale).softmax(dim=-1)
     if v_cache.dtype == torch.float32:
-        out = F.embedding_bag(batch.value_bags, v_cache.view(-1, d), mode="sum",
-                              per_sample_weights=probs.view(-1, length))
+        out = F.embedding_bag(batch.value_bags, v_cache.view(-1, d), batch.value_offsets, mode="sum",
+                              per_sample_weights=probs.view(-1))
         return out.view(b, 1, hq, d)
     values = v_cache.view(-1, d).index_select(0, batch.key_rows).view(b * hkv, length, d)
     values = _float32(dequantize_kv(values, v_scale, torch.float32))

@@ -48,8 +48,10 @@ class Attention(nn.Module):
         if meta is None:
             raise RuntimeError("Attention called outside kvscope.forward_context(...)")
         t = q.shape[0]
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if q.dim() == 2:  # (a view costs a dispatch; the decoder already passes heads)
+            q = q.view(t, self.num_heads, self.head_dim)
+        if k.dim() == 2:
+            k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.k_cache.numel() == 0:
             if not meta.no_prefix:

@@ -78,20 +78,27 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([angles.cos(), angles.sin()], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``, ``sin`` of shape ``[T, head_dim / 2]`` (float32) for the packed positions."""
-        return self.cos_sin[positions].chunk(2, dim=-1)
+    def forward(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotation tables for activations like ``like``, made once per step and
+        shared by every layer.
+
+        On CUDA they are what the fused kernel reads: ``cos``, ``sin`` ``[T, head_dim / 2]``
+        (float32). Elsewhere they are ``[T, 1, head_dim]`` in ``like``'s dtype, ``cos|cos`` and
+        ``-sin|sin``, so a layer rotates with :func:`apply_rotary`'s four operations instead of
+        splitting, broadcasting and casting the halves again.
+        """
+        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)
+        if fused_kernels(like) is not None:
+            return cos, sin
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.unsqueeze(1).to(like.dtype), sin.unsqueeze(1).to(like.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by per-token angles (``cos``, ``sin``: ``[T, D / 2]``, or
-    ``[T, 1, D / 2]`` in ``x``'s dtype already); computed in ``x``'s dtype like HF."""
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if cos.dtype != x.dtype:
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """Rotate ``x`` ``[T, H, D]`` by the full-width tables ``RotaryEmbedding`` makes off CUDA
+    (``[T, 1, D]``, in ``x``'s dtype): ``x1*cos - x2*sin | x2*cos + x1*sin``, the same products
+    and sums as HF's ``rotate_half`` form, so the same bits."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 def rotate_qk(qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,21 +106,22 @@ def rotate_qk(qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the query and key heads ``qk`` ``[T, Hq + Hkv, D]`` (the first ``num_q_heads``
     are q), each head first normalised when the norms are given (Qwen3: both, with one ``eps``).
+    ``cos``, ``sin``: the step's tables from :class:`RotaryEmbedding` (made for ``qk``'s device).
     Returns q ``[T, Hq, D]`` and k ``[T, Hkv, D]``.
 
     q and k sit side by side in the packed qkv projection, so the torch path normalises and
     rotates them together (one weight row per head), half the small ops of doing each apart.
     On CUDA this is one kernel that works in place on the q and k views of ``qk``.
     """
-    q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
     fused = fused_kernels(qk)
     if fused is not None:
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         if q_norm is None:
             return fused.qk_norm_rope(q, k, cos, sin)
         return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
     if q_norm is not None:
-        d = qk.shape[-1]
-        weight = torch.cat((q_norm.weight.expand(num_q_heads, d), k_norm.weight.expand(k.shape[1], d)))
+        d, num_k_heads = qk.shape[-1], qk.shape[1] - num_q_heads
+        weight = torch.cat((q_norm.weight.expand(num_q_heads, d), k_norm.weight.expand(num_k_heads, d)))
         qk = rms_norm(qk, weight, q_norm.eps)
     qk = apply_rotary(qk, cos, sin)
     return qk[:, :num_q_heads], qk[:, num_q_heads:]

@@ -123,8 +123,8 @@ class DecoderModel(nn.Module):
                                           rope_config_from_hf(config))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.rotary_emb(positions)
         hidden, residual = self.embed_tokens(input_ids), None
+        cos, sin = self.rotary_emb(positions, hidden)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)
         hidden, _ = self.norm(hidden, residual)
