@@ -101,11 +101,6 @@ class EngineConfig:
         positive_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "async_scheduling=True needs tensor_parallel_size=1 (the workers would need each step's "
-                f"sampled tokens before rank 0 has them), got tensor_parallel_size={self.tensor_parallel_size}"
-            )
 
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")

@@ -172,8 +172,6 @@ def test_unknown_and_invalid_config_keys_raise():
         LLM(path, max_model_len=10**6, device="cpu")
     with pytest.raises(FileNotFoundError, match="never downloads"):
         LLM("some-org/definitely-not-cached-model")
-    with pytest.raises(ValueError, match="async_scheduling=True needs tensor_parallel_size=1"):
-        LLM(path, async_scheduling=True, tensor_parallel_size=2, device="cpu")
 
 
 def test_runner_error_is_raised_and_engine_recovers(llm):

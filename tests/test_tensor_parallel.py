@@ -111,16 +111,19 @@ def test_bundled_model_matches_single_rank() -> None:
         assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
 
 
-def test_prefix_caching_chunked_prefill_and_preemption_match_single_rank() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_caching_chunked_prefill_and_preemption_match_single_rank(async_scheduling: bool) -> None:
     """A pool of 16 four-token blocks, a 16-token budget and two rounds of the same prompts:
-    chunked prefills, preemptions and prefix-cache hits all happen under TP=2."""
+    chunked prefills, preemptions and prefix-cache hits all happen under TP=2. With async
+    scheduling every decode input of the worker is a placeholder it fills from the tokens rank
+    0 broadcast for the step before; the tokens are TP=1's synchronous ones all the same."""
     config = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=16, enable_prefix_caching=True)
     prompts, params = _workload()
     plain = token_ids(make_llm(block_size=16).generate(prompts, params, use_tqdm=False))
     single = make_llm(**config)
     expected = [token_ids(single.generate(prompts, params, use_tqdm=False)) for _ in range(2)]
     assert expected == [plain, plain]
-    with make_llm(tensor_parallel_size=2, **config) as llm:
+    with make_llm(tensor_parallel_size=2, async_scheduling=async_scheduling, **config) as llm:
         preempted: list[str] = []
         scheduled: list = []
         llm.hooks.add("request.preempted", lambda request_id, **_: preempted.append(request_id))
@@ -204,12 +207,14 @@ def test_channel_grows_for_commands_far_above_1_mib() -> None:
     assert not [n for n in _shm() if n.startswith(writer.base)]
 
 
-def test_killed_worker_makes_generate_raise_not_hang_and_spares_other_engines() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_killed_worker_makes_generate_raise_not_hang_and_spares_other_engines(async_scheduling: bool) -> None:
     """Two TP engines share this process and host (own groups, ports and channels); killing one's
-    worker fails that engine's next step within seconds and leaves the other one working."""
+    worker fails that engine's next step within seconds and leaves the other one working (under
+    async scheduling too, where a step's ``done`` is collected when the next one is sent)."""
     prompts, params = _workload()
     before = _shm()
-    with make_llm(tensor_parallel_size=2, num_kv_blocks=64) as llm, \
+    with make_llm(tensor_parallel_size=2, num_kv_blocks=64, async_scheduling=async_scheduling) as llm, \
             make_llm(tensor_parallel_size=2, num_kv_blocks=64) as other:
         created = _created_by(llm, before)
         expected = token_ids(other.generate(prompts, params, use_tqdm=False))

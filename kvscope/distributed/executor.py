@@ -38,7 +38,7 @@ from kvscope.distributed.group import backend_for, make_group, make_store, relea
 from kvscope.distributed.parallel_state import tp_scope
 from kvscope.distributed.step_message import encode_step
 from kvscope.distributed.worker import WorkerArgs, worker_main
-from kvscope.engine.executor import DoneStep, StepResult
+from kvscope.engine.executor import StepHandle, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.models import spec_for
 from kvscope.models.decoder import check_supported
@@ -270,8 +270,23 @@ class TensorParallelExecutor:
             self._raise_failure(exc)
         self.num_kv_blocks = runner.num_kv_blocks
         self.vocab_size = runner.vocab_size
+        self._workers_busy = False  # a step was sent whose ``done`` is not collected yet
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        handle = self.execute_async(out)
+        try:
+            self._ranks.collect("done")
+            self._workers_busy = False
+        except BaseException as exc:
+            self._raise_failure(exc)
+        return handle.result()
+
+    def execute_async(self, out: SchedulerOutput) -> StepHandle:
+        """Send the step to the workers and launch rank 0's shard; the handle's ``result()``
+        reads back rank 0's tokens. The workers' ``done`` for this step is collected before the
+        next command goes out (the channel holds one command at a time), so under async
+        scheduling rank 0 never waits for a worker between launching step n and step n + 1
+        (on a GPU a worker answers once its launches are queued)."""
         ranks = self._ranks
         if ranks.failure is not None:
             raise TensorParallelError(f"the tensor-parallel engine is down ({ranks.failure}); "
@@ -279,17 +294,15 @@ class TensorParallelExecutor:
         if ranks.closed:
             raise TensorParallelError("the tensor-parallel engine was shut down")
         try:
+            if self._workers_busy:
+                ranks.collect("done")
             ranks.channel.send(("execute", encode_step(out)))
+            self._workers_busy = True
             with tp_scope(0, self.tp_size, ranks.group):
-                result = ranks.runner.execute(out)
-            ranks.collect("done")
+                handle = ranks.runner.execute_async(out)
         except BaseException as exc:
             self._raise_failure(exc)
-        return result
-
-    def execute_async(self, out: SchedulerOutput) -> DoneStep:
-        """The protocol's launch; tensor-parallel steps run synchronously, so it returns done."""
-        return DoneStep(self.execute(out))
+        return _RankZeroStep(self, handle)
 
     def _raise_failure(self, exc: BaseException) -> None:
         """Tear everything down after ``exc``, then raise the worker's failure when one caused
@@ -309,3 +322,16 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         self._finalizer()
+
+
+class _RankZeroStep:
+    """A launched tensor-parallel step: rank 0's tokens, with the executor's failure handling."""
+
+    def __init__(self, executor: TensorParallelExecutor, handle: StepHandle) -> None:
+        self._executor, self._handle = executor, handle
+
+    def result(self) -> StepResult:
+        try:
+            return self._handle.result()
+        except BaseException as exc:
+            self._executor._raise_failure(exc)

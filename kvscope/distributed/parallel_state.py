@@ -106,3 +106,13 @@ def tp_gather_to_rank0(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     parts = [torch.empty_like(x) for _ in range(state.size)] if is_root else None
     dist.gather(x, parts, group=state.group, group_dst=0)
     return torch.cat(parts, dim=dim) if is_root else None
+
+
+def tp_broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every rank (in place: the other ranks pass a buffer of its shape and
+    dtype); identity at size 1."""
+    if _LOCAL.state.size == 1:
+        return x
+    state = _require_dist()
+    dist.broadcast(x, group=state.group, group_src=0)
+    return x

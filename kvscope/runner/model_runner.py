@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kvscope.config import EngineConfig
-from kvscope.distributed.parallel_state import tp_all_reduce
+from kvscope.distributed.parallel_state import tp_all_reduce, tp_broadcast_from_rank0
 from kvscope.engine.executor import DoneStep, StepHandle, StepResult
 from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 from kvscope.forward_context import forward_context
@@ -140,6 +140,9 @@ class ModelRunner:
         # read from there.
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
+        # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
+        # on the device, so every rank fills the next step's placeholders without a readback.
+        self.share_sampled = config.async_scheduling and tp_size > 1
         if self.device.type == "cuda" and not config.enforce_eager:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -331,9 +334,15 @@ class ModelRunner:
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
+                if rows is not None and self.share_sampled:  # this rank's next step reads them
+                    self._last_sample = tp_broadcast_from_rank0(
+                        torch.empty(len(sampled), dtype=torch.int64, device=self.device))
+                    self._remember_sampled(x.table_rows[sample])
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
+            if self.share_sampled:
+                tp_broadcast_from_rank0(s.tokens)
         self._last_sample = s.tokens
         self._remember_sampled(x.table_rows[sample])
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
