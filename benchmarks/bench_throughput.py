@@ -92,7 +92,8 @@ def run_kvscope(model_dir: str, prompts, outs, args, tp: int,
 
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=4096, enforce_eager=args.eager,
               kv_cache_dtype=kv_cache_dtype,
-              tensor_parallel_size=tp, async_scheduling=args.async_scheduling and tp == 1, max_num_seqs=256, max_num_batched_tokens=args.batched_tokens,
+              tensor_parallel_size=tp, async_scheduling=args.async_scheduling, max_num_seqs=256,
+              max_num_batched_tokens=args.batched_tokens,
               gpu_memory_utilization=args.gpu_mem)
     # Warm-up on the workload's own first prompts: chunked prefill, mixed and decode steps, so
     # Triton compiles its kernel variants here, not inside the timed run.
@@ -152,7 +153,7 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs this many (0: skip)")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (\"1,2\": ratio to the first)")
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--async-scheduling", action="store_true", help="overlap step n+1's CPU work with step n (TP=1)")
+    ap.add_argument("--async-scheduling", action="store_true", help="overlap step n+1's CPU work with step n (every TP size)")
     ap.add_argument("--batched-tokens", type=int, default=16384)
     ap.add_argument("--gpu-mem", type=float, default=0.9)
     ap.add_argument("--kv-cache-dtype", default="auto",

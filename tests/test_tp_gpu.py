@@ -48,9 +48,10 @@ def _prompts() -> list[list[int]]:
             for _ in range(12)]
 
 
-def _engine(path: str, tp: int, eager: bool) -> LLM:
+def _engine(path: str, tp: int, eager: bool, async_scheduling: bool = False) -> LLM:
     return LLM(path, tensor_parallel_size=tp, enforce_eager=eager, skip_tokenizer_init=True,
-               max_model_len=1024, max_num_seqs=32, gpu_memory_utilization=0.5)
+               max_model_len=1024, max_num_seqs=32, gpu_memory_utilization=0.5,
+               async_scheduling=async_scheduling)
 
 
 def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS):
@@ -69,11 +70,12 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
 
 
-@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_tp2_matches_tp1_on_two_gpus(checkpoint, reference, eager):
+@pytest.mark.parametrize(("eager", "async_scheduling"), [(False, False), (True, False), (False, True)],
+                         ids=["cuda-graphs", "eager", "cuda-graphs-async"])
+def test_tp2_matches_tp1_on_two_gpus(checkpoint, reference, eager, async_scheduling):
     ref_tokens, ref_lps = reference
     prompts = _prompts()
-    with _engine(checkpoint, 2, eager) as llm:
+    with _engine(checkpoint, 2, eager, async_scheduling) as llm:
         with llm.record(level="blocks") as trace:
             tokens, _ = _run(llm, prompts)
         shards = trace.kv_shards  # Qwen3-0.6B's 8 KV heads, split between the ranks

@@ -9,5 +9,7 @@ timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_tp_gpu.py 
 for model in qwen3-0.6b qwen3-8b; do
     timeout 200 python benchmarks/bench_throughput.py --config "benchmarks/configs/$model" --tp 1,2 \
         --hf-requests 0 --json "$OUT/tp_$model.json" 2>&1 | tee "$OUT/tp_$model.log" || rc=1
+    timeout 200 python benchmarks/bench_throughput.py --config "benchmarks/configs/$model" --tp 1,2 \
+        --async-scheduling --hf-requests 0 --json "$OUT/tp_async_$model.json" 2>&1 | tee "$OUT/tp_async_$model.log" || rc=1
 done
 exit $rc
