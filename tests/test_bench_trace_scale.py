@@ -41,5 +41,7 @@ def test_shared_objects_count_once_and_torch_is_not_walked():
     alone, _ = deep_sizeof(data)
     twice, _ = deep_sizeof([data, data, data["events"]])
     assert twice - alone == sys.getsizeof([None] * 3)  # only the new outer list
+    seen: set[int] = set()
+    assert deep_sizeof(data, seen)[0] == alone and deep_sizeof(data["events"], seen)[0] == 0  # counted already
     size, torch_objects = deep_sizeof([data, torch.zeros(1 << 20)])
     assert torch_objects == 1 and size == twice - sys.getsizeof([None] * 3) + sys.getsizeof([None] * 2)
