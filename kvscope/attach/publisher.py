@@ -152,7 +152,7 @@ class EngineKVEvents:
         self._events_of = kv_event_list
         self._recorder = Recorder(engine, level="blocks", max_steps=1)
         self._recorder.start()
-        self._state = self._recorder.baseline.copy()
+        self._state = self._recorder.view(with_baseline=True)[1]
         self._listener = self._recorder.add_listener(self._on_step)
 
     def _on_step(self, record: Any) -> None:

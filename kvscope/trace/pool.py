@@ -158,6 +158,12 @@ class PoolState:
         last = last_fills(rows, self.block_size)
         return fill_counts(self.ref_count, self.block_hash, self.block_size, *last)
 
+    def sparse(self) -> "SparsePool":
+        """This state as its used and cached blocks only (shares the tables; drop this one)."""
+        ids = np.flatnonzero((self.ref_count > 0) | (self.block_hash != NO_HASH))
+        return SparsePool(len(self.ref_count), ids, self.ref_count[ids], self.block_hash[ids],
+                          self.contents[ids], self.tables, self.computed)
+
     def arrays(self) -> dict[str, np.ndarray]:
         """``Trace.pool_arrays`` of this state."""
         return {
@@ -166,3 +172,30 @@ class PoolState:
             "block_hash": self.block_hash.copy(),
             "num_tokens": self.num_tokens(),
         }
+
+
+@dataclass
+class SparsePool:
+    """A :class:`PoolState` kept as its used and cached blocks only. A recording holds its
+    baseline this way (until its ring buffer first drops a step), so a pool that starts empty
+    or nearly so costs bytes per non-empty block, not per block: at GPU pool sizes the dense
+    copy would be most of the trace. Free, unhashed blocks hold nothing a replay reads."""
+
+    num_blocks: int
+    block_ids: np.ndarray   # the used and cached blocks
+    ref_count: np.ndarray   # theirs, and so on
+    block_hash: np.ndarray
+    contents: np.ndarray    # [len(block_ids), block_size]
+    tables: dict[str, list[int]]
+    computed: dict[str, int]
+
+    def expand(self) -> PoolState:
+        """The dense state (new arrays and tables: a replay may advance it)."""
+        n, ids = self.num_blocks, self.block_ids
+        state = PoolState(
+            np.zeros(n, self.ref_count.dtype), np.full(n, NO_HASH, self.block_hash.dtype),
+            np.zeros((n, self.contents.shape[1]), self.contents.dtype),
+            {r: list(t) for r, t in self.tables.items()}, dict(self.computed),
+        )
+        state.ref_count[ids], state.block_hash[ids], state.contents[ids] = self.ref_count, self.block_hash, self.contents
+        return state

@@ -22,7 +22,7 @@ import pandas as pd
 from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace.event_log import EventLog, RequestIds
-from kvscope.trace.pool import PoolState
+from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
 from kvscope.trace.tables import frame
@@ -98,7 +98,7 @@ class Recorder:
         self.level = level
         self.max_steps = max_steps
         self.records: deque[StepRecord] = deque()
-        self.baseline: PoolState | None = None
+        self.baseline: SparsePool | PoolState | None = None  # dense once the ring buffer drops a step
         self.last_dropped_step: int | None = None
         self.lock = threading.Lock()
         self._blocks = level != "summary"
@@ -142,7 +142,7 @@ class Recorder:
                 self._touch(rid)
         hooks = self.engine.hooks
         if self._blocks:
-            self.baseline = PoolState.capture(self.engine)
+            self.baseline = PoolState.capture(self.engine).sparse()
             self._handles.append(hooks.add("step.scheduled", self._on_scheduled))
             self._handles.append(hooks.add_block_sink(self._pending))
         self._handles += [
@@ -188,7 +188,9 @@ class Recorder:
         """The retained records, a copy of their baseline if asked, and the last dropped step,
         consistent with each other even while the engine runs in another thread."""
         with self.lock:
-            base = self.baseline.copy() if with_baseline and self.baseline is not None else None
+            base = None
+            if with_baseline and self.baseline is not None:
+                base = self.baseline.expand() if isinstance(self.baseline, SparsePool) else self.baseline.copy()
             return list(self.records), base, self.last_dropped_step
 
     def requests_frame(self) -> pd.DataFrame:
@@ -274,9 +276,14 @@ class Recorder:
         reqs, ids = self.engine.requests, info.request_ids
         _fill_placeholders(sched, out, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start] for r in out.requests
                                         if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
-        with self.lock:
-            self.baseline.write(sched)
+        with self.lock:  # (only the first steps of a recording: the dense state is made again)
+            base = self._dense_baseline()
+            base.write(sched)
+            self.baseline = base.sparse()
         return sched
+
+    def _dense_baseline(self) -> PoolState:
+        return self.baseline.expand() if isinstance(self.baseline, SparsePool) else self.baseline
 
     def _close_window(self, rec: StepRecord, info: "StepInfo") -> None:
         """Hand the record this window's block events and the rows launched in it; under async
@@ -319,7 +326,8 @@ class Recorder:
             self.records.append(rec)
             if len(self.records) > self.max_steps:
                 old = self.records.popleft()
-                if self.baseline is not None:
+                if self.baseline is not None:  # dense from the first drop on: one apply per step
+                    self.baseline = self._dense_baseline()
                     self.baseline.apply(old)
                 if old.pool is not None:
                     self.records[0].pool = merge_keyframe(old.pool, self.records[0].pool)
