@@ -83,7 +83,7 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         # The last cell starts a background run: the pool changes while it runs ...
         wait_until(lambda: "background run" in status(page), 90, "the background run")
         seen = {pool_step(page)}
-        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 30, "the pool to change during the run")
+        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 90, "the pool to change during the run")
         dashboard = page.locator(".kvscope-dashboard").first
         dashboard.screenshot(path=str(SHOTS / "quickstart_live.png"))
 
