@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine_helpers import greedy, make_llm, token_ids
-from kvscope import LLM
+from kvscope import LLM, SamplingParams
 from kvscope.distributed.channel import ChannelWriter
 from kvscope.distributed.executor import TensorParallelError
 from kvscope.model_source import BUNDLED_MODEL
@@ -287,3 +287,38 @@ def test_interpreter_exit_ends_workers_and_unlinks_shared_memory() -> None:
     (report,) = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert report == 'REPORT {"exitcodes": [0], "shm": []}', report
     assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker found nothing to clean
+
+
+def test_async_tp_matches_single_rank_with_seeded_sampling_stops_logprobs_and_an_abort() -> None:
+    """Async TP=2 against synchronous TP=1: seeded random rows (the worker never samples, so its
+    next inputs must be rank 0's draws), greedy rows that stop on a token, logprobs; then a hook
+    aborts a request mid-run and the engine serves the same tokens again."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(2, 30))] for _ in range(10)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randrange(5, 40), logprobs=2) if i % 2
+              else SamplingParams(temperature=0, max_tokens=rng.randrange(5, 40), stop_token_ids=[7, 11])
+              for i in range(10)]
+    config = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=24, max_num_seqs=4)
+    expected = make_llm(**config).generate(prompts, params, use_tqdm=False)
+    with make_llm(tensor_parallel_size=2, async_scheduling=True, **config) as llm:
+        out = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(out) == token_ids(expected)
+        assert [o.outputs[0].finish_reason for o in out] == [o.outputs[0].finish_reason for o in expected]
+        for ours, ref in zip(out, expected):
+            for a, b in zip(ours.outputs[0].logprobs or (), ref.outputs[0].logprobs or ()):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+        ids: list[str] = []
+
+        def abort_first(info) -> None:
+            if info.step >= 3 and ids[0] in llm.llm_engine.requests:
+                llm.abort_request(ids[0])
+
+        with llm.hooks({"step.end": abort_first}):
+            ids += [llm.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+            finished = {}
+            while llm.has_unfinished_requests():
+                finished.update({o.request_id: o.outputs[0].finish_reason for o in llm.step() if o.finished})
+        assert finished[ids[0]] == "abort" and set(finished) == set(ids)
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(expected)
+        llm.check_invariants()
