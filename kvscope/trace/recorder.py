@@ -247,8 +247,11 @@ class Recorder:
         if sched is not None:
             rec.scheduled = sched
             self._close_window(rec, info)
-            rec.running, rec.waiting, rec.finished = info.running, info.waiting, info.finished
-            rec.preempted = [info.request_ids[i] for i in out.preempted_seq_ids]
+            last = self.records[-1] if self.records else None
+            rec.running = _unchanged_or(info.running, last and last.running)
+            rec.waiting = _unchanged_or(info.waiting, last and last.waiting)
+            rec.finished = _unchanged_or(info.finished, last and last.finished)
+            rec.preempted = _unchanged_or([info.request_ids[i] for i in out.preempted_seq_ids], last and last.preempted)
         if self._snapshots is not None:
             rec.pool = self._snapshots.take(self.engine)
         self._append(rec)
@@ -341,6 +344,12 @@ def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
     """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
     return (np.array([r.is_prefill for r in rows], dtype=bool),
             np.array([r.num_cached_tokens for r in rows], dtype=np.int32))
+
+
+def _unchanged_or(queue: list[str], last: list[str] | None) -> list[str]:
+    """The previous record's list when ``queue`` equals it (records never change their queues):
+    a long decode keeps one running queue for many steps, and it is then held once."""
+    return last if last is not None and last == queue else queue
 
 
 def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
