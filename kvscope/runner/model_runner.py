@@ -280,8 +280,10 @@ class ModelRunner:
             raise RuntimeError("a placeholder input token was not sampled by the previous step; this is a kvscope bug")
         return fill, src
 
-    def _remember_sampled(self, table_rows: np.ndarray) -> None:
-        """The sampling sequences' rows in this step's tokens, by BlockTables row."""
+    def _remember_sampled(self, tokens: torch.Tensor, table_rows: np.ndarray) -> None:
+        """This step's sampled tokens on the device, and the sampling sequences' rows in them,
+        by BlockTables row: what the next step's placeholders read."""
+        self._last_sample = tokens
         capacity = self.block_tables.table.shape[0]
         if self._sample_row.size < capacity:
             self._sample_row = np.full(capacity, -1, dtype=np.int64)
@@ -335,16 +337,14 @@ class ModelRunner:
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them
-                    self._last_sample = tp_broadcast_from_rank0(
-                        torch.empty(len(sampled), dtype=torch.int64, device=self.device))
-                    self._remember_sampled(x.table_rows[sample])
+                    tokens = tp_broadcast_from_rank0(torch.empty(len(sampled), dtype=torch.int64, device=self.device))
+                    self._remember_sampled(tokens, x.table_rows[sample])
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
-        self._last_sample = s.tokens
-        self._remember_sampled(x.table_rows[sample])
+        self._remember_sampled(s.tokens, x.table_rows[sample])
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
         step = _LaunchedStep(s, out.columns.seq_id[sample], timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
