@@ -248,6 +248,51 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
     dash.detach()
 
 
+class _Cycle:
+    """A reference cycle: only the cyclic garbage collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
+    """Objects that existed when the first live dashboard attached are frozen until the last one
+    detaches, which collects those that became garbage; a freeze the program made itself is
+    neither thawed nor doubled."""
+    import gc
+    import weakref
+
+    llm = make_llm(**ENGINE)
+    old = _Cycle()
+    gone = weakref.ref(old)
+    first = Dashboard(llm, interval=0.001, max_load=1.0)
+    del old
+    second = Dashboard(llm, interval=0.001, max_load=1.0)
+    llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    gc.collect()
+    assert gone() is not None, "the heap from before attaching must be frozen while live"
+    first.detach()
+    gc.collect()
+    assert gone() is not None, "still frozen: the second dashboard is live"
+    new = _Cycle()
+    new_gone = weakref.ref(new)
+    del new
+    gc.collect()
+    assert new_gone() is None, "what is made while live is collected as usual"
+    second.detach()
+    assert gone() is None and gc.get_freeze_count() == 0, "the last detach thaws and collects"
+
+    gc.freeze()  # the program's own
+    try:
+        frozen = gc.get_freeze_count()
+        dash = Dashboard(llm, interval=0.001, max_load=1.0)
+        assert gc.get_freeze_count() == frozen
+        dash.detach()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_html_export_contains_the_pool(tmp_path):
     llm = make_llm(**ENGINE)
     dash = Dashboard(llm, interval=0.001, max_load=1.0)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import ipywidgets as W
 
 from kvscope.trace.trace import Trace
+from kvscope.widgets import frozen_heap
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
@@ -80,7 +81,8 @@ class Dashboard:
     jumping back in a long replay cheaper but costs ``num_blocks * 16`` bytes per step). Live
     updates come at most every ``interval`` seconds, and rarer when updating would take more
     than ``max_load`` of the wall time: the updater shares the interpreter lock with the
-    engine, so the time it spends is roughly what the engine loses.
+    engine, so the time it spends is roughly what the engine loses. While live, the heap that
+    existed when it attached is frozen for the garbage collector (see ``frozen_heap``).
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class Dashboard:
         self._refresh(follow=True)
         self._updater = None
         if self.llm is not None:
+            frozen_heap.hold()
             self._updater = threading.Thread(target=self._update_loop, name="kvscope-dashboard", daemon=True)
             self._updater.start()
 
@@ -336,8 +339,11 @@ class Dashboard:
         self._kick.set()
         self._wake.set()
         self._updater.join()
-        self._refresh(follow=self.follow.value)
-        self._set_status()
+        try:
+            self._refresh(follow=self.follow.value)
+            self._set_status()
+        finally:
+            frozen_heap.release()
 
     def __enter__(self) -> "Dashboard":
         return self
