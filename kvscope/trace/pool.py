@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from kvscope.engine.block_manager import NO_HASH
-from kvscope.engine.hooks import BlockEvent
+from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
 from kvscope.trace.record import Launch, Scheduled, StepRecord
 
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
 
 FREE, USED, CACHED = 0, 1, 2  # pool_arrays()["state"]
+_FREED, _EVICTED, _HASHED = (BLOCK_EVENTS.index(f"block.{e}") for e in ("freed", "evicted", "hashed"))
+# By event code: the events that add the block to the request's table and take a reference.
+_TAKES = np.array([e in ("block.allocated", "block.shared", "block.reused") for e in BLOCK_EVENTS])
 STATE_NAMES = ("free", "used", "cached")
 
 EventCallback = Callable[[int, BlockEvent, "PoolState"], None]  # (index in record, event, state before it)
@@ -60,6 +63,9 @@ def token_blocks(
     n = sched.num_new_tokens.astype(np.int64)
     starts = sched.start.astype(np.int64)
     first = starts // bs
+    if (n == 1).all():  # one token per row (decode): one block per row
+        blocks = [tables[rid][f] for rid, f in zip(sched.request_ids, first.tolist())]
+        return starts, np.array(blocks, dtype=np.int64)
     width = (starts + n - 1) // bs - first + 1  # blocks each row writes into
     spans = [tables[rid][f:f + w] for rid, f, w in zip(sched.request_ids, first.tolist(), width.tolist())]
     flat = np.fromiter(chain.from_iterable(spans), dtype=np.int64, count=int(width.sum()))
@@ -108,7 +114,65 @@ class PoolState:
         on_launch: Callable[["PoolState", Launch], None] | None = None,
     ) -> None:
         """Advance over one record; ``on_launch`` sees the tables each launch's rows used (step
-        n's synchronously, step n+1's under async scheduling)."""
+        n's synchronously, step n+1's under async scheduling).
+
+        Without ``on_event`` the record's reference counts and hashes change at once, as
+        arrays, and only the events that edit a table run one by one (so ``on_launch`` sees
+        the record's final counts and hashes); ``on_event`` sees the state before each event.
+        """
+        if on_event is not None:
+            self._apply_each(rec, on_event, on_launch)
+            return
+        log = rec.block_events
+        codes, blocks = log.column("event"), log.column("block_id")
+        takes = _TAKES[codes]
+        np.add.at(self.ref_count, blocks[takes], 1)
+        gives = codes == _FREED
+        np.subtract.at(self.ref_count, blocks[gives], 1)
+        hashing = np.flatnonzero((codes == _HASHED) | (codes == _EVICTED))[::-1]  # newest first
+        if len(hashing):
+            hashed, last = np.unique(blocks[hashing], return_index=True)
+            newest = hashing[last]
+            self.block_hash[hashed] = np.where(codes[newest] == _HASHED, log.column("block_hash")[newest], NO_HASH)
+        edits = np.flatnonzero(takes | gives)
+        ops = list(zip(edits.tolist(), gives[edits].tolist(), blocks[edits].tolist(),
+                       log.column("request")[edits].tolist()))
+        k = 0
+        for launch in rec.launches:
+            k = self._edit_tables(ops, k, launch.num_events_before, log.requests.names)
+            if on_launch is not None:
+                on_launch(self, launch)
+            if launch.rows:
+                self.write(launch.rows)
+        self._edit_tables(ops, k, len(log), log.requests.names)
+
+    def _edit_tables(self, ops: list[tuple[int, bool, int, int]], k: int, stop: int,
+                     names: list[str]) -> int:
+        """Apply the table edits ``ops[k:]`` (index in the record, a free, block, request)
+        of events before ``stop``; returns where it stopped."""
+        tables = self.tables
+        while k < len(ops) and ops[k][0] < stop:
+            _, freed, b, r = ops[k]
+            rid = names[r]
+            if freed:
+                self._drop(rid, b)
+            else:  # allocated / shared / reused: the request's table grows by one block
+                tables.setdefault(rid, []).append(b)
+            k += 1
+        return k
+
+    def _drop(self, rid: str, b: int) -> None:
+        table = self.tables[rid]
+        if table[-1] == b:  # the engine frees a table tail first
+            table.pop()
+        else:
+            table.remove(b)
+        if not table:
+            del self.tables[rid]
+            self.computed.pop(rid, None)
+
+    def _apply_each(self, rec: StepRecord, on_event: EventCallback,
+                    on_launch: Callable[["PoolState", Launch], None] | None) -> None:
         events = list(rec.block_events)  # unpacked once: indexing the packed log builds an event per read
         i = 0
         for launch in rec.launches:
@@ -131,9 +195,8 @@ class PoolState:
         self.contents[blocks, positions % self.block_size] = sched.token_ids
         self.computed.update(zip(sched.request_ids, sched.end.tolist()))
 
-    def _event(self, i: int, ev: BlockEvent, on_event: EventCallback | None) -> None:
-        if on_event is not None:
-            on_event(i, ev, self)
+    def _event(self, i: int, ev: BlockEvent, on_event: EventCallback) -> None:
+        on_event(i, ev, self)
         b, rid, name = ev.block_id, ev.request_id, ev.event
         if name == "block.hashed":
             self.block_hash[b] = ev.block_hash
@@ -141,14 +204,7 @@ class PoolState:
             self.block_hash[b] = NO_HASH
         elif name == "block.freed":
             self.ref_count[b] -= 1
-            table = self.tables[rid]
-            if table[-1] == b:  # the engine frees a table tail first
-                table.pop()
-            else:
-                table.remove(b)
-            if not table:
-                del self.tables[rid]
-                self.computed.pop(rid, None)
+            self._drop(rid, b)
         else:  # allocated / shared / reused: the request's table grows by one block
             self.ref_count[b] += 1
             self.tables.setdefault(rid, []).append(b)

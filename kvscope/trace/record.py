@@ -67,8 +67,9 @@ class Scheduled:
 
     def holding(self, tables: Container[str]) -> "Scheduled":
         """The rows whose request is in ``tables`` (itself when all are)."""
-        keep = np.fromiter((rid in tables for rid in self.request_ids), dtype=bool, count=len(self))
-        return self if keep.all() else self.subset(keep)
+        if all(map(tables.__contains__, self.request_ids)):
+            return self
+        return self.subset(np.fromiter(map(tables.__contains__, self.request_ids), dtype=bool, count=len(self)))
 
     def subset(self, keep: np.ndarray) -> "Scheduled":
         """The rows where ``keep`` (bool per row) is true."""
