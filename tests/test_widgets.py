@@ -262,6 +262,7 @@ def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     import gc
     import weakref
 
+    assert gc.get_freeze_count() == 0, "a live dashboard (or a freeze) was left behind by an earlier test"
     llm = make_llm(**ENGINE)
     old = _Cycle()
     gone = weakref.ref(old)
