@@ -164,7 +164,6 @@ INTERP_CASES = [
     (LONG256, 256, 8, 32, F32, None, None),                         # default: a lookup a tile
     (LONG, 16, 2, 32, F16, None, None),                             # default: 4 pages a tile
     (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
-    (LONG, 16, 2, 32, F16, ta.KernelConfig(32, 16, 4, 1, split_causal=False), None),  # one masked loop
     (LONG, 32, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, tma=True), None),   # TMA, 2 tiles a page
     (LONG256, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
 ]
@@ -373,7 +372,6 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
 
 
 GPU_CONFIGS = [ta.PREFILL_CONFIG, ta.KernelConfig(128, 64, 8, 3, fold_scale=False),
-               ta.KernelConfig(128, 64, 8, 3, fold_scale=False, split_causal=False),
                ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True)]
 
 

@@ -36,11 +36,6 @@ class KernelConfig:
     # Load the key tiles below the causal diagonal with TMA bulk copies (Hopper+), where a tile
     # sits in one page and the head dim is a power of two; elsewhere plain loads.
     tma: bool = False
-    # Prefill and mixed steps: run the key tiles below the causal diagonal in a loop of their
-    # own with no masks, then the diagonal's tiles masked. One masked loop over every tile
-    # instead pays a compare per score but fills the load pipeline once per query tile, not
-    # twice, which can win where query tiles see few key tiles (short prompts); tuning picks.
-    split_causal: bool = True
 
 
 # Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
@@ -59,10 +54,6 @@ TUNE_CANDIDATES = (
     KernelConfig(128, 64, 8, 4, fold_scale=False),
     KernelConfig(128, 128, 8, 3, fold_scale=False),
     KernelConfig(64, 64, 4, 3, fold_scale=False),
-    KernelConfig(128, 64, 8, 3, fold_scale=False, split_causal=False),
-    KernelConfig(64, 64, 4, 3, fold_scale=False, split_causal=False),
-    KernelConfig(128, 128, 8, 2, fold_scale=False),
-    KernelConfig(128, 64, 4, 3, fold_scale=False),
 )
 
 _choices: dict[str, KernelConfig] | None = None

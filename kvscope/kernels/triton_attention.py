@@ -13,8 +13,7 @@ Nothing reads device memory on the host, so both launches can be captured in a C
 
 Prefill is compute-bound, so its key loop does the least work per key tile: q carries the
 softmax scale (scores feed ``exp2`` directly), tiles wholly below the causal diagonal run a
-loop with no masks at all (unless the config asks for one masked loop, which fills the load
-pipeline once instead of twice), a tile that sits inside one page costs one block-table lookup and
+loop with no masks at all, a tile that sits inside one page costs one block-table lookup and
 loads contiguous rows (optionally by TMA), and the next tile's pages are looked up one
 iteration ahead so K/V loads pipeline ``num_stages - 1`` tiles deep. Decode is memory-bound
 and keeps its small tiles; in a mixed step, decode rows get small tiles of their own.
@@ -242,7 +241,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -258,7 +257,7 @@ def _paged_attention_kernel(
     runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
     """
     tile = tl.program_id(0)
-    if HEAVY_FIRST:
+    if UNMASKED_FIRST:
         # Causal prefill: the last tiles of a sequence see the most keys, so start them first
         # and let the short ones fill the tail of the grid.
         tile = tl.num_programs(0) - 1 - tile
@@ -467,10 +466,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
-        UNMASKED_FIRST=not meta.decode_only and config.split_causal,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
-        HEAVY_FIRST=not meta.decode_only,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
