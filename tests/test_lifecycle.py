@@ -9,6 +9,7 @@ pytest.importorskip("pandas")
 from engine_helpers import greedy, make_llm  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
+from kvscope.trace.lifecycle import LifecycleBuilder  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -76,3 +77,27 @@ def test_lifecycle_read_live_extends_to_the_same_table_as_a_loaded_trace(tmp_pat
     assert aborted["request_id"].tolist() == [r for r, why in zip(trace.requests["request_id"], trace.requests["finish_reason"])
                                               if why == "abort"]
     assert aborted["start_step"].item() == 5  # aborted after step 4: gone from the queues of step 5
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_steady_decode_steps_extend_the_rows_as_the_general_path_does(monkeypatch, async_scheduling):
+    """Steps where every open row just goes on take a shortcut; over a run with waiting
+    requests and long decodes it must give the general path's rows exactly, and be taken."""
+    llm = make_llm(async_scheduling=async_scheduling, num_kv_blocks=64, block_size=8,
+                   max_num_batched_tokens=64, max_num_seqs=3)
+    with llm.record() as trace:
+        llm.generate(PROMPTS, greedy(24), use_tqdm=False)
+    records = trace._records()
+    steady = LifecycleBuilder._extend_steady
+    taken = []
+    monkeypatch.setattr(LifecycleBuilder, "_extend_steady", lambda self, rec: taken.append(steady(self, rec)) or taken[-1])
+    fast = LifecycleBuilder()
+    for rec in records:
+        fast.add(rec)
+    monkeypatch.setattr(LifecycleBuilder, "_extend_steady", lambda self, rec: False)
+    general = LifecycleBuilder()
+    for rec in records:
+        general.add(rec)
+    assert fast.rows() == general.rows()
+    assert sum(taken) > len(records) // 2, f"the shortcut ran in {sum(taken)} of {len(records)} steps"
+    assert any(r[1] == "waiting" and r[4] > 1 for r in fast.rows()), "requests should wait while others decode"

@@ -7,6 +7,8 @@ aborted. The builder takes records one at a time, so a live view pays for new st
 """
 from __future__ import annotations
 
+from itertools import chain, repeat
+
 from kvscope.trace.record import StepRecord
 
 # Per step a request is in exactly one of these (the last two close its life: zero-length rows).
@@ -37,11 +39,50 @@ class LifecycleBuilder:
         self._order: dict[str, int] = {}  # request id -> when first seen
         self.first_step: int | None = None
         self.last_step: int | None = None
+        self._queues: tuple[list[str] | None, list[str] | None] = (None, None)  # the last record's
 
     def add(self, rec: StepRecord) -> None:
         """Take in the next recorded step."""
         if self.first_step is None:
             self.first_step = rec.step
+        if not self._extend_steady(rec):
+            self._add(rec)
+        self._queues = (rec.running, rec.waiting)
+        self.last_step = rec.step
+
+    def _extend_steady(self, rec: StepRecord) -> bool:
+        """A step of steady decode: every open row goes on one step, and no row opens or closes.
+
+        That is the case when the queues are the last record's own lists (a recording shares an
+        unchanged queue), nothing finished or was preempted, every running request decoded and
+        its row is a decode row up to the last step, and every waiting one's row goes on too.
+        Returns False, changing nothing, when any of it does not hold.
+        """
+        running, waiting = rec.running, rec.waiting
+        sched = rec.scheduled
+        if (running is not self._queues[0] or waiting is not self._queues[1] or rec.finished
+                or rec.preempted or sched.request_ids != running or sched.is_prefill.any()
+                or len(self._open) != len(running) + len(waiting)):
+            return False
+        rows, last, preempted = self._open, self.last_step, self._preempted
+        for rid, state in chain(zip(running, repeat("decode")), (
+                (r, "preempted" if r in preempted else "waiting") for r in waiting)):
+            row = rows.get(rid)
+            if row is None or row[0] != state or row[2] != last:
+                return False
+        end = rec.time_s + rec.duration_s
+        for rid, start, n, cached in zip(running, sched.start.tolist(), sched.num_new_tokens.tolist(),
+                                         sched.num_cached_tokens.tolist()):
+            row = rows[rid]
+            row[2], row[3], row[5] = rec.step, row[3] + 1, end
+            row[6], row[7] = row[6] + n, row[7] + (cached if start == cached else 0)
+        for rid in waiting:
+            row = rows[rid]
+            row[2], row[3], row[5] = rec.step, row[3] + 1, end
+        return True
+
+    def _add(self, rec: StepRecord) -> None:
+        """Any step: each request's state now, then its rows opened, extended or closed."""
         now: dict[str, tuple[str, int, int]] = {}  # request id -> (state, tokens, cached tokens)
         sched = rec.scheduled
         # Under async scheduling a row may belong to a request that ended after it was launched
@@ -91,7 +132,6 @@ class LifecycleBuilder:
             self._preempted.discard(rid)
             self._ended.add(rid)
             self.closed.append((rid, "aborted", rec.step, rec.step, 0, start, start, 0, 0))
-        self.last_step = rec.step
 
     def rows(self) -> list[tuple]:
         """Every row so far, the open ones as they stand: requests in the order they were first
