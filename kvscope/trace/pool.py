@@ -137,14 +137,25 @@ class PoolState:
         edits = np.flatnonzero(takes | gives)
         ops = list(zip(edits.tolist(), gives[edits].tolist(), blocks[edits].tolist(),
                        log.column("request")[edits].tolist()))
-        k = 0
+        done = 0
+
+        def advance(stop: int) -> None:
+            nonlocal done
+            done = self._edit_tables(ops, done, stop, log.requests.names)
+
+        self._walk_launches(rec, advance, on_launch)
+
+    def _walk_launches(self, rec: StepRecord, advance: Callable[[int], None],
+                       on_launch: Callable[["PoolState", Launch], None] | None) -> None:
+        """``advance(stop)`` applies the record's events up to index ``stop``; each launch's
+        rows are written at their place among them."""
         for launch in rec.launches:
-            k = self._edit_tables(ops, k, launch.num_events_before, log.requests.names)
+            advance(launch.num_events_before)
             if on_launch is not None:
                 on_launch(self, launch)
             if launch.rows:
                 self.write(launch.rows)
-        self._edit_tables(ops, k, len(log), log.requests.names)
+        advance(len(rec.block_events))
 
     def _edit_tables(self, ops: list[tuple[int, bool, int, int]], k: int, stop: int,
                      names: list[str]) -> int:
@@ -174,17 +185,15 @@ class PoolState:
     def _apply_each(self, rec: StepRecord, on_event: EventCallback,
                     on_launch: Callable[["PoolState", Launch], None] | None) -> None:
         events = list(rec.block_events)  # unpacked once: indexing the packed log builds an event per read
-        i = 0
-        for launch in rec.launches:
-            for i in range(i, launch.num_events_before):
+        done = 0
+
+        def advance(stop: int) -> None:
+            nonlocal done
+            for i in range(done, stop):
                 self._event(i, events[i], on_event)
-            i = launch.num_events_before
-            if on_launch is not None:
-                on_launch(self, launch)
-            if launch.rows:
-                self.write(launch.rows)
-        for i in range(i, len(events)):
-            self._event(i, events[i], on_event)
+            done = stop
+
+        self._walk_launches(rec, advance, on_launch)
 
     def write(self, sched: Scheduled) -> None:
         """The K/V writes of launched rows: their tokens into their blocks. A row whose request
