@@ -275,11 +275,16 @@ class TensorParallelExecutor:
     def execute(self, out: SchedulerOutput) -> StepResult:
         handle = self.execute_async(out)
         try:
-            self._ranks.collect("done")
-            self._workers_busy = False
+            self._collect_done()
         except BaseException as exc:
             self._raise_failure(exc)
         return handle.result()
+
+    def _collect_done(self) -> None:
+        """The workers' ``done`` for the step last sent, unless it was collected already."""
+        if self._workers_busy:
+            self._ranks.collect("done")
+            self._workers_busy = False
 
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Send the step to the workers and launch rank 0's shard; the handle's ``result()``
@@ -294,8 +299,7 @@ class TensorParallelExecutor:
         if ranks.closed:
             raise TensorParallelError("the tensor-parallel engine was shut down")
         try:
-            if self._workers_busy:
-                ranks.collect("done")
+            self._collect_done()
             ranks.channel.send(("execute", encode_step(out)))
             self._workers_busy = True
             with tp_scope(0, self.tp_size, ranks.group):
