@@ -7,6 +7,7 @@ and the torch attention backend's use of the cache.
 """
 from __future__ import annotations
 
+import copy
 import random
 import types
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvscope.distributed.parallel_state import destroy_tp, init_tp
 from kvscope.layers.rotary import RotaryEmbedding, rope_config_from_hf
+from kvscope.layers.weight_layout import input_major_weights
 from kvscope.models import build_model, spec_for
 from kvscope.models.loader import CheckpointMismatchError, load_weights
 from kvscope.forward_context import forward_context
@@ -98,6 +100,26 @@ def test_one_packed_step_matches_transformers(case) -> None:
     finally:
         _detach_pool(model)
     torch.testing.assert_close(paged, torch.cat(expected), atol=ATOL, rtol=RTOL)
+
+
+def test_input_major_weights_keep_values_ties_and_logits(case) -> None:
+    """The CPU runner's weight order changes memory order only: the same values, the tie of
+    embedding and LM head kept, and the same logits as transformers."""
+    model, prompts, expected = case
+    relaid = copy.deepcopy(model)
+    input_major_weights(relaid)
+    before, after = dict(model.named_parameters()), dict(relaid.named_parameters())
+    matmul_weights = [n for n in after if n.endswith("proj.weight") or n == "lm_head.weight"]
+    assert matmul_weights
+    for name in matmul_weights:
+        assert after[name].t().is_contiguous() and not after[name].is_contiguous(), name
+        assert torch.equal(after[name], before[name]), name
+    head, embed = relaid.lm_head.weight, relaid.model.embed_tokens.weight
+    assert (head is embed) == (model.lm_head.weight is model.model.embed_tokens.weight)
+    chunks = [(i, 0, len(p)) for i, p in enumerate(prompts)]
+    _detach_pool(relaid)
+    torch.testing.assert_close(_step(relaid, prompts, chunks, block_size=4), torch.cat(expected),
+                               atol=ATOL, rtol=RTOL)
 
 
 def test_chunked_steps_through_fragmented_cache_match_transformers(case) -> None:
