@@ -46,13 +46,15 @@ PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3
                               fold_scale=False)
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
-# Hopper block's shared memory at D=128. TMA is left out: it measured no faster on the H200.
+# Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
+# large pages (where it does not apply it is the plain-load config again).
 TUNE_CANDIDATES = (
     PREFILL_CONFIG,
     MIXED_CONFIG,
     KernelConfig(128, 64, 8, 3),
     KernelConfig(128, 64, 8, 4, fold_scale=False),
     KernelConfig(128, 128, 8, 3, fold_scale=False),
+    KernelConfig(128, 128, 8, 3, fold_scale=False, tma=True),
     KernelConfig(64, 64, 4, 3, fold_scale=False),
 )
 
