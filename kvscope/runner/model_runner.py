@@ -27,7 +27,8 @@ from kvscope.models import build_model
 from kvscope.models.decoder import head_dim_of
 from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
-from kvscope.runner.inputs import BlockTables, DeviceInputs, StepInputs, build_step_inputs
+from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
+from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
 from kvscope.runner.sampler import DeviceSample, Sampler
 from kvscope.sampling_params import SamplingParams
 
@@ -239,33 +240,25 @@ class ModelRunner:
         self._upload_done[k].synchronize()
         return self._staging[k], self._upload_done[k]
 
-    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray) -> DeviceInputs:
-        """All of a step's integer inputs in one host buffer and one copy to the device, int64
-        and int32 parts side by side so that no conversion runs on the device; then the
-        placeholder input ids at ``fill`` take the previous step's sampled rows ``src``."""
-        wide = (x.input_ids, x.positions, x.slot_mapping, x.logits_indices, fill, src)
-        narrow = (x.cu_seqlens_q, x.cu_seqlens_k, x.context_lens, x.block_tables.ravel())
-        n64 = sum(p.size for p in wide)
-        nbytes = 8 * n64 + 4 * sum(p.size for p in narrow)
-        buf, copied = self._staging_buffer(nbytes)
-        host = buf.numpy()
-        np.concatenate(wide, out=host[: 8 * n64].view(np.int64), casting="unsafe")
-        np.concatenate(narrow, out=host[8 * n64: nbytes].view(np.int32), casting="unsafe")
-        flat = buf[:nbytes]
-        if copied is not None:
+    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
+                into: torch.Tensor | None) -> torch.Tensor:
+        """All of a step's integer inputs in one host buffer and one copy to the device: into
+        ``into`` (a CUDA graph's input buffer) or a new device buffer. Returns the device bytes."""
+        buf, copied = self._staging_buffer(layout.nbytes)
+        pack(x, fill, src, layout, buf.numpy())
+        flat = buf[: layout.nbytes]
+        if copied is None:  # CPU: the step's tensors are views of the host buffer
+            return flat
+        if into is None:
             flat = flat.to(self.device, non_blocking=True)
-            copied.record()
-        ids, pos, slots, logits_idx, fill_d, src_d = flat[: 8 * n64].view(torch.int64).split([p.size for p in wide])
-        cu_q, cu_k, ctx, tables = flat[8 * n64:].view(torch.int32).split([p.size for p in narrow])
-        if fill.size == ids.numel() == self._last_sample.numel() and np.array_equal(src, np.arange(src.size)):
-            ids = self._last_sample  # the steady state: every row's input is what it sampled, in order
-        elif fill.size:
-            ids[fill_d] = self._last_sample[src_d]
-        return DeviceInputs(
-            input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=logits_idx,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=ctx,
-            block_tables=tables.view(x.block_tables.shape),
-        )
+        else:
+            flat = into[: layout.nbytes].copy_(flat, non_blocking=True)
+        copied.record()
+        return flat
+
+    def _steady(self, fill: np.ndarray, src: np.ndarray, num_tokens: int) -> bool:
+        """Every input id is what the last step sampled, in order: they are its sampled tokens."""
+        return fill.size == num_tokens == self._last_sample.numel() and np.array_equal(src, np.arange(src.size))
 
     def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """Where the step's placeholder input ids are, and each one's row in the last step's
@@ -304,23 +297,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
-        """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
+        """Run the model on one step; returns the hidden rows to sample (or None), and timings.
+
+        The placeholder input ids take the previous step's sampled rows on the device; in the
+        steady state (the same sequences as the last step, in order, all sampled) they are
+        those tokens, as they stand."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size, self.block_tables)
-        d = self._upload(x, *self._placeholder_sources(x))
+        fill, src = self._placeholder_sources(x)
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(x) else None
+        layout = PackedLayout.of(x, fill.size, None if graphs is None else graphs.bucket(x.num_seqs))
+        flat = self._upload(x, fill, src, layout, None if graphs is None else graphs.inputs)
+        steady = fill.size > 0 and self._steady(fill, src, x.num_tokens)
+        # The step's views are made only where they are read (a graph reads its own).
+        wanted = graphs is None or (fill.size and not steady) or x.logits_indices.size != x.num_tokens
+        d = views(flat, layout) if wanted else None
         t1 = time.perf_counter()
-        use_graph = self.graphs is not None and self.graphs.can_run(x)
-        if use_graph:
-            hidden = self.graphs.run(x, d)
+        if graphs is not None:
+            ids = graphs.input_ids(x.num_seqs)
+            if steady:
+                ids.copy_(self._last_sample)
+            elif fill.size:
+                ids[d.fill] = self._last_sample[d.src]
+            hidden = graphs.run(layout)
         else:
+            ids = d.input_ids
+            if steady:
+                ids = self._last_sample
+            elif fill.size:
+                ids[d.fill] = self._last_sample[d.src]
             with forward_context(self._metadata(x, d)), self._threads():
-                hidden = self._forward(d.input_ids, d.positions)
+                hidden = self._forward(ids, d.positions)
         rows = None
         if len(x.logits_indices) == x.num_tokens:
             rows = hidden
         elif len(x.logits_indices):
             rows = hidden[d.logits_indices]
-        return rows, x, use_graph, t1 - t0, time.perf_counter() - t1
+        return rows, x, graphs is not None, t1 - t0, time.perf_counter() - t1
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.execute_async(out).result()
