@@ -3,13 +3,19 @@ was packed from, and a CUDA graph's fixed views and static tables (on CPU tensor
 padding the bucket needs, over steps packed one after another into the same stale buffer."""
 from __future__ import annotations
 
+import random
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_helpers import make_llm, token_ids
+from kvscope import SamplingParams
 from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvscope.runner.cuda_graphs import BUCKETS, StaticTables, packed_decode_bytes
+from kvscope.forward_context import forward_context
+from kvscope.runner.cuda_graphs import BUCKETS, DecodeGraphs, StaticTables, packed_decode_bytes
 from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import PackedLayout, decode_views, pack, views
 
@@ -85,3 +91,57 @@ def test_a_graph_reads_each_padded_step_in_place_over_stale_buffers(steps, seed)
         want = np.full((b, width), -1, dtype=np.int32)
         want[:, : x.block_tables.shape[1]] = x.block_tables
         assert np.array_equal(tables.table[:b].numpy(), want)
+
+
+class _ReplayEagerly:
+    """A captured bucket that, when replayed, runs the forward pass eagerly on the graph's
+    static views: what a CUDA graph captured on them computes, on a machine without one."""
+
+    def __init__(self, graphs: "_EagerGraphs", g: int) -> None:
+        self.graphs, self.g, self.replays = graphs, g, 0
+
+    def replay(self) -> None:
+        graphs, g = self.graphs, self.g
+        v = graphs._bucket_views[g]
+        with forward_context(graphs._meta(g)):
+            graphs.hidden[:g] = graphs._forward(v.input_ids, v.positions)
+        self.replays += 1
+
+
+class _EagerGraphs(DecodeGraphs):
+    def _capture_all(self) -> None:
+        self.graphs = {g: _ReplayEagerly(self, g) for g in self.buckets}
+        self.batches: list[int] = []
+
+    def run(self, layout: PackedLayout) -> torch.Tensor:
+        self.batches.append(layout.num_seqs)
+        return super().run(layout)
+
+
+def _with_graphs(llm) -> _EagerGraphs:
+    runner = llm.llm_engine.executor
+    runner.graphs = _EagerGraphs(
+        runner._forward, runner.hf_config.hidden_size, runner.config.max_num_seqs,
+        -(-runner.max_model_len // runner.block_size), runner.max_model_len, runner.block_size,
+        runner.dtype, runner.device)
+    return runner.graphs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_through_the_graph_inputs_gives_the_eager_tokens(async_scheduling):
+    """The runner's graph path (the upload into the graphs' buffer, the placeholders filled
+    there, the static tables, the bucket padding) against its eager path, on CPU: batches that
+    shrink as requests end (padded buckets, rows that move), tables that grow block by block."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 20))] for _ in range(7)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randrange(3, 24), ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = []
+    for use_graphs in (False, True):
+        llm = make_llm(block_size=4, max_num_seqs=8, max_model_len=64, async_scheduling=async_scheduling)
+        graphs = _with_graphs(llm) if use_graphs else None
+        runs.append(token_ids(llm.generate(prompts, params, use_tqdm=False)))
+        llm.shutdown()
+    assert runs[1] == runs[0]
+    assert sum(r.replays for r in graphs.graphs.values()) == len(graphs.batches) > 10
+    assert {graphs.bucket(b) - b for b in graphs.batches} - {0}, "no step was padded to its bucket"

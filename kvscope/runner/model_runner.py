@@ -246,14 +246,13 @@ class ModelRunner:
         ``into`` (a CUDA graph's input buffer) or a new device buffer. Returns the device bytes."""
         buf, copied = self._staging_buffer(layout.nbytes)
         pack(x, fill, src, layout, buf.numpy())
-        flat = buf[: layout.nbytes]
-        if copied is None:  # CPU: the step's tensors are views of the host buffer
-            return flat
-        if into is None:
+        flat = buf[: layout.nbytes]  # (on CPU the step's tensors may be views of it)
+        if into is not None:
+            flat = into[: layout.nbytes].copy_(flat, non_blocking=copied is not None)
+        elif copied is not None:
             flat = flat.to(self.device, non_blocking=True)
-        else:
-            flat = into[: layout.nbytes].copy_(flat, non_blocking=True)
-        copied.record()
+        if copied is not None:
+            copied.record()
         return flat
 
     def _steady(self, fill: np.ndarray, src: np.ndarray, num_tokens: int) -> bool:
