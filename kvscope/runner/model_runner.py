@@ -141,6 +141,7 @@ class ModelRunner:
         # read from there.
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
+        self._row_numbers = np.arange(config.max_num_seqs)
         # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
         # on the device, so every rank fills the next step's placeholders without a readback.
         self.share_sampled = config.async_scheduling and tp_size > 1
@@ -255,9 +256,15 @@ class ModelRunner:
             copied.record()
         return flat
 
+    def _first(self, n: int) -> np.ndarray:
+        """``np.arange(n)`` as a view of one made once (and grown if a step ever has more rows)."""
+        if n > self._row_numbers.size:
+            self._row_numbers = np.arange(2 * n)
+        return self._row_numbers[:n]
+
     def _steady(self, fill: np.ndarray, src: np.ndarray, num_tokens: int) -> bool:
         """Every input id is what the last step sampled, in order: they are its sampled tokens."""
-        return fill.size == num_tokens == self._last_sample.numel() and np.array_equal(src, np.arange(src.size))
+        return fill.size == num_tokens == self._last_sample.numel() and bool((src == self._first(src.size)).all())
 
     def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """Where the step's placeholder input ids are, and each one's row in the last step's
@@ -281,7 +288,7 @@ class ModelRunner:
             self._sample_row = np.full(capacity, -1, dtype=np.int64)
         else:
             self._sample_row.fill(-1)
-        self._sample_row[table_rows] = np.arange(table_rows.size)
+        self._sample_row[table_rows] = self._first(table_rows.size)
 
     def _metadata(self, x: StepInputs, d: DeviceInputs) -> AttentionMetadata:
         return AttentionMetadata(

@@ -157,6 +157,9 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._temperatures: dict[float, torch.Tensor] = {}  # one device scalar per temperature seen
+        # The exponential race's noise, redrawn in place each step (a later step's draw is queued
+        # after the last step's use of it on the device's one stream).
+        self._noise: torch.Tensor | None = None
         # On CUDA the tokens come back through reused pinned memory; on CPU they are already there.
         self.readback = HostReadback(pin=True) if device.type == "cuda" else None
 
@@ -185,7 +188,8 @@ class Sampler:
         first = params[0]
         shared = all(p is first for p in params)
         settings = (first,) if shared else params  # what the per-step checks need to look at
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # (the LM head's logits already are: no call for nothing)
+            logits = logits.float()
         vocab = logits.shape[-1]
         asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
@@ -205,7 +209,9 @@ class Sampler:
                 top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            if self._noise is None or self._noise.shape != probs.shape:
+                self._noise = torch.empty_like(probs)
+            noise = self._noise.exponential_(generator=self.generator)
             if any(p.seed is not None for p in settings):
                 for i, p in enumerate(params):
                     if p.seed is not None and p.temperature != 0:
