@@ -132,7 +132,7 @@ class ModelRunner:
         self._allocate_pool(tp_size)
         self.graphs: DecodeGraphs | None = None
         # Two pinned staging buffers, alternating: filling one never waits on the copy in flight.
-        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
         self.block_tables = BlockTables(capacity=config.max_num_seqs)
@@ -227,26 +227,29 @@ class ModelRunner:
         finally:
             torch.set_num_threads(previous)
 
-    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Host bytes to pack a step's inputs into, and the event to record once they are copied.
-        On CUDA one of two pinned buffers, reused after waiting for the copy that last read it
-        (the step before last: long done); on CPU a fresh one, since the step's tensors are
-        views of it."""
-        if self.device.type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8), None
+    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """Host bytes to pack a step's inputs into (as a tensor and as the numpy array that
+        views it, both kept), and on CUDA the event to record once they are copied: one of two
+        buffers, pinned on CUDA, reused after waiting for the copy that last read it (the step
+        before last: long done). On CPU a step's tensors are views of its buffer, and its
+        forward pass is over before the next step packs."""
         k = self._uploads % 2
         self._uploads += 1
-        if self._staging[k] is None or self._staging[k].numel() < nbytes:
-            self._staging[k] = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = self._staging[k]
+        if staged is None or staged[0].numel() < nbytes:
+            buf = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            staged = self._staging[k] = (buf, buf.numpy())
+        if self._upload_done is None:
+            return staged[0], staged[1], None
         self._upload_done[k].synchronize()
-        return self._staging[k], self._upload_done[k]
+        return staged[0], staged[1], self._upload_done[k]
 
     def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
                 into: torch.Tensor | None) -> torch.Tensor:
         """All of a step's integer inputs in one host buffer and one copy to the device: into
         ``into`` (a CUDA graph's input buffer) or a new device buffer. Returns the device bytes."""
-        buf, copied = self._staging_buffer(layout.nbytes)
-        pack(x, fill, src, layout, buf.numpy())
+        buf, host, copied = self._staging_buffer(layout.nbytes)
+        pack(x, fill, src, layout, host)
         flat = buf[: layout.nbytes]  # (on CPU the step's tensors may be views of it)
         if into is not None:
             flat = into[: layout.nbytes].copy_(flat, non_blocking=copied is not None)
@@ -349,23 +352,27 @@ class ModelRunner:
         """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
-        sample = out.columns.sample
-        sampled = [r for r in out.requests if r.sample]
+        if x.logits_indices.size == x.num_seqs:  # every row samples (steady decode): nothing to select
+            sampled, table_rows, seq_ids = out.requests, x.table_rows, out.columns.seq_id
+        else:
+            sample = out.columns.sample
+            sampled = [r for r in out.requests if r.sample]
+            table_rows, seq_ids = x.table_rows[sample], out.columns.seq_id[sample]
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them
                     tokens = tp_broadcast_from_rank0(torch.empty(len(sampled), dtype=torch.int64, device=self.device))
-                    self._remember_sampled(tokens, x.table_rows[sample])
+                    self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
-        self._remember_sampled(s.tokens, x.table_rows[sample])
+        self._remember_sampled(s.tokens, table_rows)
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        step = _LaunchedStep(s, out.columns.seq_id[sample], timings, use_graph, errors)
+        step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[DeviceSample, dict[int, str]]:
