@@ -141,6 +141,7 @@ class ModelRunner:
         # read from there.
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
+        self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
         self._row_numbers = np.arange(config.max_num_seqs)
         # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
         # on the device, so every rank fills the next step's placeholders without a readback.
@@ -265,27 +266,34 @@ class ModelRunner:
             self._row_numbers = np.arange(2 * n)
         return self._row_numbers[:n]
 
-    def _steady(self, fill: np.ndarray, src: np.ndarray, num_tokens: int) -> bool:
-        """Every input id is what the last step sampled, in order: they are its sampled tokens."""
-        return fill.size == num_tokens == self._last_sample.numel() and bool((src == self._first(src.size)).all())
-
-    def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """Where the step's placeholder input ids are, and each one's row in the last step's
-        sampled tokens (the previous launched step sampled every such sequence, in the same
-        BlockTables row: a sequence is re-admitted only once no token of it is in flight)."""
+    def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Where the step's placeholder input ids are, each one's row in the last step's sampled
+        tokens (the previous launched step sampled every such sequence, in the same BlockTables
+        row: a sequence is re-admitted only once no token of it is in flight), and whether the
+        step is steady: every input id is a placeholder and the last step sampled these rows in
+        this order, so its sampled tokens are the input ids as they stand. A step scheduling the
+        same sequences as the last gets the very same ``table_rows`` array from BlockTables, so
+        the steady state is known without looking its rows up."""
         fill = np.flatnonzero(x.input_ids == PLACEHOLDER)
         if not fill.size:
-            return fill, fill
+            return fill, fill, False
+        if x.table_rows is self._sampled_rows and fill.size == x.num_tokens:
+            return fill, self._first(fill.size), True
         seq_rows = fill if x.decode_only else np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
         src = self._sample_row[x.table_rows[seq_rows]]
         if (src < 0).any():
             raise RuntimeError("a placeholder input token was not sampled by the previous step; this is a kvscope bug")
-        return fill, src
+        steady = fill.size == x.num_tokens == self._last_sample.numel() and bool((src == self._first(src.size)).all())
+        return fill, src, steady
 
     def _remember_sampled(self, tokens: torch.Tensor, table_rows: np.ndarray) -> None:
         """This step's sampled tokens on the device, and the sampling sequences' rows in them,
-        by BlockTables row: what the next step's placeholders read."""
+        by BlockTables row: what the next step's placeholders read. The same ``table_rows``
+        array as the last step's (the same sequences, all sampled) leaves the rows as they are."""
         self._last_sample = tokens
+        if table_rows is self._sampled_rows:
+            return
+        self._sampled_rows = table_rows
         capacity = self.block_tables.table.shape[0]
         if self._sample_row.size < capacity:
             self._sample_row = np.full(capacity, -1, dtype=np.int64)
@@ -313,11 +321,10 @@ class ModelRunner:
         those tokens, as they stand."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size, self.block_tables)
-        fill, src = self._placeholder_sources(x)
+        fill, src, steady = self._placeholder_sources(x)
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(x) else None
         layout = PackedLayout.of(x, fill.size, None if graphs is None else graphs.bucket(x.num_seqs))
         flat = self._upload(x, fill, src, layout, None if graphs is None else graphs.inputs)
-        steady = fill.size > 0 and self._steady(fill, src, x.num_tokens)
         # The step's views are made only where they are read (a graph reads its own).
         wanted = graphs is None or (fill.size and not steady) or x.logits_indices.size != x.num_tokens
         d = views(flat, layout) if wanted else None
