@@ -31,7 +31,7 @@ class PackedLayout:
     width: int       # block-table columns
     num_logits: int  # S
     num_fill: int    # F: placeholder input ids
-    n64: int         # int64 elements: 3 tokens + S + 2F, or more where a fixed int32 start is wanted
+    n64: int         # int64 elements: ``used64``, or more where a fixed int32 start is wanted
 
     @classmethod
     def of(cls, x: StepInputs, num_fill: int, bucket: int | None = None) -> "PackedLayout":
@@ -40,8 +40,14 @@ class PackedLayout:
         b = x.num_seqs
         rows = b if bucket is None else bucket
         tokens = x.num_tokens + rows - b
-        n64 = 3 * tokens + x.logits_indices.size + 2 * num_fill if bucket is None else decode_int64_size(bucket)
-        return cls(tokens, rows, b, x.block_tables.shape[1], x.logits_indices.size, num_fill, n64)
+        s, w = x.logits_indices.size, x.block_tables.shape[1]
+        n64 = 3 * tokens + s + 2 * num_fill if bucket is None else decode_int64_size(bucket)
+        return cls(tokens, rows, b, w, s, num_fill, n64)
+
+    @property
+    def used64(self) -> int:
+        """int64 elements written: ids, positions, slots, then logits rows, fill and src."""
+        return 3 * self.tokens + self.num_logits + 2 * self.num_fill
 
     @property
     def n32(self) -> int:
@@ -63,8 +69,7 @@ def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
     bytes ``host`` as ``layout`` says; padding rows get no slot, no context, and the last
     cumulative length."""
     pad = layout.rows - layout.num_seqs
-    n64 = 3 * layout.tokens + layout.num_logits + 2 * layout.num_fill
-    wide = host[: 8 * n64].view(np.int64)
+    wide = host[: 8 * layout.used64].view(np.int64)
     narrow = host[8 * layout.n64: layout.nbytes].view(np.int32)
     tables = x.block_tables.ravel()
     if pad:
@@ -98,9 +103,8 @@ class DeviceInputs:
 def views(flat: torch.Tensor, layout: PackedLayout) -> DeviceInputs:
     """``flat`` (the packed bytes, anywhere) as the step's tensors."""
     t, b = layout.tokens, layout.num_seqs
-    n64 = 3 * t + layout.num_logits + 2 * layout.num_fill
     ids, pos, slots, logits, fill, src, _ = flat[: 8 * layout.n64].view(torch.int64).split(
-        [t, t, t, layout.num_logits, layout.num_fill, layout.num_fill, layout.n64 - n64])
+        [t, t, t, layout.num_logits, layout.num_fill, layout.num_fill, layout.n64 - layout.used64])
     ctx, cu_k, cu_q, tables = flat[8 * layout.n64: layout.nbytes].view(torch.int32).split(
         [layout.rows, layout.rows + 1, b + 1, b * layout.width])
     return DeviceInputs(ids, pos, slots, logits, fill, src, ctx, cu_k, cu_q, tables.view(b, layout.width))
