@@ -94,6 +94,26 @@ def test_cuda_graphs_match_eager(checkpoint):
     assert graphs == eager
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduling):
+    """A graph reads the packed upload in place: the bucket's padding, the placeholder ids filled
+    in its buffer (in order, and after rows end), the static tables as they grow and narrow.
+    Requests of different lengths end one by one, so most steps are padded to their bucket."""
+    prompts = _prompts()
+    rng = random.Random(1)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(4, 60), ignore_eos=True) for _ in prompts]
+    runs, used = [], []
+    for eager in (True, False):
+        llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", block_size=4,
+                  enforce_eager=eager, async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+        llm.llm_engine.validate_every_step = True
+        llm.hooks.add("step.end", lambda info: used.append(info.cuda_graph))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    assert runs[1] == runs[0]
+    assert sum(used) > 20
+
+
 def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
     llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
     used = []

@@ -1,4 +1,10 @@
-"""Decode under CUDA graphs: one graph per bucketed batch size, replayed with static buffers.
+"""Decode under CUDA graphs: one graph per bucketed batch size, replayed on static buffers.
+
+The graph of a bucket reads its token inputs (ids, positions, slots, context lengths,
+cumulative key lengths) in place from :attr:`DecodeGraphs.inputs`, the device buffer that a
+step padded to that bucket is uploaded into (:mod:`kvscope.runner.packed_inputs`), so a replay
+copies only the block tables into their static buffer. Every copy runs on the one stream, after
+the replay before it: a step's upload never overwrites inputs a running graph still reads.
 
 Only decode-only steps whose batch fits a bucket and whose block tables fit the captured
 width replay a graph; anything else runs eagerly (never a crash).
@@ -6,16 +12,23 @@ width replay a graph; anything else runs eagerly (never a crash).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
-from kvscope.runner.inputs import DeviceInputs, StepInputs
+from kvscope.runner.inputs import StepInputs
+from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_int64_size, decode_views
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+_MAX_CACHED_VIEWS = 4096  # (batch, width, end) keys whose table views are kept
+
+
+def packed_decode_bytes(rows: int, width: int) -> int:
+    """The largest packed step of ``rows`` decode rows with ``width``-column tables."""
+    return 8 * decode_int64_size(rows) + 4 * (2 * rows + 1 + rows + 1 + rows * width)
 
 
 class DecodeGraphs:
@@ -35,40 +48,39 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         n = self.buckets[-1]
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.context_lens = torch.zeros(n, **i32)
-        self.cu_seqlens_q = torch.arange(n + 1, **i32)
-        self.cu_seqlens_k = torch.zeros(n + 1, **i32)
-        self.block_tables = torch.full((n, self.width), -1, **i32)
+        self.inputs = torch.zeros(packed_decode_bytes(n, self.width), dtype=torch.uint8, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.tables = StaticTables(self.inputs, n, self.width)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._views: dict[int, _BatchViews] = {}
+        self._bucket_views: dict[int, DecodeViews] = {g: decode_views(self.inputs, g) for g in self.buckets}
+        self._batch: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._forward = forward
         self._capture_all()
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, g: int) -> AttentionMetadata:
+        v = self._bucket_views[g]
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], cu_seqlens_q=self.cu_seqlens_q[: b + 1],
-            cu_seqlens_k=self.cu_seqlens_k[: b + 1], context_lens=self.context_lens[:b],
-            block_tables=self.block_tables[:b], max_seqlen_q=1, max_seqlen_k=self.max_model_len,
-            num_seqs=b, num_tokens=b, block_size=self.block_size, decode_only=True,
+            slot_mapping=v.slot_mapping, cu_seqlens_q=self.cu_seqlens_q[: g + 1],
+            cu_seqlens_k=v.cu_seqlens_k, context_lens=v.context_lens,
+            block_tables=self.tables.table[:g], max_seqlen_q=1, max_seqlen_k=self.max_model_len,
+            num_seqs=g, num_tokens=g, block_size=self.block_size, decode_only=True,
         )
 
     def _capture_all(self) -> None:
         pool = None
-        for b in reversed(self.buckets):
+        for g in reversed(self.buckets):
+            v = self._bucket_views[g]
+            self.inputs.zero_()
+            v.slot_mapping.fill_(-1)  # (the buckets' layouts overlap: each starts from padding)
             graph = torch.cuda.CUDAGraph()
-            with forward_context(self._meta(b)):
-                self.hidden[:b] = self._forward(self.input_ids[:b], self.positions[:b])  # warm-up
+            with forward_context(self._meta(g)):
+                self.hidden[:g] = self._forward(v.input_ids, v.positions)  # warm-up
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[:b] = self._forward(self.input_ids[:b], self.positions[:b])
+                    self.hidden[:g] = self._forward(v.input_ids, v.positions)
             pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[g] = graph
         torch.cuda.synchronize()
 
     def can_run(self, inputs: StepInputs) -> bool:
@@ -78,55 +90,62 @@ class DecodeGraphs:
             and inputs.block_tables.shape[1] <= self.width
         )
 
-    def _batch_views(self, b: int) -> "_BatchViews":
-        """The static buffers' slices for a batch of ``b``, made once: each slice is a host call."""
-        v = self._views.get(b)
+    def bucket(self, b: int) -> int:
+        """The captured batch size a batch of ``b`` is padded to."""
+        return self.buckets[bisect.bisect_left(self.buckets, b)]
+
+    def _batch_views(self, b: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(bucket, input ids, hidden rows) of a batch of ``b``, made once: each slice is a host call."""
+        v = self._batch.get(b)
         if v is None:
-            g = self.buckets[bisect.bisect_left(self.buckets, b)]
-            v = self._views[b] = _BatchViews(
-                graph=self.graphs[g], padded=b < g, input_ids=self.input_ids[:b],
-                positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-                context_lens=self.context_lens[:b], cu_seqlens_k=self.cu_seqlens_k[: b + 1],
-                block_tables=self.block_tables[:b], hidden=self.hidden[:b],
-                pad_slots=self.slot_mapping[b:g], pad_context_lens=self.context_lens[b:g],
-                pad_cu_seqlens_k=self.cu_seqlens_k[b + 1: g + 1], last_cu_seqlen_k=self.cu_seqlens_k[b],
-            )
+            g = self.bucket(b)
+            v = self._batch[b] = (g, self._bucket_views[g].input_ids[:b], self.hidden[:b])
         return v
 
-    def run(self, inputs: StepInputs, d: DeviceInputs) -> torch.Tensor:
-        """Copy this step's device inputs into the static buffers, replay, return hidden [B, H]."""
-        v = self._batch_views(inputs.num_seqs)
-        w = inputs.block_tables.shape[1]
-        v.input_ids.copy_(d.input_ids)
-        v.positions.copy_(d.positions)
-        v.slot_mapping.copy_(d.slot_mapping)
-        v.context_lens.copy_(d.context_lens)
-        v.cu_seqlens_k.copy_(d.cu_seqlens_k)
-        if v.padded:  # the bucket's padding rows: no slot, no context
-            v.pad_slots.fill_(-1)
-            v.pad_context_lens.zero_()
-            v.pad_cu_seqlens_k.copy_(v.last_cu_seqlen_k)
-        v.block_tables[:, :w].copy_(d.block_tables)
-        if w < self.width:
-            v.block_tables[:, w:].fill_(-1)
-        v.graph.replay()
-        return v.hidden
+    def input_ids(self, b: int) -> torch.Tensor:
+        """The input ids of a batch of ``b`` in :attr:`inputs`: the placeholders are filled there."""
+        return self._batch_views(b)[1]
+
+    def run(self, layout: PackedLayout) -> torch.Tensor:
+        """Replay on the step packed (``layout``) in :attr:`inputs`; returns hidden ``[B, H]``."""
+        g, _, hidden = self._batch_views(layout.num_seqs)
+        self.tables.write(layout)
+        self.graphs[g].replay()
+        return hidden
 
 
-@dataclass(frozen=True)
-class _BatchViews:
-    """Views of :class:`DecodeGraphs`' static buffers for one batch size, and its bucket's graph."""
+class StaticTables:
+    """The graphs' static block tables ``[rows, width]``, written from the tables of each step
+    packed in ``source`` (:mod:`kvscope.runner.packed_inputs`). Every row reads -1 past its own
+    table, as the attention contract says; the columns each row was last written to are kept on
+    the host, so only a step narrower than what its rows last held resets the difference (none
+    in steady decode, where tables only grow)."""
 
-    graph: torch.cuda.CUDAGraph
-    padded: bool
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    context_lens: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    block_tables: torch.Tensor
-    hidden: torch.Tensor
-    pad_slots: torch.Tensor
-    pad_context_lens: torch.Tensor
-    pad_cu_seqlens_k: torch.Tensor
-    last_cu_seqlen_k: torch.Tensor
+    def __init__(self, source: torch.Tensor, rows: int, width: int) -> None:
+        self.source = source
+        self.table = torch.full((rows, width), -1, dtype=torch.int32, device=source.device)
+        self._written = np.zeros(rows, dtype=np.int64)
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _views_of(self, layout: PackedLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the packed tables in the source, the static rows they go to, those rows' columns), made
+        once per (batch, width, end): each slice is a host call."""
+        b, w = layout.num_seqs, layout.width
+        key = (b, w, layout.nbytes)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views.clear()
+            src = self.source[layout.nbytes - 4 * b * w: layout.nbytes].view(torch.int32).view(b, w)
+            v = self._views[key] = (src, self.table[:b], self.table[:b, :w])
+        return v
+
+    def write(self, layout: PackedLayout) -> None:
+        """Copy the tables of the step packed in the source into rows ``[0, B)``."""
+        b, w = layout.num_seqs, layout.width
+        src, rows, dst = self._views_of(layout)
+        dst.copy_(src)
+        stale = int(self._written[:b].max())
+        if stale > w:
+            rows[:, w:stale].fill_(-1)
+        self._written[:b] = w

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
-import torch
 
 from kvscope.engine.scheduler_output import SchedulerOutput
 
@@ -35,20 +34,6 @@ class StepInputs:
     @property
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
-
-
-@dataclass
-class DeviceInputs:
-    """The same arrays on the runner's device (int64 ids/positions/slots, int32 metadata)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    logits_indices: torch.Tensor
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
 
 
 class BlockTables:

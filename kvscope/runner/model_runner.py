@@ -28,7 +28,8 @@ from kvscope.models import build_model
 from kvscope.models.decoder import head_dim_of
 from kvscope.models.loader import load_weights
 from kvscope.runner.cuda_graphs import DecodeGraphs
-from kvscope.runner.inputs import BlockTables, DeviceInputs, StepInputs, build_step_inputs
+from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
+from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
 from kvscope.runner.sampler import DeviceSample, Sampler
 from kvscope.sampling_params import SamplingParams
 
@@ -134,7 +135,7 @@ class ModelRunner:
         self._allocate_pool(tp_size)
         self.graphs: DecodeGraphs | None = None
         # Two pinned staging buffers, alternating: filling one never waits on the copy in flight.
-        self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
         self.block_tables = BlockTables(capacity=config.max_num_seqs)
@@ -143,6 +144,8 @@ class ModelRunner:
         # read from there.
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
+        self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
+        self._row_numbers = np.arange(config.max_num_seqs)
         # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
         # on the device, so every rank fills the next step's placeholders without a readback.
         self.share_sampled = config.async_scheduling and tp_size > 1
@@ -228,71 +231,78 @@ class ModelRunner:
         finally:
             torch.set_num_threads(previous)
 
-    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Host bytes to pack a step's inputs into, and the event to record once they are copied.
-        On CUDA one of two pinned buffers, reused after waiting for the copy that last read it
-        (the step before last: long done); on CPU a fresh one, since the step's tensors are
-        views of it."""
-        if self.device.type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8), None
+    def _staging_buffer(self, nbytes: int) -> tuple[torch.Tensor, np.ndarray, torch.cuda.Event | None]:
+        """Host bytes to pack a step's inputs into (as a tensor and as the numpy array that
+        views it, both kept), and on CUDA the event to record once they are copied: one of two
+        buffers, pinned on CUDA, reused after waiting for the copy that last read it (the step
+        before last: long done). On CPU a step's tensors are views of its buffer, and its
+        forward pass is over before the next step packs."""
         k = self._uploads % 2
         self._uploads += 1
-        if self._staging[k] is None or self._staging[k].numel() < nbytes:
-            self._staging[k] = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=True)
+        staged = self._staging[k]
+        if staged is None or staged[0].numel() < nbytes:
+            buf = torch.empty(2 * nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            staged = self._staging[k] = (buf, buf.numpy())
+        if self._upload_done is None:
+            return staged[0], staged[1], None
         self._upload_done[k].synchronize()
-        return self._staging[k], self._upload_done[k]
+        return staged[0], staged[1], self._upload_done[k]
 
-    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray) -> DeviceInputs:
-        """All of a step's integer inputs in one host buffer and one copy to the device, int64
-        and int32 parts side by side so that no conversion runs on the device; then the
-        placeholder input ids at ``fill`` take the previous step's sampled rows ``src``."""
-        wide = (x.input_ids, x.positions, x.slot_mapping, x.logits_indices, fill, src)
-        narrow = (x.cu_seqlens_q, x.cu_seqlens_k, x.context_lens, x.block_tables.ravel())
-        n64 = sum(p.size for p in wide)
-        nbytes = 8 * n64 + 4 * sum(p.size for p in narrow)
-        buf, copied = self._staging_buffer(nbytes)
-        host = buf.numpy()
-        np.concatenate(wide, out=host[: 8 * n64].view(np.int64), casting="unsafe")
-        np.concatenate(narrow, out=host[8 * n64: nbytes].view(np.int32), casting="unsafe")
-        flat = buf[:nbytes]
-        if copied is not None:
+    def _upload(self, x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
+                into: torch.Tensor | None) -> torch.Tensor:
+        """All of a step's integer inputs in one host buffer and one copy to the device: into
+        ``into`` (a CUDA graph's input buffer) or a new device buffer. Returns the device bytes."""
+        buf, host, copied = self._staging_buffer(layout.nbytes)
+        pack(x, fill, src, layout, host)
+        flat = buf[: layout.nbytes]  # (on CPU the step's tensors may be views of it)
+        if into is not None:
+            flat = into[: layout.nbytes].copy_(flat, non_blocking=copied is not None)
+        elif copied is not None:
             flat = flat.to(self.device, non_blocking=True)
+        if copied is not None:
             copied.record()
-        ids, pos, slots, logits_idx, fill_d, src_d = flat[: 8 * n64].view(torch.int64).split([p.size for p in wide])
-        cu_q, cu_k, ctx, tables = flat[8 * n64:].view(torch.int32).split([p.size for p in narrow])
-        if fill.size == ids.numel() == self._last_sample.numel() and np.array_equal(src, np.arange(src.size)):
-            ids = self._last_sample  # the steady state: every row's input is what it sampled, in order
-        elif fill.size:
-            ids[fill_d] = self._last_sample[src_d]
-        return DeviceInputs(
-            input_ids=ids, positions=pos, slot_mapping=slots, logits_indices=logits_idx,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, context_lens=ctx,
-            block_tables=tables.view(x.block_tables.shape),
-        )
+        return flat
 
-    def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
-        """Where the step's placeholder input ids are, and each one's row in the last step's
-        sampled tokens (the previous launched step sampled every such sequence, in the same
-        BlockTables row: a sequence is re-admitted only once no token of it is in flight)."""
+    def _first(self, n: int) -> np.ndarray:
+        """``np.arange(n)`` as a view of one made once (and grown if a step ever has more rows)."""
+        if n > self._row_numbers.size:
+            self._row_numbers = np.arange(2 * n)
+        return self._row_numbers[:n]
+
+    def _placeholder_sources(self, x: StepInputs) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Where the step's placeholder input ids are, each one's row in the last step's sampled
+        tokens (the previous launched step sampled every such sequence, in the same BlockTables
+        row: a sequence is re-admitted only once no token of it is in flight), and whether the
+        step is steady: every input id is a placeholder and the last step sampled these rows in
+        this order, so its sampled tokens are the input ids as they stand. A step scheduling the
+        same sequences as the last gets the very same ``table_rows`` array from BlockTables, so
+        the steady state is known without looking its rows up."""
         fill = np.flatnonzero(x.input_ids == PLACEHOLDER)
         if not fill.size:
-            return fill, fill
+            return fill, fill, False
+        if x.table_rows is self._sampled_rows and fill.size == x.num_tokens:
+            return fill, self._first(fill.size), True
         seq_rows = fill if x.decode_only else np.searchsorted(x.cu_seqlens_q, fill, side="right") - 1
         src = self._sample_row[x.table_rows[seq_rows]]
         if (src < 0).any():
             raise RuntimeError("a placeholder input token was not sampled by the previous step; this is a kvscope bug")
-        return fill, src
+        steady = fill.size == x.num_tokens == self._last_sample.numel() and bool((src == self._first(src.size)).all())
+        return fill, src, steady
 
     def _remember_sampled(self, tokens: torch.Tensor, table_rows: np.ndarray) -> None:
         """This step's sampled tokens on the device, and the sampling sequences' rows in them,
-        by BlockTables row: what the next step's placeholders read."""
+        by BlockTables row: what the next step's placeholders read. The same ``table_rows``
+        array as the last step's (the same sequences, all sampled) leaves the rows as they are."""
         self._last_sample = tokens
+        if table_rows is self._sampled_rows:
+            return
+        self._sampled_rows = table_rows
         capacity = self.block_tables.table.shape[0]
         if self._sample_row.size < capacity:
             self._sample_row = np.full(capacity, -1, dtype=np.int64)
         else:
             self._sample_row.fill(-1)
-        self._sample_row[table_rows] = np.arange(table_rows.size)
+        self._sample_row[table_rows] = self._first(table_rows.size)
 
     def _metadata(self, x: StepInputs, d: DeviceInputs) -> AttentionMetadata:
         return AttentionMetadata(
@@ -307,23 +317,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
-        """Run the model on one step; returns the hidden rows to sample (or None), and timings."""
+        """Run the model on one step; returns the hidden rows to sample (or None), and timings.
+
+        The placeholder input ids take the previous step's sampled rows on the device; in the
+        steady state (the same sequences as the last step, in order, all sampled) they are
+        those tokens, as they stand."""
         t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size, self.block_tables)
-        d = self._upload(x, *self._placeholder_sources(x))
+        fill, src, steady = self._placeholder_sources(x)
+        graphs = self.graphs if self.graphs is not None and self.graphs.can_run(x) else None
+        layout = PackedLayout.of(x, fill.size, None if graphs is None else graphs.bucket(x.num_seqs))
+        flat = self._upload(x, fill, src, layout, None if graphs is None else graphs.inputs)
+        # The step's views are made only where they are read (a graph reads its own).
+        wanted = graphs is None or (fill.size and not steady) or x.logits_indices.size != x.num_tokens
+        d = views(flat, layout) if wanted else None
         t1 = time.perf_counter()
-        use_graph = self.graphs is not None and self.graphs.can_run(x)
-        if use_graph:
-            hidden = self.graphs.run(x, d)
+        if graphs is not None:
+            ids = graphs.input_ids(x.num_seqs)
+            if steady:
+                ids.copy_(self._last_sample)
+            elif fill.size:
+                ids[d.fill] = self._last_sample[d.src]
+            hidden = graphs.run(layout)
         else:
+            ids = d.input_ids
+            if steady:
+                ids = self._last_sample
+            elif fill.size:
+                ids[d.fill] = self._last_sample[d.src]
             with forward_context(self._metadata(x, d)), self._threads():
-                hidden = self._forward(d.input_ids, d.positions)
+                hidden = self._forward(ids, d.positions)
         rows = None
         if len(x.logits_indices) == x.num_tokens:
             rows = hidden
         elif len(x.logits_indices):
             rows = hidden[d.logits_indices]
-        return rows, x, use_graph, t1 - t0, time.perf_counter() - t1
+        return rows, x, graphs is not None, t1 - t0, time.perf_counter() - t1
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.execute_async(out).result()
@@ -333,23 +362,27 @@ class ModelRunner:
         """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
-        sample = out.columns.sample
-        sampled = [r for r in out.requests if r.sample]
+        if x.logits_indices.size == x.num_seqs:  # every row samples (steady decode): nothing to select
+            sampled, table_rows, seq_ids = out.requests, x.table_rows, out.columns.seq_id
+        else:
+            sample = out.columns.sample
+            sampled = [r for r in out.requests if r.sample]
+            table_rows, seq_ids = x.table_rows[sample], out.columns.seq_id[sample]
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them
                     tokens = tp_broadcast_from_rank0(torch.empty(len(sampled), dtype=torch.int64, device=self.device))
-                    self._remember_sampled(tokens, x.table_rows[sample])
+                    self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
             s, errors = self._sample(logits, sampled)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
-        self._remember_sampled(s.tokens, x.table_rows[sample])
+        self._remember_sampled(s.tokens, table_rows)
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        step = _LaunchedStep(s, out.columns.seq_id[sample], timings, use_graph, errors)
+        step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
     def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[DeviceSample, dict[int, str]]:

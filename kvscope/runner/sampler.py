@@ -11,6 +11,7 @@ only for those copies (so a next step can already be running).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,30 +25,95 @@ class SampleOutput:
     logprobs: list[dict[int, float]] | None  # per row, when any row asked for logprobs
 
 
+class HostReadback:
+    """Pinned host memory that sampled tokens are copied back into, and the events that say
+    the copies are done, reused from step to step instead of allocated per step.
+
+    A slot is handed out again only once the sample holding it was read (``to_output``) or
+    dropped, so a copy never lands on tokens not read yet: under async scheduling step n+1's
+    copy is queued before step n's tokens are read, and the two alternate between two slots.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._slots: list[_ReadbackSlot] = []
+
+    def take(self, owner: "DeviceSample") -> "_ReadbackSlot":
+        """A slot no unread sample holds, held for ``owner`` until it releases it or is dropped."""
+        slot = next((s for s in self._slots if s.free()), None)
+        if slot is None:
+            slot = _ReadbackSlot(self._pin)
+            self._slots.append(slot)
+        slot.owner = weakref.ref(owner)
+        return slot
+
+
+class _ReadbackSlot:
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._tokens = torch.empty(0, dtype=torch.int64)
+        self._views: dict[int, torch.Tensor] = {}
+        self._event = torch.cuda.Event() if pin else None
+        self.owner: weakref.ref | None = None
+
+    def free(self) -> bool:
+        return self.owner is None or self.owner() is None
+
+    def release(self) -> None:
+        self.owner = None
+
+    def copy(self, parts: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Queue ``parts`` (int64 tokens first, then any log-prob tensors) for the host; returns
+        the host tensors and the event to wait on before reading them."""
+        tokens, *rest = parts
+        n = tokens.numel()
+        host = self._views.get(n)
+        if host is None:
+            if self._tokens.numel() < n:
+                self._tokens = torch.empty(2 * n, dtype=torch.int64, pin_memory=self._pin)
+                self._views.clear()
+            host = self._views[n] = self._tokens[:n]
+        host.copy_(tokens, non_blocking=self._pin)
+        out = [host] + [torch.empty(p.shape, dtype=p.dtype, pin_memory=self._pin).copy_(p, non_blocking=self._pin)
+                        for p in rest]
+        if self._event is not None:
+            self._event.record()
+        return out, self._event
+
+
 class DeviceSample:
-    """One step's sampled tokens (and log-probs) on the device, on their way to the host."""
+    """One step's sampled tokens (and log-probs) on the device, on their way to the host
+    (through ``readback``'s memory; without one, ``tokens`` are read where they are)."""
 
     def __init__(self, tokens: torch.Tensor, params: list[SamplingParams],
-                 logprob_parts: tuple[torch.Tensor, ...] | None) -> None:
+                 logprob_parts: tuple[torch.Tensor, ...] | None, readback: HostReadback | None = None) -> None:
         self.tokens = tokens  # int64 [n] on the device: a next step may read it there
         self._params = params
         parts = (tokens, *(logprob_parts or ()))
-        if tokens.is_cuda:
-            self._host = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
-                          for p in parts]
-            self._ready: torch.cuda.Event | None = torch.cuda.Event()
-            self._ready.record()
+        self._slot = readback.take(self) if readback is not None else None
+        if self._slot is not None:
+            self._host, self._ready = self._slot.copy(parts)
         else:
             self._host, self._ready = list(parts), None
         self._has_logprobs = logprob_parts is not None
+        self._output: SampleOutput | None = None
 
     def to_output(self) -> SampleOutput:
+        """The tokens (and log-probs) on the host; the first call waits for their copies."""
+        if self._output is None:
+            self._output = self._read()
+        return self._output
+
+    def _read(self) -> SampleOutput:
         if self._ready is not None:
             self._ready.synchronize()
         tokens = self._host[0].tolist()
-        if not self._has_logprobs:
+        logprobs = [p.tolist() for p in self._host[1:]] if self._has_logprobs else None
+        if self._slot is not None:  # read: the slot may take the next step's copies
+            self._slot.release()
+        if logprobs is None:
             return SampleOutput(tokens, None)
-        chosen, *top = (p.tolist() for p in self._host[1:])
+        chosen, *top = logprobs
         rows: list[dict[int, float]] = []
         for i, p in enumerate(self._params):
             row: dict[int, float] = {}
@@ -91,6 +157,11 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._temperatures: dict[float, torch.Tensor] = {}  # one device scalar per temperature seen
+        # The exponential race's noise, redrawn in place each step (a later step's draw is queued
+        # after the last step's use of it on the device's one stream).
+        self._noise: torch.Tensor | None = None
+        # On CUDA the tokens come back through reused pinned memory; on CPU they are already there.
+        self.readback = HostReadback(pin=True) if device.type == "cuda" else None
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
@@ -117,7 +188,8 @@ class Sampler:
         first = params[0]
         shared = all(p is first for p in params)
         settings = (first,) if shared else params  # what the per-step checks need to look at
-        logits = logits.float()
+        if logits.dtype != torch.float32:  # (the LM head's logits already are: no call for nothing)
+            logits = logits.float()
         vocab = logits.shape[-1]
         asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
@@ -137,7 +209,9 @@ class Sampler:
                 top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            if self._noise is None or self._noise.shape != probs.shape:
+                self._noise = torch.empty_like(probs)
+            noise = self._noise.exponential_(generator=self.generator)
             if any(p.seed is not None for p in settings):
                 for i, p in enumerate(params):
                     if p.seed is not None and p.temperature != 0:
@@ -147,7 +221,7 @@ class Sampler:
                 mask = self._tensor(greedy, torch.bool)
                 tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
         if raw_logprobs is None:
-            return DeviceSample(tokens, params, None)
+            return DeviceSample(tokens, params, None, self.readback)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
-        return DeviceSample(tokens, params, (chosen, top_v, top_i))
+        return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
