@@ -1,0 +1,235 @@
+"""``Scheduled``: what one step computed, stored as what changed since the step before.
+
+Most rows of a long recording are steady decode rows: a request that had a row in the previous
+step computes the one token after it (``start`` = its previous row's end, one new token, no
+cache hit, a decode row that samples). Such a row is implied by the previous step's rows and
+costs only its token id. Every other row is kept whole (its request as an index into the
+trace's :class:`~kvscope.trace.event_log.RequestIds`), and so are all the rows of a keyframe,
+which every ``KEYFRAME_EVERY``-th step built is: decoding a step reads at most that many steps
+back. Token ids are kept in the narrowest dtype that holds them, the implied rows' apart from
+the others' (sampled ids span the vocabulary, a prompt's may not).
+
+A ``Scheduled`` reads as columns (``request_ids``, ``start``, ``num_new_tokens``, ...), decoded
+on first use; the last few decoded steps are cached, so a replay that walks the steps in order
+decodes each once, from the one before. A record whose older steps the ring buffer dropped keeps
+their rows reachable back to its keyframe.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable, Container, NamedTuple, Sequence
+
+import numpy as np
+
+from kvscope.trace.event_log import RequestIds
+from kvscope.trace.narrow import narrow_values
+
+KEYFRAME_EVERY = 64
+_EXPLICIT = np.dtype([("request", np.int32), ("start", np.int32), ("num_new_tokens", np.int32),
+                      ("num_cached_tokens", np.int32), ("is_prefill", bool), ("sample", bool)])
+_I32 = np.dtype(np.int32)
+
+
+class Rows(NamedTuple):
+    """A step's rows decoded: one entry per scheduled request; ``token_ids`` all rows' tokens
+    concatenated. Shared by every reader of the step: read-only."""
+
+    request: np.ndarray            # int32, indices into the trace's RequestIds
+    request_ids: list[str]
+    start: np.ndarray              # int32
+    num_new_tokens: np.ndarray     # int32
+    num_cached_tokens: np.ndarray  # int32: the prefix-cache hit when the row is an admission
+    is_prefill: np.ndarray         # bool: a prefill chunk, else a decode row
+    sample: np.ndarray             # bool: the row ends the sequence, so a token is sampled
+    token_ids: np.ndarray          # int32
+
+
+class Scheduled:
+    """What one step computed, as columns (one entry per scheduled request).
+
+    Request ``i`` computes positions ``start[i] .. start[i] + num_new_tokens[i] - 1``; their
+    token ids are the ``i``-th run of ``token_ids``. Build one with :meth:`from_columns` or a
+    :class:`RowEncoder`.
+    """
+
+    __slots__ = ("requests", "prev", "keep", "explicit_at", "explicit", "steady_tokens", "explicit_tokens")
+
+    def __init__(self, requests: RequestIds, prev: "Scheduled | None", keep: np.ndarray | None,
+                 explicit_at: np.ndarray | None, explicit: np.ndarray | None,
+                 steady_tokens: np.ndarray | None, explicit_tokens: np.ndarray | None) -> None:
+        self.requests = requests
+        self.prev = prev                        # the step these rows are told against; None: a keyframe
+        self.keep = keep                        # prev's rows that go on steadily, in this step's order; None: all
+        self.explicit_at = explicit_at          # where the whole rows sit among this step's; None: none
+        self.explicit = explicit                # the whole rows (_EXPLICIT); None: none
+        self.steady_tokens = steady_tokens      # one token per implied row
+        self.explicit_tokens = explicit_tokens  # the whole rows' tokens
+
+    @classmethod
+    def from_columns(cls, requests: RequestIds, request: np.ndarray, start: np.ndarray, num_new_tokens: np.ndarray,
+                     num_cached_tokens: np.ndarray, is_prefill: np.ndarray, sample: np.ndarray,
+                     token_ids: np.ndarray) -> "Scheduled":
+        """A keyframe of these rows (``request``: indices into ``requests``)."""
+        rows = np.empty(len(start), _EXPLICIT)
+        for name, values in zip(_EXPLICIT.names, (request, start, num_new_tokens, num_cached_tokens, is_prefill, sample)):
+            rows[name] = values
+        return cls(requests, None, None, None, rows, None, narrow_values(np.asarray(token_ids), _I32))
+
+    def rows(self) -> Rows:
+        """The decoded columns (cached for the last steps read)."""
+        return _decoded(self)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return _decoded(self).request_ids
+
+    @property
+    def start(self) -> np.ndarray:
+        return _decoded(self).start
+
+    @property
+    def num_new_tokens(self) -> np.ndarray:
+        return _decoded(self).num_new_tokens
+
+    @property
+    def num_cached_tokens(self) -> np.ndarray:
+        return _decoded(self).num_cached_tokens
+
+    @property
+    def is_prefill(self) -> np.ndarray:
+        return _decoded(self).is_prefill
+
+    @property
+    def sample(self) -> np.ndarray:
+        return _decoded(self).sample
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return _decoded(self).token_ids
+
+    @property
+    def end(self) -> np.ndarray:
+        r = _decoded(self)
+        return r.start + r.num_new_tokens
+
+    def __len__(self) -> int:
+        n = len(self.explicit) if self.explicit is not None else 0
+        return n + (len(self.steady_tokens) if self.steady_tokens is not None else 0)
+
+    def __repr__(self) -> str:
+        return f"Scheduled({len(self)} rows)"
+
+    def holding(self, tables: Container[str]) -> "Scheduled":
+        """The rows whose request is in ``tables`` (itself when all are)."""
+        rids = self.request_ids
+        if all(map(tables.__contains__, rids)):
+            return self
+        return self.subset(np.fromiter(map(tables.__contains__, rids), dtype=bool, count=len(rids)))
+
+    def subset(self, keep: np.ndarray) -> "Scheduled":
+        """The rows where ``keep`` (bool per row) is true, as a keyframe."""
+        r = _decoded(self)
+        per_token = np.repeat(keep, r.num_new_tokens)
+        return Scheduled.from_columns(
+            self.requests, r.request[keep], r.start[keep], r.num_new_tokens[keep], r.num_cached_tokens[keep],
+            r.is_prefill[keep], r.sample[keep], r.token_ids[per_token],
+        )
+
+
+class RowEncoder:
+    """Encodes consecutive steps' rows, each against the step encoded before it.
+
+    ``ident`` tells rows' requests apart across steps (the engine's sequence ids while
+    recording, request indices when loading); ``codes(rows)`` gives the request indices of
+    the rows at ``rows``, asked only for rows kept whole.
+    """
+
+    __slots__ = ("requests", "_prev", "_ident", "_end", "_since")
+
+    def __init__(self, requests: RequestIds) -> None:
+        self.requests = requests
+        self._prev: Scheduled | None = None
+        self._ident = self._end = np.zeros(0, np.int64)
+        self._since = 0  # steps encoded since the last keyframe
+
+    def encode(self, ident: np.ndarray, codes: Callable[[np.ndarray], Sequence[int]], start: np.ndarray,
+               num_new_tokens: np.ndarray, num_cached_tokens: np.ndarray, is_prefill: np.ndarray,
+               sample: np.ndarray, token_ids: np.ndarray) -> Scheduled:
+        prev, n = self._prev, len(ident)
+        ident_before, end_before = self._ident, self._end
+        self._ident, self._end = ident, start + num_new_tokens
+        if prev is None or self._since + 1 >= KEYFRAME_EVERY:
+            self._since = 0
+            self._prev = Scheduled.from_columns(self.requests, codes(np.arange(n)), start, num_new_tokens,
+                                                num_cached_tokens, is_prefill, sample, token_ids)
+            return self._prev
+        self._since += 1
+        src = None
+        if n == len(ident_before) and np.array_equal(ident, ident_before):
+            steady = start == end_before
+        else:  # rows came or went: find each row's request among the previous step's
+            order = np.argsort(ident_before, kind="stable")
+            at = np.minimum(np.searchsorted(ident_before, ident, sorter=order), max(len(order) - 1, 0))
+            src = order[at] if len(order) else np.zeros(n, np.int64)
+            steady = (ident_before[src] == ident) & (start == end_before[src]) if len(order) else np.zeros(n, bool)
+        steady &= (num_new_tokens == 1) & ~is_prefill & sample & (num_cached_tokens == 0)
+        if steady.all() and src is None:
+            self._prev = Scheduled(self.requests, prev, None, None, None, narrow_values(token_ids, _I32), None)
+            return self._prev
+        whole = np.flatnonzero(~steady)
+        keep = np.flatnonzero(steady) if src is None else src[steady]
+        per_token = np.repeat(steady, num_new_tokens)
+        rows = np.empty(len(whole), _EXPLICIT)
+        for name, values in zip(_EXPLICIT.names, (codes(whole), start[whole], num_new_tokens[whole],
+                                                  num_cached_tokens[whole], is_prefill[whole], sample[whole])):
+            rows[name] = values
+        all_kept = len(keep) == len(ident_before) and (keep == np.arange(len(keep))).all()
+        self._prev = Scheduled(
+            self.requests, prev, None if all_kept else narrow_values(keep, _I32),
+            narrow_values(whole, _I32) if len(whole) else None, rows if len(whole) else None,
+            narrow_values(token_ids[per_token], _I32), narrow_values(token_ids[~per_token], _I32) if len(whole) else None,
+        )
+        return self._prev
+
+
+@lru_cache(maxsize=32)
+def _decoded(s: Scheduled) -> Rows:
+    """``s``'s columns, from its whole rows and the previous step's (decoded first)."""
+    names = s.requests.names
+    if s.prev is None:
+        ex = s.explicit
+        request = np.ascontiguousarray(ex["request"])
+        return _frozen(Rows(request, [names[c] for c in request.tolist()], *(
+            np.ascontiguousarray(ex[c]) for c in _EXPLICIT.names[1:]), s.explicit_tokens.astype(np.int32)))
+    before = _decoded(s.prev)
+    end = before.start + before.num_new_tokens
+    keep = s.keep
+    request = before.request if keep is None else before.request[keep]
+    start = end if keep is None else end[keep]
+    m = len(request)
+    steady_ids = before.request_ids if keep is None else [names[c] for c in request.tolist()]
+    if s.explicit is None:
+        return _frozen(Rows(request, steady_ids, start, np.ones(m, np.int32), np.zeros(m, np.int32),
+                            np.zeros(m, bool), np.ones(m, bool), s.steady_tokens.astype(np.int32)))
+    ex, at = s.explicit, s.explicit_at
+    rows = m + len(ex)
+    whole = np.zeros(rows, bool)
+    whole[at] = True
+    cols = []
+    for name, steady_value in zip(_EXPLICIT.names, (request, start, 1, 0, False, True)):
+        col = np.empty(rows, _EXPLICIT[name])
+        col[~whole] = steady_value
+        col[whole] = ex[name]
+        cols.append(col)
+    tokens = np.empty(int(cols[2].sum()), np.int32)
+    per_token = np.repeat(whole, cols[2])
+    tokens[~per_token] = s.steady_tokens
+    tokens[per_token] = s.explicit_tokens
+    return _frozen(Rows(cols[0], [names[c] for c in cols[0].tolist()], *cols[1:], tokens))
+
+
+def _frozen(rows: Rows) -> Rows:
+    for a in rows:
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
+    return rows
