@@ -199,20 +199,22 @@ def _decoded(s: Scheduled) -> Rows:
     if s.prev is None:
         ex = s.explicit
         request = np.ascontiguousarray(ex["request"])
-        return _frozen(Rows(request, [names[c] for c in request.tolist()], *(
-            np.ascontiguousarray(ex[c]) for c in _EXPLICIT.names[1:]), s.explicit_tokens.astype(np.int32)))
+        return Rows(request, list(map(names.__getitem__, request.tolist())),
+                    *(np.ascontiguousarray(ex[c]) for c in _EXPLICIT.names[1:]), s.explicit_tokens.astype(np.int32))
     before = _decoded(s.prev)
     end = before.start + before.num_new_tokens
     keep = s.keep
-    request = before.request if keep is None else before.request[keep]
-    start = end if keep is None else end[keep]
-    m = len(request)
-    steady_ids = before.request_ids if keep is None else [names[c] for c in request.tolist()]
+    if keep is None:
+        request, start = before.request, end
+    else:
+        request, start = before.request[keep], end[keep]
     if s.explicit is None:
-        return _frozen(Rows(request, steady_ids, start, np.ones(m, np.int32), np.zeros(m, np.int32),
-                            np.zeros(m, bool), np.ones(m, bool), s.steady_tokens.astype(np.int32)))
+        m = len(request)
+        ids = before.request_ids if keep is None else list(map(names.__getitem__, request.tolist()))
+        return Rows(request, ids, start, _constant(1, _I32, m), _constant(0, _I32, m), _constant(False, bool, m),
+                    _constant(True, bool, m), s.steady_tokens.astype(np.int32))
     ex, at = s.explicit, s.explicit_at
-    rows = m + len(ex)
+    rows = len(request) + len(ex)
     whole = np.zeros(rows, bool)
     whole[at] = True
     cols = []
@@ -225,11 +227,17 @@ def _decoded(s: Scheduled) -> Rows:
     per_token = np.repeat(whole, cols[2])
     tokens[~per_token] = s.steady_tokens
     tokens[per_token] = s.explicit_tokens
-    return _frozen(Rows(cols[0], [names[c] for c in cols[0].tolist()], *cols[1:], tokens))
+    return Rows(cols[0], list(map(names.__getitem__, cols[0].tolist())), *cols[1:], tokens)
 
 
-def _frozen(rows: Rows) -> Rows:
-    for a in rows:
-        if isinstance(a, np.ndarray):
-            a.flags.writeable = False
-    return rows
+_CONSTANTS: dict[tuple, np.ndarray] = {}
+
+
+def _constant(value: int | bool, dtype: np.dtype, n: int) -> np.ndarray:
+    """A read-only array of ``n`` times ``value`` (a view of one shared array)."""
+    a = _CONSTANTS.get((value, dtype))
+    if a is None or len(a) < n:
+        a = np.full(max(n, 2 * len(a) if a is not None else 1024), value, dtype)
+        a.flags.writeable = False
+        _CONSTANTS[(value, dtype)] = a
+    return a[:n]
