@@ -192,7 +192,7 @@ class RowEncoder:
         return self._prev
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)  # (a replay or a table build reads steps in order: it needs the last one)
 def _decoded(s: Scheduled) -> Rows:
     """``s``'s columns, from its whole rows and the previous step's (decoded first)."""
     names = s.requests.names
