@@ -17,6 +17,7 @@ their rows reachable back to its keyframe.
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import attrgetter
 from typing import Callable, Container, NamedTuple, Sequence
 
 import numpy as np
@@ -42,6 +43,12 @@ class Rows(NamedTuple):
     is_prefill: np.ndarray         # bool: a prefill chunk, else a decode row
     sample: np.ndarray             # bool: the row ends the sequence, so a token is sampled
     token_ids: np.ndarray          # int32
+
+
+def _column(name: str) -> property:
+    """A decoded column of :class:`Rows`, read as an attribute."""
+    get = attrgetter(name)
+    return property(lambda self: get(_decoded(self)), doc=f"The step's ``{name}`` (see :class:`Rows`).")
 
 
 class Scheduled:
@@ -79,33 +86,13 @@ class Scheduled:
         """The decoded columns (cached for the last steps read)."""
         return _decoded(self)
 
-    @property
-    def request_ids(self) -> list[str]:
-        return _decoded(self).request_ids
-
-    @property
-    def start(self) -> np.ndarray:
-        return _decoded(self).start
-
-    @property
-    def num_new_tokens(self) -> np.ndarray:
-        return _decoded(self).num_new_tokens
-
-    @property
-    def num_cached_tokens(self) -> np.ndarray:
-        return _decoded(self).num_cached_tokens
-
-    @property
-    def is_prefill(self) -> np.ndarray:
-        return _decoded(self).is_prefill
-
-    @property
-    def sample(self) -> np.ndarray:
-        return _decoded(self).sample
-
-    @property
-    def token_ids(self) -> np.ndarray:
-        return _decoded(self).token_ids
+    request_ids = _column("request_ids")
+    start = _column("start")
+    num_new_tokens = _column("num_new_tokens")
+    num_cached_tokens = _column("num_cached_tokens")
+    is_prefill = _column("is_prefill")
+    sample = _column("sample")
+    token_ids = _column("token_ids")
 
     @property
     def end(self) -> np.ndarray:
