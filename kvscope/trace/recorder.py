@@ -377,8 +377,12 @@ def _filled(cols: "StepColumns", sampled: dict[int, int]) -> np.ndarray:
     if not len(at) or not sampled:
         return tokens
     tokens = tokens.copy()  # (the step's columns are the runner's too)
-    rows = np.searchsorted(np.cumsum(cols.num_new_tokens), at, side="right")
-    seqs = cols.seq_id[rows]
+    seqs = cols.seq_id
+    if len(tokens) != len(seqs):  # (else one token per row: a token's index is its row's)
+        seqs = seqs[np.searchsorted(np.cumsum(cols.num_new_tokens), at, side="right")]
+    elif len(at) != len(seqs):
+        seqs = seqs[at]
     # (a row whose step failed for it sampled nothing: it stays -1)
-    tokens[at] = np.array([sampled.get(s, PLACEHOLDER) for s in seqs.tolist()], dtype=tokens.dtype)
+    tokens[at] = np.fromiter(map(sampled.get, seqs.tolist(), itertools.repeat(PLACEHOLDER)), dtype=tokens.dtype,
+                             count=len(at))
     return tokens

@@ -151,8 +151,14 @@ class RowEncoder:
                                                 num_cached_tokens, is_prefill, sample, token_ids)
             return self._prev
         self._since += 1
+        same = n == len(ident_before) and bool((ident == ident_before).all())
+        # A steady batch (most steps); one token per row: none has more, and there are as many as rows.
+        if (same and len(token_ids) == n and num_new_tokens.max(initial=1) == 1 and (start == end_before).all()
+                and sample.all() and not is_prefill.any() and not num_cached_tokens.any()):
+            self._prev = Scheduled(self.requests, prev, None, None, None, narrow_values(token_ids, _I32), None)
+            return self._prev
         src = None
-        if n == len(ident_before) and np.array_equal(ident, ident_before):
+        if same:
             steady = start == end_before
         else:  # rows came or went: find each row's request among the previous step's
             order = np.argsort(ident_before, kind="stable")
@@ -160,9 +166,6 @@ class RowEncoder:
             src = order[at] if len(order) else np.zeros(n, np.int64)
             steady = (ident_before[src] == ident) & (start == end_before[src]) if len(order) else np.zeros(n, bool)
         steady &= (num_new_tokens == 1) & ~is_prefill & sample & (num_cached_tokens == 0)
-        if steady.all() and src is None:
-            self._prev = Scheduled(self.requests, prev, None, None, None, narrow_values(token_ids, _I32), None)
-            return self._prev
         whole = np.flatnonzero(~steady)
         keep = np.flatnonzero(steady) if src is None else src[steady]
         per_token = np.repeat(steady, num_new_tokens)
