@@ -225,12 +225,13 @@ class Recorder:
         rows, cols = out.requests, out.columns
         lens = cols.num_new_tokens
         sched, (prefill, cached) = self._step_rows(info) if self._blocks else (None, _row_flags(rows))
-        prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
+        prefill_seqs = int(np.count_nonzero(prefill))
+        prefill_tokens = int(lens[prefill].sum()) if prefill_seqs else 0
         admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
-        hits = int(cached[admitted].sum())
+        hits = int(cached[admitted].sum()) if admitted else 0
         queries = self._queries(rows, admitted, info.request_ids) if bm.enable_prefix_caching else 0
         t = info.timings
-        total = int(lens.sum())
+        total = len(cols.token_ids)  # (every row's tokens, concatenated)
         rec = StepRecord(
             step=info.step, time_s=info.time_s, duration_s=info.duration_s,
             num_scheduled_tokens=total, num_prefill_tokens=prefill_tokens,
@@ -376,13 +377,16 @@ def _filled(cols: "StepColumns", sampled: dict[int, int]) -> np.ndarray:
     at = np.flatnonzero(tokens == PLACEHOLDER)
     if not len(at) or not sampled:
         return tokens
-    tokens = tokens.copy()  # (the step's columns are the runner's too)
     seqs = cols.seq_id
-    if len(tokens) != len(seqs):  # (else one token per row: a token's index is its row's)
+    if len(tokens) != len(seqs):  # several tokens in some row: find each placeholder's row
         seqs = seqs[np.searchsorted(np.cumsum(cols.num_new_tokens), at, side="right")]
-    elif len(at) != len(seqs):
+    elif len(at) != len(seqs):  # (one token per row: a token's index is its row's)
         seqs = seqs[at]
     # (a row whose step failed for it sampled nothing: it stays -1)
-    tokens[at] = np.fromiter(map(sampled.get, seqs.tolist(), itertools.repeat(PLACEHOLDER)), dtype=tokens.dtype,
-                             count=len(at))
+    filled = np.fromiter(map(sampled.get, seqs.tolist(), itertools.repeat(PLACEHOLDER)), dtype=tokens.dtype,
+                         count=len(at))
+    if len(at) == len(tokens):  # every input was one (a decode batch)
+        return filled
+    tokens = tokens.copy()  # (the step's columns are the runner's too)
+    tokens[at] = filled
     return tokens

@@ -151,21 +151,23 @@ class RowEncoder:
                                                 num_cached_tokens, is_prefill, sample, token_ids)
             return self._prev
         self._since += 1
-        same = n == len(ident_before) and bool((ident == ident_before).all())
-        # A steady batch (most steps); one token per row: none has more, and there are as many as rows.
-        if (same and len(token_ids) == n and num_new_tokens.max(initial=1) == 1 and (start == end_before).all()
-                and sample.all() and not is_prefill.any() and not num_cached_tokens.any()):
-            self._prev = Scheduled(self.requests, prev, None, None, None, narrow_values(token_ids, _I32), None)
-            return self._prev
-        src = None
-        if same:
+        # Every row one decode token that samples, with no cache hit (most steps): as many tokens as
+        # rows, none of them empty. (count_nonzero: the cheapest pass over an array.)
+        cnz = np.count_nonzero
+        decode = (len(token_ids) == n and cnz(num_new_tokens) == n and cnz(sample) == n
+                  and not cnz(is_prefill) and not cnz(num_cached_tokens))
+        src = None  # each row's index in the step before; None: the same rows in the same order
+        if n == len(ident_before) and not cnz(ident != ident_before):
             steady = start == end_before
         else:  # rows came or went: find each row's request among the previous step's
-            order = np.argsort(ident_before, kind="stable")
-            at = np.minimum(np.searchsorted(ident_before, ident, sorter=order), max(len(order) - 1, 0))
-            src = order[at] if len(order) else np.zeros(n, np.int64)
-            steady = (ident_before[src] == ident) & (start == end_before[src]) if len(order) else np.zeros(n, bool)
-        steady &= (num_new_tokens == 1) & ~is_prefill & sample & (num_cached_tokens == 0)
+            src, found = _find(ident_before, ident)
+            steady = found & (start == end_before[src]) if len(ident_before) else found
+        if not decode:
+            steady &= (num_new_tokens == 1) & ~is_prefill & sample & (num_cached_tokens == 0)
+        if cnz(steady) == n:  # all rows implied: which of the previous step's go on, and their tokens
+            keep = None if src is None or _is_range(src, len(ident_before)) else narrow_values(src, _I32)
+            self._prev = Scheduled(self.requests, prev, keep, None, None, narrow_values(token_ids, _I32), None)
+            return self._prev
         whole = np.flatnonzero(~steady)
         keep = np.flatnonzero(steady) if src is None else src[steady]
         per_token = np.repeat(steady, num_new_tokens)
@@ -173,13 +175,26 @@ class RowEncoder:
         for name, values in zip(_EXPLICIT.names, (codes(whole), start[whole], num_new_tokens[whole],
                                                   num_cached_tokens[whole], is_prefill[whole], sample[whole])):
             rows[name] = values
-        all_kept = len(keep) == len(ident_before) and (keep == np.arange(len(keep))).all()
         self._prev = Scheduled(
-            self.requests, prev, None if all_kept else narrow_values(keep, _I32),
-            narrow_values(whole, _I32) if len(whole) else None, rows if len(whole) else None,
-            narrow_values(token_ids[per_token], _I32), narrow_values(token_ids[~per_token], _I32) if len(whole) else None,
+            self.requests, prev, None if _is_range(keep, len(ident_before)) else narrow_values(keep, _I32),
+            narrow_values(whole, _I32), rows, narrow_values(token_ids[per_token], _I32),
+            narrow_values(token_ids[~per_token], _I32),
         )
         return self._prev
+
+
+def _find(ident_before: np.ndarray, ident: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each of ``ident``'s index in ``ident_before`` (any where absent), and whether it is there."""
+    if not len(ident_before):
+        return np.zeros(len(ident), np.int64), np.zeros(len(ident), bool)
+    order = np.argsort(ident_before, kind="stable")
+    src = order[np.minimum(np.searchsorted(ident_before, ident, sorter=order), len(order) - 1)]
+    return src, ident_before[src] == ident
+
+
+def _is_range(index: np.ndarray, n: int) -> bool:
+    """Whether ``index`` is ``0 .. n-1``: every row of the step before, in order."""
+    return len(index) == n and bool((index == np.arange(n)).all())
 
 
 @lru_cache(maxsize=8)  # (a replay or a table build reads steps in order: it needs the last one)
