@@ -216,8 +216,9 @@ def _decoded(s: Scheduled) -> Rows:
     if s.explicit is None:
         m = len(request)
         ids = before.request_ids if keep is None else list(map(names.__getitem__, request.tolist()))
-        return Rows(request, ids, start, _constant(1, _I32, m), _constant(0, _I32, m), _constant(False, bool, m),
-                    _constant(True, bool, m), s.steady_tokens.astype(np.int32))
+        tokens = s.steady_tokens.astype(np.int32, copy=False)  # (the stored array itself when int32)
+        tokens.flags.writeable = False
+        return Rows(request, ids, start, *_steady_columns(m), tokens)
     ex, at = s.explicit, s.explicit_at
     rows = len(request) + len(ex)
     whole = np.zeros(rows, bool)
@@ -235,14 +236,11 @@ def _decoded(s: Scheduled) -> Rows:
     return Rows(cols[0], list(map(names.__getitem__, cols[0].tolist())), *cols[1:], tokens)
 
 
-_CONSTANTS: dict[tuple, np.ndarray] = {}
-
-
-def _constant(value: int | bool, dtype: np.dtype, n: int) -> np.ndarray:
-    """A read-only array of ``n`` times ``value`` (a view of one shared array)."""
-    a = _CONSTANTS.get((value, dtype))
-    if a is None or len(a) < n:
-        a = np.full(max(n, 2 * len(a) if a is not None else 1024), value, dtype)
+@lru_cache(maxsize=64)
+def _steady_columns(n: int) -> tuple[np.ndarray, ...]:
+    """``num_new_tokens``, ``num_cached_tokens``, ``is_prefill`` and ``sample`` of ``n`` steady
+    rows (read-only, shared by every step of ``n`` rows)."""
+    columns = (np.ones(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool), np.ones(n, bool))
+    for a in columns:
         a.flags.writeable = False
-        _CONSTANTS[(value, dtype)] = a
-    return a[:n]
+    return columns
