@@ -25,7 +25,7 @@ from kvscope.runner.null_executor import NullExecutor
 from kvscope.sampling_params import SamplingParams
 from kvscope.trace.event_log import RequestIds
 from kvscope.trace.recorder import Recorder
-from kvscope.trace.scheduled import KEYFRAME_EVERY, RowEncoder, _decoded
+from kvscope.trace.scheduled import KEYFRAME_EVERY, RowEncoder, RowTable
 from kvscope.trace.tables import SCHEMAS
 
 VOCAB = 320
@@ -63,8 +63,9 @@ def _steady(before: list[tuple], rows: list[tuple]) -> int:
 
 def _assert_each_step_reads_alone(trace: Trace, expected: pd.DataFrame, seed: int) -> None:
     steps = trace.step_ids
+    decoded = trace._source.records[0].scheduled.table.decoded
     for step in random.Random(seed).sample(steps, len(steps)):
-        _decoded.cache_clear()  # nothing decoded: a step decodes from its keyframe
+        decoded.cache_clear()  # nothing decoded: a step decodes from its keyframe
         want = expected[expected.step == step].reset_index(drop=True)
         assert_frame_equal(trace.scheduled(step), want)
 
@@ -152,7 +153,8 @@ def test_the_encoder_round_trips_any_run_of_rows():
     token ids, and steps with no rows: each step decodes to exactly what was encoded."""
     rng = np.random.default_rng(0)
     requests = RequestIds()
-    encoder = RowEncoder(requests)
+    table = RowTable(requests)
+    encoder = RowEncoder(table)
     ends: dict[int, int] = {}
     encoded = []
     for step in range(3 * KEYFRAME_EVERY + 5):
@@ -175,7 +177,7 @@ def test_the_encoder_round_trips_any_run_of_rows():
         encoded.append((s, [f"r{i}" for i in ids], start, lens, cached, ~decode, sample, tokens))
         ends = dict(zip(ids, (start + lens).tolist()))
     assert sum(s.prev is None for s, *_ in encoded) == -(-len(encoded) // KEYFRAME_EVERY)
-    _decoded.cache_clear()
+    table.decoded.cache_clear()
     for i in np.random.default_rng(1).permutation(len(encoded)).tolist():
         s, ids, *columns = encoded[i]
         assert s.request_ids == ids and len(s) == len(ids)

@@ -24,7 +24,7 @@ from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace.event_log import EventLog, RequestIds
 from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
-from kvscope.trace.scheduled import RowEncoder
+from kvscope.trace.scheduled import RowEncoder, RowTable
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
 from kvscope.trace.tables import frame
 from kvscope.trace.trace import Trace
@@ -108,7 +108,7 @@ class Recorder:
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
         self._pending: list[BlockEvent] = []  # the engine's sink; packed into an EventLog per record
         self._request_ids = RequestIds()  # shared by all records' event logs and scheduled rows
-        self._rows = RowEncoder(self._request_ids)  # each step's rows told against the step before
+        self._rows = RowEncoder(RowTable(self._request_ids))  # each step's rows told against the step before
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)

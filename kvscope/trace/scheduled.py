@@ -10,8 +10,8 @@ back. Token ids are kept in the narrowest dtype that holds them, the implied row
 the others' (sampled ids span the vocabulary, a prompt's may not).
 
 A ``Scheduled`` reads as columns (``request_ids``, ``start``, ``num_new_tokens``, ...), decoded
-on first use; the last few decoded steps are cached, so a replay that walks the steps in order
-decodes each once, from the one before. A record whose older steps the ring buffer dropped keeps
+on first use; its trace's :class:`RowTable` keeps the last steps decoded, so a replay that walks
+the steps in order decodes each once, from the one before. A record whose older steps the ring buffer dropped keeps
 their rows reachable back to its keyframe.
 """
 from __future__ import annotations
@@ -45,10 +45,22 @@ class Rows(NamedTuple):
     token_ids: np.ndarray          # int32
 
 
+class RowTable:
+    """What one trace's scheduled rows share: the request-id table their indices point into,
+    and the steps decoded last (per trace, so reading one trace never releases another's)."""
+
+    __slots__ = ("requests", "decoded")
+
+    def __init__(self, requests: RequestIds) -> None:
+        self.requests = requests
+        # (a replay or a table build reads steps in order: it needs the step before)
+        self.decoded: Callable[[Scheduled], Rows] = lru_cache(maxsize=8)(_decode)
+
+
 def _column(name: str) -> property:
     """A decoded column of :class:`Rows`, read as an attribute."""
     get = attrgetter(name)
-    return property(lambda self: get(_decoded(self)), doc=f"The step's ``{name}`` (see :class:`Rows`).")
+    return property(lambda self: get(self.table.decoded(self)), doc=f"The step's ``{name}`` (see :class:`Rows`).")
 
 
 class Scheduled:
@@ -59,12 +71,12 @@ class Scheduled:
     :class:`RowEncoder`.
     """
 
-    __slots__ = ("requests", "prev", "keep", "explicit_at", "explicit", "steady_tokens", "explicit_tokens")
+    __slots__ = ("table", "prev", "keep", "explicit_at", "explicit", "steady_tokens", "explicit_tokens")
 
-    def __init__(self, requests: RequestIds, prev: "Scheduled | None", keep: np.ndarray | None,
+    def __init__(self, table: RowTable, prev: "Scheduled | None", keep: np.ndarray | None,
                  explicit_at: np.ndarray | None, explicit: np.ndarray | None,
                  steady_tokens: np.ndarray | None, explicit_tokens: np.ndarray | None) -> None:
-        self.requests = requests
+        self.table = table
         self.prev = prev                        # the step these rows are told against; None: a keyframe
         self.keep = keep                        # prev's rows that go on steadily, in this step's order; None: all
         self.explicit_at = explicit_at          # where the whole rows sit among this step's; None: none
@@ -73,18 +85,18 @@ class Scheduled:
         self.explicit_tokens = explicit_tokens  # the whole rows' tokens
 
     @classmethod
-    def from_columns(cls, requests: RequestIds, request: np.ndarray, start: np.ndarray, num_new_tokens: np.ndarray,
+    def from_columns(cls, table: RowTable, request: np.ndarray, start: np.ndarray, num_new_tokens: np.ndarray,
                      num_cached_tokens: np.ndarray, is_prefill: np.ndarray, sample: np.ndarray,
                      token_ids: np.ndarray) -> "Scheduled":
-        """A keyframe of these rows (``request``: indices into ``requests``)."""
+        """A keyframe of these rows (``request``: indices into ``table.requests``)."""
         rows = np.empty(len(start), _EXPLICIT)
         for name, values in zip(_EXPLICIT.names, (request, start, num_new_tokens, num_cached_tokens, is_prefill, sample)):
             rows[name] = values
-        return cls(requests, None, None, None, rows, None, narrow_values(np.asarray(token_ids), _I32))
+        return cls(table, None, None, None, rows, None, narrow_values(np.asarray(token_ids), _I32))
 
     def rows(self) -> Rows:
         """The decoded columns (cached for the last steps read)."""
-        return _decoded(self)
+        return self.table.decoded(self)
 
     request_ids = _column("request_ids")
     start = _column("start")
@@ -96,7 +108,7 @@ class Scheduled:
 
     @property
     def end(self) -> np.ndarray:
-        r = _decoded(self)
+        r = self.table.decoded(self)
         return r.start + r.num_new_tokens
 
     def __len__(self) -> int:
@@ -115,10 +127,10 @@ class Scheduled:
 
     def subset(self, keep: np.ndarray) -> "Scheduled":
         """The rows where ``keep`` (bool per row) is true, as a keyframe."""
-        r = _decoded(self)
+        r = self.table.decoded(self)
         per_token = np.repeat(keep, r.num_new_tokens)
         return Scheduled.from_columns(
-            self.requests, r.request[keep], r.start[keep], r.num_new_tokens[keep], r.num_cached_tokens[keep],
+            self.table, r.request[keep], r.start[keep], r.num_new_tokens[keep], r.num_cached_tokens[keep],
             r.is_prefill[keep], r.sample[keep], r.token_ids[per_token],
         )
 
@@ -131,10 +143,10 @@ class RowEncoder:
     the rows at ``rows``, asked only for rows kept whole.
     """
 
-    __slots__ = ("requests", "_prev", "_ident", "_end", "_since")
+    __slots__ = ("table", "_prev", "_ident", "_end", "_since")
 
-    def __init__(self, requests: RequestIds) -> None:
-        self.requests = requests
+    def __init__(self, table: RowTable) -> None:
+        self.table = table
         self._prev: Scheduled | None = None
         self._ident = self._end = np.zeros(0, np.int64)
         self._since = 0  # steps encoded since the last keyframe
@@ -147,7 +159,7 @@ class RowEncoder:
         self._ident, self._end = ident, start + num_new_tokens
         if prev is None or self._since + 1 >= KEYFRAME_EVERY:
             self._since = 0
-            self._prev = Scheduled.from_columns(self.requests, codes(np.arange(n)), start, num_new_tokens,
+            self._prev = Scheduled.from_columns(self.table, codes(np.arange(n)), start, num_new_tokens,
                                                 num_cached_tokens, is_prefill, sample, token_ids)
             return self._prev
         self._since += 1
@@ -166,7 +178,7 @@ class RowEncoder:
             steady &= (num_new_tokens == 1) & ~is_prefill & sample & (num_cached_tokens == 0)
         if cnz(steady) == n:  # all rows implied: which of the previous step's go on, and their tokens
             keep = None if src is None or _is_range(src, len(ident_before)) else narrow_values(src, _I32)
-            self._prev = Scheduled(self.requests, prev, keep, None, None, narrow_values(token_ids, _I32), None)
+            self._prev = Scheduled(self.table, prev, keep, None, None, narrow_values(token_ids, _I32), None)
             return self._prev
         whole = np.flatnonzero(~steady)
         keep = np.flatnonzero(steady) if src is None else src[steady]
@@ -176,7 +188,7 @@ class RowEncoder:
                                                   num_cached_tokens[whole], is_prefill[whole], sample[whole])):
             rows[name] = values
         self._prev = Scheduled(
-            self.requests, prev, None if _is_range(keep, len(ident_before)) else narrow_values(keep, _I32),
+            self.table, prev, None if _is_range(keep, len(ident_before)) else narrow_values(keep, _I32),
             narrow_values(whole, _I32), rows, narrow_values(token_ids[per_token], _I32),
             narrow_values(token_ids[~per_token], _I32),
         )
@@ -197,16 +209,15 @@ def _is_range(index: np.ndarray, n: int) -> bool:
     return len(index) == n and bool((index == np.arange(n)).all())
 
 
-@lru_cache(maxsize=8)  # (a replay or a table build reads steps in order: it needs the last one)
-def _decoded(s: Scheduled) -> Rows:
+def _decode(s: Scheduled) -> Rows:
     """``s``'s columns, from its whole rows and the previous step's (decoded first)."""
-    names = s.requests.names
+    names = s.table.requests.names
     if s.prev is None:
         ex = s.explicit
         request = np.ascontiguousarray(ex["request"])
         return Rows(request, list(map(names.__getitem__, request.tolist())),
                     *(np.ascontiguousarray(ex[c]) for c in _EXPLICIT.names[1:]), s.explicit_tokens.astype(np.int32))
-    before = _decoded(s.prev)
+    before = s.table.decoded(s.prev)
     end = before.start + before.num_new_tokens
     keep = s.keep
     if keep is None:
@@ -236,11 +247,16 @@ def _decoded(s: Scheduled) -> Rows:
     return Rows(cols[0], list(map(names.__getitem__, cols[0].tolist())), *cols[1:], tokens)
 
 
-@lru_cache(maxsize=64)
-def _steady_columns(n: int) -> tuple[np.ndarray, ...]:
+_STEADY_VALUES = ((1, np.int32), (0, np.int32), (False, bool), (True, bool))
+_STEADY = [np.zeros(0, t) for _, t in _STEADY_VALUES]
+
+
+def _steady_columns(n: int) -> list[np.ndarray]:
     """``num_new_tokens``, ``num_cached_tokens``, ``is_prefill`` and ``sample`` of ``n`` steady
-    rows (read-only, shared by every step of ``n`` rows)."""
-    columns = (np.ones(n, np.int32), np.zeros(n, np.int32), np.zeros(n, bool), np.ones(n, bool))
-    for a in columns:
-        a.flags.writeable = False
-    return columns
+    rows: read-only views of arrays shared by every step (grown, never shrunk)."""
+    if len(_STEADY[0]) < n:
+        size = max(n, 2 * len(_STEADY[0]), 1024)
+        _STEADY[:] = [np.full(size, v, t) for v, t in _STEADY_VALUES]
+        for a in _STEADY:
+            a.flags.writeable = False
+    return [a[:n] for a in _STEADY]

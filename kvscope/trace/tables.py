@@ -20,7 +20,7 @@ from kvscope.trace.event_log import COLUMNS, NONE, EventLog, RequestIds
 from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import PHASES, STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
-from kvscope.trace.scheduled import RowEncoder
+from kvscope.trace.scheduled import RowEncoder, RowTable
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
 _LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
@@ -197,8 +197,9 @@ def records_from_frames(
         return records
     step_ids = steps["step"].to_numpy()
     requests = RequestIds(block_events["request_id"].cat.categories)
-    rows_of = _scheduled_by_step(scheduled, requests)
-    none = Scheduled.from_columns(requests, *(np.zeros(0, t) for t in (np.int32,) * 4 + (bool,) * 2 + (np.int32,)))
+    table = RowTable(requests)
+    rows_of = _scheduled_by_step(scheduled, table)
+    none = Scheduled.from_columns(table, *(np.zeros(0, t) for t in (np.int32,) * 4 + (bool,) * 2 + (np.int32,)))
     for rec, rows in zip(records, _split(launches, step_ids)):
         rec.scheduled = rows_of.get(rec.step, none)
         rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in
@@ -225,10 +226,10 @@ def records_from_frames(
     return records
 
 
-def _scheduled_by_step(rows: pd.DataFrame, requests: RequestIds) -> dict[int, Scheduled]:
+def _scheduled_by_step(rows: pd.DataFrame, table: RowTable) -> dict[int, Scheduled]:
     """Each step's rows of a ``scheduled`` table (rows of a step are contiguous), encoded in
     order, each against the step before, as the recorder encoded them."""
-    code = requests.code
+    code = table.requests.code
     request = np.array([code(r) for r in rows["request_id"].tolist()], np.int64)
     start, lens, cached = (rows[c].to_numpy(np.int64) for c in ("start", "num_new_tokens", "num_cached_tokens"))
     prefill, sample = (rows[c].to_numpy(bool) for c in ("is_prefill", "sample"))
@@ -236,7 +237,7 @@ def _scheduled_by_step(rows: pd.DataFrame, requests: RequestIds) -> dict[int, Sc
     steps = rows["step"].to_numpy()
     bounds = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
     first_token = np.concatenate([[0], np.cumsum(lens)])
-    encoder = RowEncoder(requests)
+    encoder = RowEncoder(table)
     out = {}
     for a, b in zip(bounds, bounds[1:]) if len(steps) else ():
         ids = request[a:b]
