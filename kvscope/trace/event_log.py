@@ -32,8 +32,8 @@ _FIELDS = ("event", "block_id", "request", "ref_count", "engine_step")  # a row'
 
 
 class RequestIds:
-    """Request ids interned to small ints, shared by every log of a trace (appended to, never
-    reordered, so a log's indices stay valid)."""
+    """Request ids interned to small ints, shared by every event log and every step's scheduled
+    rows of a trace (appended to, never reordered, so the indices stored stay valid)."""
 
     __slots__ = ("names", "_index")
 

@@ -11,8 +11,8 @@ the others' (sampled ids span the vocabulary, a prompt's may not).
 
 A ``Scheduled`` reads as columns (``request_ids``, ``start``, ``num_new_tokens``, ...), decoded
 on first use; its trace's :class:`RowTable` keeps the last steps decoded, so a replay that walks
-the steps in order decodes each once, from the one before. A record whose older steps the ring buffer dropped keeps
-their rows reachable back to its keyframe.
+the steps in order decodes each once, from the one before. A record whose older steps the ring
+buffer dropped keeps their rows reachable back to its keyframe.
 """
 from __future__ import annotations
 
