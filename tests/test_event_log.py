@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import greedy, make_llm
 from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
-from kvscope.trace.event_log import EventLog, RequestIds
+from kvscope.trace.event_log import COLUMNS, EventLog, RequestIds
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_trace_scale import deep_sizeof  # noqa: E402
@@ -53,6 +53,21 @@ def test_packed_log_equals_the_events_it_was_built_from():
     again = EventLog.pack(events[::-1], requests)  # a second log on the same table reuses its indices
     assert list(again) == events[::-1] and len(requests.names) == len({e.request_id for e in events} - {None})
     assert list(EventLog.pack([], requests)) == []
+    rebuilt = EventLog.from_columns(requests, **{c: log.column(c) for c in COLUMNS})  # as a loaded trace builds it
+    assert list(rebuilt) == events and rebuilt.rows.dtype == log.rows.dtype
+    assert list(EventLog.pack(events[:-6], requests)[3:]) == events[3:-6]
+
+
+def test_a_log_of_small_values_packs_each_field_narrow():
+    """A pool's first blocks, few requests, single references, one step: one byte per field,
+    the hash apart for the events that have one; a wider value widens its field only."""
+    small = [BlockEvent("block.allocated", b, f"r{b % 3}", 1, None, 7) for b in range(200)]
+    small += [BlockEvent("block.hashed", b, f"r{b % 3}", 1, 2**62 + b, 7) for b in range(10)]
+    log = EventLog.pack(small, RequestIds())
+    assert log.rows.itemsize == 5 and log.hashes.nbytes == 10 * 8 and list(log) == small
+    wide = EventLog.pack(small + [small[0]._replace(block_id=70_000, engine_step=9)], RequestIds())
+    assert wide.rows.dtype["block_id"].itemsize == 4 and wide.rows.itemsize == 8
+    assert list(wide)[-1].block_id == 70_000
 
 
 def test_block_events_cost_at_most_64_bytes_each_in_a_recorded_trace():

@@ -2,29 +2,38 @@
 
 A ``blocks`` recording of a real workload holds millions of block events; kept as
 :class:`~kvscope.engine.hooks.BlockEvent` tuples each costs a tuple, two ints and often a
-hash int. Packed, an event is one 25-byte row: the kind as a code into ``BLOCK_EVENTS``, the
-request as an index into a :class:`RequestIds` table the whole trace shares (-1 for none), and
--1 for a missing hash (hashes are non-negative 63-bit). The log still reads as a sequence of
-``BlockEvent`` for the replay, and hands its columns to the table builder as arrays.
+hash int. Packed, an event is one row of five narrow integers, each field in the smallest dtype
+that holds the log's values (:mod:`kvscope.trace.narrow`): the kind as a code into
+``BLOCK_EVENTS`` (its top bit set when the event carries a hash), the block, the request as
+1 + an index into a :class:`RequestIds` table the whole trace shares (0 for none), the
+reference count, and the engine step as an offset from the log's first event's. Hashes are kept
+apart, one per event that has one. The log still reads as a sequence of ``BlockEvent`` for the
+replay, and hands its columns, decoded, to the replay and the table builder as arrays.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from typing import overload
 
 import numpy as np
 
 from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
+from kvscope.trace.narrow import narrow_dtype, narrow_values
 
-NONE = -1  # a missing request id or block hash in the packed columns
-EVENT_DTYPE = np.dtype([("event", np.uint8), ("block_id", np.int32), ("request", np.int32),
-                        ("ref_count", np.int32), ("block_hash", np.int64), ("engine_step", np.int32)])
+NONE = -1  # a missing request id or block hash in the decoded columns
+# The decoded columns and their dtypes (a column's values must fit its dtype).
+COLUMNS: dict[str, np.dtype] = {name: np.dtype(t) for name, t in (
+    ("event", np.uint8), ("block_id", np.int32), ("request", np.int32), ("ref_count", np.int32),
+    ("block_hash", np.int64), ("engine_step", np.int32))}
+_HAS_HASH = 0x80  # set in a row's event code when the event carries a hash
 _CODES = {name: i for i, name in enumerate(BLOCK_EVENTS)}
+_FIELDS = ("event", "block_id", "request", "ref_count", "engine_step")  # a row's fields
 
 
 class RequestIds:
-    """Request ids interned to small ints, shared by every log of a trace (appended to, never
-    reordered, so a log's indices stay valid)."""
+    """Request ids interned to small ints, shared by every event log and every step's scheduled
+    rows of a trace (appended to, never reordered, so the indices stored stay valid)."""
 
     __slots__ = ("names", "_index")
 
@@ -42,39 +51,61 @@ class RequestIds:
         return i
 
 
+@lru_cache(maxsize=None)
+def _row_dtype(*field_dtypes: np.dtype) -> np.dtype:
+    return np.dtype(list(zip(_FIELDS, field_dtypes)))
+
+
+def _field(values: Sequence[int], widest: np.dtype) -> np.dtype:
+    return narrow_dtype(min(values), max(values), widest)
+
+
 class EventLog(Sequence[BlockEvent]):
-    """A read-only sequence of ``BlockEvent`` stored as columns (``EVENT_DTYPE`` rows)."""
+    """A read-only sequence of ``BlockEvent`` stored as narrow columns (see the module)."""
 
-    __slots__ = ("rows", "requests")
+    __slots__ = ("rows", "hashes", "first_step", "requests")
 
-    def __init__(self, rows: np.ndarray, requests: RequestIds) -> None:
-        self.rows, self.requests = rows, requests
+    def __init__(self, rows: np.ndarray, hashes: np.ndarray, first_step: int, requests: RequestIds) -> None:
+        self.rows, self.hashes, self.first_step, self.requests = rows, hashes, first_step, requests
 
     @classmethod
     def pack(cls, events: Sequence[BlockEvent], requests: RequestIds) -> "EventLog":
         """The events as one array; the hot path of a recording (once per step)."""
-        code, hashes = requests.code, [NONE if e.block_hash is None else e.block_hash for e in events]
-        rows = np.empty(len(events), EVENT_DTYPE)
-        if events:
-            kind, block, rid, ref, _, step = zip(*events)
-            rows["event"] = [_CODES[k] for k in kind]
-            rows["block_id"] = block
-            rows["request"] = [code(r) for r in rid]
-            rows["ref_count"] = ref
-            rows["block_hash"] = hashes
-            rows["engine_step"] = step
-        return cls(rows, requests)
+        if not events:
+            return cls(np.zeros(0, _row_dtype(*(np.dtype(np.uint8),) * len(_FIELDS))), _NO_HASHES, 0, requests)
+        code = requests.code
+        kind, block, rid, ref, hashes, step = zip(*events)
+        first = step[0]
+        event = [_CODES[k] if h is None else _CODES[k] | _HAS_HASH for k, h in zip(kind, hashes)]
+        request = [code(r) + 1 for r in rid]
+        offsets = [s - first for s in step]
+        columns = (event, block, request, ref, offsets)
+        dtypes = (np.dtype(np.uint8), _field(block, COLUMNS["block_id"]), _field(request, COLUMNS["request"]),
+                  _field(ref, COLUMNS["ref_count"]), _field(offsets, COLUMNS["engine_step"]))
+        rows = np.empty(len(events), _row_dtype(*dtypes))
+        for name, values in zip(_FIELDS, columns):
+            rows[name] = values
+        return cls(rows, np.array([h for h in hashes if h is not None], np.int64), first, requests)
 
     @classmethod
     def from_columns(cls, requests: RequestIds, **columns: np.ndarray) -> "EventLog":
-        """A log from its packed columns (a loaded trace): one array per ``EVENT_DTYPE`` field,
+        """A log from its decoded columns (a loaded trace): one array per ``COLUMNS`` entry,
         ``event`` as codes into ``BLOCK_EVENTS``, ``request`` into ``requests``, -1 for none."""
-        if set(columns) != set(EVENT_DTYPE.names):
-            raise ValueError(f"EventLog.from_columns: columns must be {EVENT_DTYPE.names}, got {tuple(columns)}")
-        rows = np.empty(len(columns["block_id"]), EVENT_DTYPE)
-        for name, values in columns.items():
+        if set(columns) != set(COLUMNS):
+            raise ValueError(f"EventLog.from_columns: columns must be {tuple(COLUMNS)}, got {tuple(columns)}")
+        h = np.asarray(columns["block_hash"], np.int64)
+        has = h != NONE
+        steps = np.asarray(columns["engine_step"], np.int64)
+        first = int(steps[0]) if len(steps) else 0
+        fields = (np.asarray(columns["event"], np.uint8) | np.where(has, _HAS_HASH, 0).astype(np.uint8),
+                  narrow_values(np.asarray(columns["block_id"]), COLUMNS["block_id"]),
+                  narrow_values(np.asarray(columns["request"], np.int64) + 1, COLUMNS["request"]),
+                  narrow_values(np.asarray(columns["ref_count"]), COLUMNS["ref_count"]),
+                  narrow_values(steps - first, COLUMNS["engine_step"]))
+        rows = np.empty(len(h), _row_dtype(*(f.dtype for f in fields)))
+        for name, values in zip(_FIELDS, fields):
             rows[name] = values
-        return cls(rows, requests)
+        return cls(rows, h[has], first, requests)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,20 +117,35 @@ class EventLog(Sequence[BlockEvent]):
 
     def __getitem__(self, i: int | slice) -> "BlockEvent | EventLog":
         if isinstance(i, slice):
-            return EventLog(self.rows[i], self.requests)
-        return self._event(self.rows[i].item())
+            return EventLog.from_columns(self.requests, **{c: self.column(c)[i] for c in COLUMNS})
+        return self._events(np.arange(len(self))[i:][:1])[0]
 
     def __iter__(self) -> Iterator[BlockEvent]:
-        return map(self._event, self.rows.tolist())
+        return iter(self._events(slice(None)))
 
-    def _event(self, row: tuple) -> BlockEvent:
-        kind, block, rid, ref, h, step = row
-        return BlockEvent(BLOCK_EVENTS[kind], block, None if rid == NONE else self.requests.names[rid], ref,
-                          None if h == NONE else h, step)
+    def _events(self, at: slice | np.ndarray) -> list[BlockEvent]:
+        names = self.requests.names
+        return [BlockEvent(BLOCK_EVENTS[k], b, None if r == NONE else names[r], c, None if h == NONE else h, s)
+                for k, b, r, c, h, s in zip(*(self.column(c)[at].tolist() for c in COLUMNS))]
 
     def __repr__(self) -> str:
         return f"EventLog({len(self)} events)"
 
     def column(self, name: str) -> np.ndarray:
-        """One packed column (a view): ``event`` codes, ``request`` indices, -1 hashes as stored."""
-        return self.rows[name]
+        """One decoded column, in its ``COLUMNS`` dtype: ``event`` codes, ``request`` indices
+        (-1 for none), ``block_hash`` (-1 for none), ``engine_step``."""
+        rows = self.rows
+        if name == "event":
+            return rows["event"] & ~np.uint8(_HAS_HASH)
+        if name == "block_hash":
+            h = np.full(len(rows), NONE, np.int64)
+            h[rows["event"] >= _HAS_HASH] = self.hashes
+            return h
+        if name == "request":
+            return rows["request"].astype(np.int32) - 1
+        if name == "engine_step":
+            return rows["engine_step"].astype(np.int32) + np.int32(self.first_step)
+        return rows[name].astype(COLUMNS[name])
+
+
+_NO_HASHES = np.zeros(0, np.int64)

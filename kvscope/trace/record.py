@@ -19,70 +19,15 @@ scheduled rows. That keeps recording O(events) instead of O(blocks in all tables
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Container, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from kvscope.trace.event_log import EventLog
 from kvscope.trace.events import IDLE, POSTPROCESS, SCHEDULE
+from kvscope.trace.scheduled import Scheduled
 
-if TYPE_CHECKING:
-    from kvscope.engine.scheduler_output import SchedulerOutput
-
-
-@dataclass(slots=True)
-class Scheduled:
-    """What one step computed, as columns (one entry per scheduled request).
-
-    A handful of arrays per step rather than a tuple per request: recording stays cheap for
-    large batches, and a long recording adds few objects for Python's garbage collector.
-    Request ``i`` computes positions ``start[i] .. start[i] + num_new_tokens[i] - 1``; their
-    token ids are the ``i``-th run of ``token_ids``.
-    """
-
-    request_ids: list[str]
-    start: np.ndarray              # int32
-    num_new_tokens: np.ndarray     # int32
-    num_cached_tokens: np.ndarray  # int32: the prefix-cache hit when the row is an admission
-    is_prefill: np.ndarray         # bool: a prefill chunk, else a decode row
-    sample: np.ndarray             # bool: the row ends the sequence, so a token is sampled
-    token_ids: np.ndarray          # int32, all rows' tokens concatenated
-
-    @classmethod
-    def from_output(
-        cls, out: "SchedulerOutput", request_ids: dict[int, str], is_prefill: np.ndarray,
-        num_cached_tokens: np.ndarray,
-    ) -> "Scheduled":
-        """Reuses the step's :attr:`SchedulerOutput.columns` (the runner built them to pack its
-        inputs) and the two columns the recorder already read for the step's summary."""
-        cols = out.columns
-        return cls(
-            list(map(request_ids.__getitem__, cols.seq_id.tolist())),
-            cols.start.astype(np.int32), cols.num_new_tokens.astype(np.int32), num_cached_tokens,
-            is_prefill, cols.sample, cols.token_ids.astype(np.int32),
-        )
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-    def holding(self, tables: Container[str]) -> "Scheduled":
-        """The rows whose request is in ``tables`` (itself when all are)."""
-        if all(map(tables.__contains__, self.request_ids)):
-            return self
-        return self.subset(np.fromiter(map(tables.__contains__, self.request_ids), dtype=bool, count=len(self)))
-
-    def subset(self, keep: np.ndarray) -> "Scheduled":
-        """The rows where ``keep`` (bool per row) is true."""
-        per_token = np.repeat(keep, self.num_new_tokens)
-        return Scheduled(
-            [r for r, k in zip(self.request_ids, keep.tolist()) if k], self.start[keep],
-            self.num_new_tokens[keep], self.num_cached_tokens[keep], self.is_prefill[keep],
-            self.sample[keep], self.token_ids[per_token],
-        )
-
-    @property
-    def end(self) -> np.ndarray:
-        return self.start + self.num_new_tokens
+__all__ = ["Launch", "PoolDelta", "Scheduled", "StepRecord", "PHASES", "STEP_COLUMNS"]
 
 
 class Launch(NamedTuple):

@@ -24,6 +24,7 @@ from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace.event_log import EventLog, RequestIds
 from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
+from kvscope.trace.scheduled import RowEncoder, RowTable
 from kvscope.trace.snapshots import SnapshotTaker, merge_keyframe
 from kvscope.trace.tables import frame
 from kvscope.trace.trace import Trace
@@ -31,7 +32,7 @@ from kvscope.trace.trace import Trace
 if TYPE_CHECKING:
     from kvscope.engine.llm_engine import LLMEngine
     from kvscope.engine.request import Request
-    from kvscope.engine.scheduler_output import SchedulerOutput
+    from kvscope.engine.scheduler_output import SchedulerOutput, StepColumns
     from kvscope.engine.step_info import StepInfo
     from kvscope.outputs import RequestMetrics
 
@@ -106,10 +107,12 @@ class Recorder:
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
         self._pending: list[BlockEvent] = []  # the engine's sink; packed into an EventLog per record
-        self._request_ids = RequestIds()  # shared by all records' event logs
+        self._request_ids = RequestIds()  # shared by all records' event logs and scheduled rows
+        self._rows = RowEncoder(RowTable(self._request_ids))  # each step's rows told against the step before
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
+        self._ahead_flags: tuple[np.ndarray, np.ndarray] | None = None  # its rows' _row_flags
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
@@ -221,14 +224,14 @@ class Recorder:
         bm = self.engine.block_manager
         rows, cols = out.requests, out.columns
         lens = cols.num_new_tokens
-        sched = self._step_rows(info) if self._blocks else None
-        prefill, cached = (sched.is_prefill, sched.num_cached_tokens) if sched is not None else _row_flags(rows)
-        prefill_tokens, prefill_seqs = int(lens[prefill].sum()), int(prefill.sum())
+        sched, (prefill, cached) = self._step_rows(info) if self._blocks else (None, _row_flags(rows))
+        prefill_seqs = int(np.count_nonzero(prefill))
+        prefill_tokens = int(lens[prefill].sum()) if prefill_seqs else 0
         admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
-        hits = int(cached[admitted].sum())
+        hits = int(cached[admitted].sum()) if admitted else 0
         queries = self._queries(rows, admitted, info.request_ids) if bm.enable_prefix_caching else 0
         t = info.timings
-        total = int(lens.sum())
+        total = len(cols.token_ids)  # (every row's tokens, concatenated)
         rec = StepRecord(
             step=info.step, time_s=info.time_s, duration_s=info.duration_s,
             num_scheduled_tokens=total, num_prefill_tokens=prefill_tokens,
@@ -262,28 +265,43 @@ class Recorder:
                 warn_detached(fn, "trace listener")
                 self._listeners.pop(key, None)
 
-    def _step_rows(self, info: "StepInfo") -> Scheduled:
-        """Step n's rows: built once, when they were launched, in this record or (async) in the
-        previous one. A step launched before the recording began is built now, and its tokens
-        go into the baseline, which predates their write."""
+    def _step_rows(self, info: "StepInfo") -> tuple[Scheduled, tuple[np.ndarray, np.ndarray]]:
+        """Step n's rows and their ``_row_flags``: built once, when they were launched, in this
+        record or (async) in the previous one. A step launched before the recording began is
+        built now, and its tokens go into the baseline, which predates their write."""
         for step, _, out, request_ids in self._launches:
             if step == info.step:
-                return _scheduled(out, request_ids)
+                flags = _row_flags(out.requests)
+                return self._scheduled(out, request_ids, flags), flags
         ahead = self._ahead
         if ahead is not None and ahead.step == info.step:
-            return ahead.rows
+            return ahead.rows, self._ahead_flags
         out = info.scheduler_output
-        sched = _scheduled(out, info.request_ids)
         # Its decode inputs were sampled by the step before the recording: each the token at its
         # row's start (-1 stays for a request aborted meanwhile).
         reqs, ids = self.engine.requests, info.request_ids
-        _fill_placeholders(sched, out, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start] for r in out.requests
-                                        if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
+        flags = _row_flags(out.requests)
+        sched = self._scheduled(out, ids, flags, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start]
+                                                  for r in out.requests
+                                                  if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
         with self.lock:  # (only the first steps of a recording: the dense state is made again)
             base = self._dense_baseline()
             base.write(sched)
             self.baseline = base.sparse()
-        return sched
+        return sched, flags
+
+    def _scheduled(self, out: "SchedulerOutput", request_ids: dict[int, str],
+                   flags: tuple[np.ndarray, np.ndarray], sampled: dict[int, int] | None = None) -> Scheduled:
+        """The step's rows, told against the step encoded before; ``sampled`` fills its
+        ``PLACEHOLDER`` inputs (see :func:`_filled`)."""
+        cols = out.columns
+        prefill, cached = flags
+        seq_ids, code = cols.seq_id, self._request_ids.code
+        return self._rows.encode(
+            seq_ids, lambda rows: [code(request_ids[s]) for s in seq_ids[rows].tolist()], cols.start,
+            cols.num_new_tokens, cached, prefill, cols.sample,
+            cols.token_ids if sampled is None else _filled(cols, sampled),
+        )
 
     def _dense_baseline(self) -> PoolState:
         return self.baseline.expand() if isinstance(self.baseline, SparsePool) else self.baseline
@@ -300,9 +318,8 @@ class Recorder:
             if launched == step:
                 launches.append(Launch(step, k, rec.scheduled))
             elif launched > step:
-                rows = _scheduled(out, request_ids)
-                _fill_placeholders(rows, out, sampled)
-                launches.append(Launch(launched, k, rows))
+                self._ahead_flags = _row_flags(out.requests)
+                launches.append(Launch(launched, k, self._scheduled(out, request_ids, self._ahead_flags, sampled)))
             # (an older launch failed and was rolled back: its events stay, as idle ones)
         self._launches.clear()
         rec.launches = tuple(launches)
@@ -352,19 +369,24 @@ def _unchanged_or(queue: list[str], last: list[str] | None) -> list[str]:
     return last if last is not None and last == queue else queue
 
 
-def _scheduled(out: "SchedulerOutput", request_ids: dict[int, str]) -> Scheduled:
-    return Scheduled.from_output(out, request_ids, *_row_flags(out.requests))
-
-
-def _fill_placeholders(sched: Scheduled, out: "SchedulerOutput", sampled: dict[int, int]) -> None:
-    """Put the real ids in place of ``PLACEHOLDER`` inputs (decode rows launched before the
-    previous step's tokens came back), from ``sampled`` (seq id -> token: what that step
-    sampled): a decode batch has one per row."""
-    tokens = sched.token_ids
+def _filled(cols: "StepColumns", sampled: dict[int, int]) -> np.ndarray:
+    """The step's token ids with the real ids in place of ``PLACEHOLDER`` inputs (decode rows
+    launched before the previous step's tokens came back), from ``sampled`` (seq id -> token:
+    what that step sampled): a decode batch has one per row."""
+    tokens = cols.token_ids
     at = np.flatnonzero(tokens == PLACEHOLDER)
     if not len(at) or not sampled:
-        return
-    rows = np.searchsorted(np.cumsum(sched.num_new_tokens), at, side="right")
-    seqs = out.columns.seq_id[rows]
+        return tokens
+    seqs = cols.seq_id
+    if len(tokens) != len(seqs):  # several tokens in some row: find each placeholder's row
+        seqs = seqs[np.searchsorted(np.cumsum(cols.num_new_tokens), at, side="right")]
+    elif len(at) != len(seqs):  # (one token per row: a token's index is its row's)
+        seqs = seqs[at]
     # (a row whose step failed for it sampled nothing: it stays -1)
-    tokens[at] = np.array([sampled.get(s, PLACEHOLDER) for s in seqs.tolist()], dtype=tokens.dtype)
+    filled = np.fromiter(map(sampled.get, seqs.tolist(), itertools.repeat(PLACEHOLDER)), dtype=tokens.dtype,
+                         count=len(at))
+    if len(at) == len(tokens):  # every input was one (a decode batch)
+        return filled
+    tokens = tokens.copy()  # (the step's columns are the runner's too)
+    tokens[at] = filled
+    return tokens

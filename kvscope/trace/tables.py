@@ -16,10 +16,11 @@ import numpy as np
 import pandas as pd
 
 from kvscope.engine.hooks import BLOCK_EVENTS
-from kvscope.trace.event_log import EVENT_DTYPE, NONE, EventLog, RequestIds
+from kvscope.trace.event_log import COLUMNS, NONE, EventLog, RequestIds
 from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import PHASES, STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
+from kvscope.trace.scheduled import RowEncoder, RowTable
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
 _LISTS = {"token_ids", "block_hashes", "owners", "block_table"}  # the _L columns
@@ -128,17 +129,21 @@ def pool_frames(records: Sequence[StepRecord]) -> tuple[pd.DataFrame, pd.DataFra
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     """Built from the records' packed columns, never through a tuple per event."""
     logs = [rec.block_events for rec in records]
-    rows = np.concatenate([log.rows for log in logs]) if logs else np.zeros(0, EVENT_DTYPE)
+
+    def column(name: str) -> np.ndarray:
+        return np.concatenate([log.column(name) for log in logs]) if logs else np.zeros(0, COLUMNS[name])
+
+    block_hash = column("block_hash")
     phases = [rec.event_phases() for rec in records]
     phase = np.concatenate([p for p, _ in phases]) if phases else np.zeros(0, np.int8)
     scheduled = np.concatenate([s for _, s in phases]) if phases else np.zeros(0, np.int64)
     return frame("block_events", {
         "step": np.repeat([rec.step for rec in records], [len(log) for log in logs]).astype(np.int32),
-        "event": pd.Categorical.from_codes(rows["event"], dtype=SCHEMAS["block_events"]["event"]),
-        "block_id": rows["block_id"],
+        "event": pd.Categorical.from_codes(column("event"), dtype=SCHEMAS["block_events"]["event"]),
+        "block_id": column("block_id"),
         "request_id": _request_ids(logs),
-        "ref_count": rows["ref_count"],
-        "block_hash": pd.arrays.IntegerArray(rows["block_hash"], rows["block_hash"] == NONE),
+        "ref_count": column("ref_count"),
+        "block_hash": pd.arrays.IntegerArray(block_hash, block_hash == NONE),
         "phase": pd.Categorical.from_codes(phase, dtype=SCHEMAS["block_events"]["phase"]),
         "scheduled_step": pd.arrays.IntegerArray(scheduled.astype(np.int32), scheduled == NONE),
     })
@@ -191,13 +196,14 @@ def records_from_frames(
     if level == "summary":
         return records
     step_ids = steps["step"].to_numpy()
-    none = _scheduled(scheduled.iloc[:0])  # (a step of preemptions alone has no rows)
-    rows_of = {int(step): _scheduled(rows) for step, rows in scheduled.groupby("step", sort=False)}
+    requests = RequestIds(block_events["request_id"].cat.categories)
+    table = RowTable(requests)
+    rows_of = _scheduled_by_step(scheduled, table)
+    none = Scheduled.from_columns(table, *(np.zeros(0, t) for t in (np.int32,) * 4 + (bool,) * 2 + (np.int32,)))
     for rec, rows in zip(records, _split(launches, step_ids)):
         rec.scheduled = rows_of.get(rec.step, none)
         rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in
                              zip(rows["launched_step"].tolist(), rows["num_events_before"].tolist()))
-    requests = RequestIds(block_events["request_id"].cat.categories)
     for rec, ev in zip(records, _split(block_events, step_ids)):
         idle = (rec.launches[0].step if rec.launches else rec.step) - 1
         rec.block_events = EventLog.from_columns(
@@ -220,13 +226,24 @@ def records_from_frames(
     return records
 
 
-def _scheduled(rows: pd.DataFrame) -> Scheduled:
-    return Scheduled(
-        rows["request_id"].tolist(),
-        *(rows[c].to_numpy(np.int32) for c in ("start", "num_new_tokens", "num_cached_tokens")),
-        *(rows[c].to_numpy(bool) for c in ("is_prefill", "sample")),
-        np.fromiter(chain.from_iterable(rows["token_ids"]), dtype=np.int32, count=int(rows["num_new_tokens"].sum())),
-    )
+def _scheduled_by_step(rows: pd.DataFrame, table: RowTable) -> dict[int, Scheduled]:
+    """Each step's rows of a ``scheduled`` table (rows of a step are contiguous), encoded in
+    order, each against the step before, as the recorder encoded them."""
+    code = table.requests.code
+    request = np.array([code(r) for r in rows["request_id"].tolist()], np.int64)
+    start, lens, cached = (rows[c].to_numpy(np.int64) for c in ("start", "num_new_tokens", "num_cached_tokens"))
+    prefill, sample = (rows[c].to_numpy(bool) for c in ("is_prefill", "sample"))
+    tokens = np.fromiter(chain.from_iterable(rows["token_ids"]), dtype=np.int64, count=int(lens.sum()))
+    steps = rows["step"].to_numpy()
+    bounds = [0, *(np.flatnonzero(np.diff(steps)) + 1).tolist(), len(steps)]
+    first_token = np.concatenate([[0], np.cumsum(lens)])
+    encoder = RowEncoder(table)
+    out = {}
+    for a, b in zip(bounds, bounds[1:]) if len(steps) else ():
+        ids = request[a:b]
+        out[int(steps[a])] = encoder.encode(ids, ids.__getitem__, start[a:b], lens[a:b], cached[a:b], prefill[a:b],
+                                            sample[a:b], tokens[first_token[a]:first_token[b]])
+    return out
 
 
 def _split(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[pd.DataFrame]:
