@@ -138,7 +138,7 @@ class BlockManager:
         """
         if not cached and num_tokens <= len(req.block_table) * self.block_size:
             return True  # the common decode step: the last block still has room
-        new_from_free = sum(1 for b in cached if self.ref_count[b] == 0)
+        new_from_free = sum(1 for b in cached if self.ref_count[b] == 0) if cached else 0
         remaining = max(0, -(-num_tokens // self.block_size) - len(req.block_table) - len(cached))
         if new_from_free + remaining > len(self.free):
             return False
