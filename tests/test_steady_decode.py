@@ -111,3 +111,33 @@ def test_steady_path_decides_as_the_general_path(reqs, block_size, spare_blocks,
     _check_same(reqs=reqs, block_size=block_size, num_blocks=-(-longest // block_size) + spare_blocks,
                 max_num_seqs=max_num_seqs, policy=policy, caching=caching, async_scheduling=async_scheduling,
                 abort_at=abort_at)
+
+
+def _trace(steady: bool, async_scheduling: bool):
+    from kvscope.trace.recorder import Recorder
+
+    config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                                      async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4, eos_every=29), _Tok(), max_model_len=256, eos_token_ids=[0])
+    engine.scheduler.steady_decode = steady
+    recorder = Recorder(engine, "blocks")
+    trace = recorder.start()
+    for i in range(6):
+        engine.add_request([1 + i % 3, 2, 3, 4, 5, 6][: 3 + i % 4], SamplingParams(max_tokens=30 + i, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    recorder.stop()
+    return trace, engine.scheduler.num_steady_steps
+
+
+def test_a_recorded_trace_is_the_same_with_the_steady_path():
+    for async_scheduling in (False, True):
+        (general, n_general), (steady, n_steady) = _trace(False, async_scheduling), _trace(True, async_scheduling)
+        assert n_general == 0 < n_steady
+        timing = [c for c in general.steps.columns if c.endswith("_s") or c.endswith("time")]
+        assert steady.steps.drop(columns=timing).equals(general.steps.drop(columns=timing))
+        assert steady.block_events.equals(general.block_events)
+        for table in ("scheduled", "queues", "block_tables", "slot_mapping"):
+            assert getattr(steady, table)().equals(getattr(general, table)()), table
+        for step in general.step_ids:
+            assert steady.blocks(step).equals(general.blocks(step))
