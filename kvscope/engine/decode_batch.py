@@ -35,7 +35,7 @@ class DecodeBatch:
             return None
         reqs = list(running)
         n = len(reqs)
-        seq_id = np.fromiter((r.seq_id for r in reqs), dtype=np.int64, count=len(reqs))
+        seq_id = np.fromiter((r.seq_id for r in reqs), dtype=np.int64, count=n)
         if not np.array_equal(seq_id, cols.seq_id):
             return None
         ones, all_true = np.ones(n, dtype=np.int64), np.ones(n, dtype=bool)

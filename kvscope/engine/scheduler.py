@@ -135,6 +135,7 @@ class Scheduler:
             ids = req.token_ids
             token = ids[s] if s < len(ids) else PLACEHOLDER
             tokens.append(token)
+            # (Fields in order, as in ``_scheduled``: not resumed, not prefill, samples, no cache hit.)
             rows.append(ScheduledRequest(req.seq_id, [token], s, new, False, False, True, 0, req.params, index))
             req.num_computed_tokens = s + 1
             req.num_pending += 1
