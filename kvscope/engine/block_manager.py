@@ -11,6 +11,7 @@ the hash alone is never trusted.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -27,11 +28,11 @@ _HASH_MASK = (1 << 63) - 1
 
 
 def hash_block(token_ids: list[int], prefix_hash: int) -> int:
-    """Chained 63-bit xxhash64 of one full block (non-negative, so ``-1`` can mean "none")."""
-    h = xxhash.xxh64()
-    h.update(prefix_hash.to_bytes(8, "little", signed=True))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest() & _HASH_MASK
+    """Chained 63-bit xxhash64 of one full block (non-negative, so ``-1`` can mean "none"): of
+    the prefix hash as 8 little-endian bytes, then the token ids as int64s. (One call on
+    ``array`` bytes: a decode step at a block boundary hashes a block per sequence.)"""
+    data = prefix_hash.to_bytes(8, "little", signed=True) + array("q", token_ids).tobytes()
+    return xxhash.xxh64_intdigest(data) & _HASH_MASK
 
 
 class BlockManager:
@@ -114,7 +115,7 @@ class BlockManager:
             )
 
     def _uncache(self, block_id: int) -> None:
-        h = int(self.block_hash[block_id])
+        h = self.block_hash.item(block_id)
         if h != NO_HASH:  # only free blocks are ever uncached
             self.num_cached_blocks -= 1
             self._emit("block.evicted", block_id, None)  # before clearing, so the event carries the hash
@@ -137,7 +138,7 @@ class BlockManager:
         """
         if not cached and num_tokens <= len(req.block_table) * self.block_size:
             return True  # the common decode step: the last block still has room
-        new_from_free = sum(1 for b in cached if self.ref_count[b] == 0)
+        new_from_free = sum(1 for b in cached if self.ref_count[b] == 0) if cached else 0
         remaining = max(0, -(-num_tokens // self.block_size) - len(req.block_table) - len(cached))
         if new_from_free + remaining > len(self.free):
             return False
@@ -177,7 +178,7 @@ class BlockManager:
         for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
             b = req.block_table[i]
             req.num_hashed_blocks = i + 1
-            if self.block_hash[b] != NO_HASH:
+            if self.block_hash.item(b) != NO_HASH:
                 continue
             h = self.block_hash_of(req, i)
             if h in self.hash_to_block:

@@ -27,11 +27,14 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import numpy as np
+
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
+from kvscope.engine.decode_batch import DecodeBatch
 from kvscope.engine.executor import StepResult
 from kvscope.engine.request import Request, RequestStatus
-from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput, StepColumns
 
 _NONE: tuple[int, ...] = ()  # the usual decode row's new block ids (shared, never mutated)
 
@@ -45,6 +48,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_count = 0
         self._finished_seq_ids: list[int] = []  # for the runner, in the next step that has rows
+        # The last step's running requests when all of them sampled (the steady decode path's
+        # state); ``steady_decode`` False plans every step on the general path (tests compare them).
+        self._batch: DecodeBatch | None = None
+        self.steady_decode = True
+        self.num_steady_steps = 0
 
     # ----------------------------------------------------------------- queues
     def add_request(self, request: Request) -> None:
@@ -73,10 +81,15 @@ class Scheduler:
         self.step_count += 1
         self.block_manager.step = self.step_count
         out = SchedulerOutput(step=self.step_count, token_budget=self.config.max_num_batched_tokens)
-        if self.config.scheduling_policy == "prefill_first":
-            self._schedule_prefill_first(out)
+        if self._schedule_steady(out):
+            self.num_steady_steps += 1
         else:
-            self._schedule_unified(out)
+            if self.config.scheduling_policy == "prefill_first":
+                self._schedule_prefill_first(out)
+            else:
+                self._schedule_unified(out)
+            self._batch = (DecodeBatch.after(self.running, out.columns, self.block_manager.block_size)
+                           if self.steady_decode and out.requests else None)
         if out.requests:  # a step without rows never reaches the runner: keep them for the next
             out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return out
@@ -89,6 +102,49 @@ class Scheduler:
         if not out.requests:  # the step will not reach the runner: keep its news for the next
             self._finished_seq_ids += out.finished_seq_ids
             out.finished_seq_ids = []
+
+    def _schedule_steady(self, out: SchedulerOutput) -> bool:
+        """Plan a step of one decode row per running request from the last step's columns
+        (:mod:`~kvscope.engine.decode_batch`); False, changing nothing, when the general path
+        must plan it. Both policies plan such a step the same way: nothing to admit, nothing to
+        prefill, every running request once, in order, and blocks only at block boundaries."""
+        batch, running = self._batch, self.running
+        if batch is None or running != batch.reqs:  # (identity: a Request compares by identity)
+            return False
+        n = len(running)
+        if n > out.token_budget or (self.waiting and n < self.config.max_num_seqs):
+            return False
+        start = batch.end
+        if (start >= batch.last_start).any():  # a request at its last token: it gets no row
+            return False
+        bm = self.block_manager
+        cross = np.flatnonzero(start >= batch.capacity)
+        if len(cross) > bm.num_free_blocks:  # the general path preempts
+            return False
+        new_ids: list = [_NONE] * n
+        if len(cross):
+            for i in cross.tolist():  # one block each, allocated in row order as the general path does
+                req = running[i]
+                bm.allocate(req, int(start[i]) + 1)
+                new_ids[i] = req.block_table[req.num_sent_blocks:]
+                req.num_sent_blocks = len(req.block_table)
+            batch.capacity[cross] += bm.block_size
+        rows = out.requests
+        tokens: list[int] = []
+        for req, s, new, index in zip(running, start.tolist(), new_ids, (start - batch.index_base).tolist()):
+            ids = req.token_ids
+            token = ids[s] if s < len(ids) else PLACEHOLDER
+            tokens.append(token)
+            # (Fields in order, as in ``_scheduled``: not resumed, not prefill, samples, no cache hit.)
+            rows.append(ScheduledRequest(req.seq_id, [token], s, new, False, False, True, 0, req.params, index))
+            req.num_computed_tokens = s + 1
+            req.num_pending += 1
+        batch.end = start + 1
+        out.columns = StepColumns(
+            seq_id=batch.seq_id, start=start, num_new_tokens=batch.ones, sample=batch.all_true,
+            token_ids=np.array(tokens, dtype=np.int64), table_changed=cross,
+        )
+        return True
 
     def _schedule_unified(self, out: SchedulerOutput) -> None:
         budget = self._schedule_running(out, out.token_budget, prefill_only=False)
@@ -325,6 +381,7 @@ class Scheduler:
         in flight are lost). Under async scheduling the prefix cache is forgotten too
         (``forget_prefix_cache``): it may already have registered blocks that a failed step
         was still writing."""
+        self._batch = None
         for out in outs:
             if out is None:
                 continue

@@ -82,7 +82,8 @@ class BlockTables:
                 self.table[row, start:end] = new
                 self.lengths[row] = end
         seq_ids = cols.seq_id
-        if self._last is not None and np.array_equal(self._last[0], seq_ids):
+        # (The scheduler's steady decode steps share one seq_id array: identity answers first.)
+        if self._last is not None and (self._last[0] is seq_ids or np.array_equal(self._last[0], seq_ids)):
             return self._last[1]
         rows = np.fromiter(map(self.rows.__getitem__, seq_ids.tolist()), dtype=np.int64, count=len(reqs))
         self._last = (seq_ids, rows)

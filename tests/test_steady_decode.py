@@ -1,0 +1,143 @@
+"""The scheduler's steady decode path (kvscope/engine/decode_batch.py) plans a step from the
+last step's columns. It must decide exactly what the general path decides: the same engine run
+twice on the same workload, once with ``steady_decode`` off, must produce the same
+SchedulerOutputs (rows, columns, preemptions, finished ids), the same block events in the same
+order, and the same outputs, across block boundaries, finishes (length, EOS), preemption,
+waiting requests, prefix caching, aborts, both policies, sync and async."""
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import numpy as np
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvscope.config import EngineConfig
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.engine.scheduler_output import StepColumns
+from kvscope.runner.null_executor import NullExecutor
+from kvscope.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+class _Tok:
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, caching, async_scheduling, abort_at):
+    config = EngineConfig.from_kwargs(
+        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+        scheduling_policy=policy, enable_prefix_caching=caching, async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(num_blocks, VOCAB, block_size, eos_every=29), _Tok(),
+                       max_model_len=256, eos_token_ids=[0])
+    engine.scheduler.steady_decode = steady
+    engine.validate_every_step = True
+    steps, events, outputs = [], [], []
+    engine.hooks.add_block_sink(events)
+
+    def on_scheduled(scheduler_output, **_):
+        out = scheduler_output
+        cols = out.columns
+        steps.append((out.step, [astuple(r) for r in out.requests], list(out.preempted_seq_ids),
+                      list(out.finished_seq_ids), cols, StepColumns.from_rows(out.requests)))
+
+    engine.hooks.add("step.scheduled", on_scheduled)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0)) for p, m in reqs]
+    n = 0
+    while engine.has_unfinished_requests():
+        n += 1
+        if n == abort_at:
+            engine.abort_request(ids[len(ids) // 2])
+        outputs += [(o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.finished)
+                    for o in engine.step()]
+        assert n < 2000
+    return steps, events, outputs, engine.scheduler.num_steady_steps
+
+
+def _check_same(**kw):
+    general = _run(False, **kw)
+    steady = _run(True, **kw)
+    assert general[3] == 0
+    assert len(steady[0]) == len(general[0])
+    for (step, rows, pre, fin, cols, from_rows), (g_step, g_rows, g_pre, g_fin, g_cols, _) in zip(steady[0], general[0]):
+        assert (step, rows, pre, fin) == (g_step, g_rows, g_pre, g_fin)
+        for name in StepColumns.__slots__:  # the columns a step carries are its rows' columns
+            assert np.array_equal(getattr(cols, name), getattr(g_cols, name)), name
+            assert np.array_equal(getattr(cols, name), getattr(from_rows, name)), name
+    assert steady[1] == general[1]
+    assert steady[2] == general[2]
+    return steady[3], len(steady[0])
+
+
+def test_long_decode_takes_the_steady_path_across_block_boundaries():
+    prompts = [[1 + (i * 7 + j) % 60 for j in range(5 + 3 * i)] for i in range(6)]
+    reqs = [(p, 20 + 9 * i) for i, p in enumerate(prompts)]  # finishes at different steps
+    for async_scheduling in (False, True):
+        num_steady, num_steps = _check_same(reqs=reqs, block_size=4, num_blocks=200, max_num_seqs=8,
+                                            policy="unified", caching=True, async_scheduling=async_scheduling,
+                                            abort_at=None)
+        assert num_steady > num_steps * 0.6  # all but the prefill and the steps after a finish
+
+
+def test_preemption_under_a_small_pool():
+    reqs = [([1 + i, 2, 3, 4, 5], 40) for i in range(4)]
+    for async_scheduling in (False, True):
+        num_steady, _ = _check_same(reqs=reqs, block_size=4, num_blocks=24, max_num_seqs=4, policy="unified",
+                                    caching=False, async_scheduling=async_scheduling, abort_at=30)
+        assert num_steady > 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(st.tuples(st.lists(st.integers(1, 4), min_size=1, max_size=30), st.integers(1, 40)),
+                  min_size=1, max_size=8),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    spare_blocks=st.integers(0, 20),
+    max_num_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["unified", "prefill_first"]),
+    caching=st.booleans(),
+    async_scheduling=st.booleans(),
+    abort_at=st.one_of(st.none(), st.integers(1, 30)),
+)
+@example(reqs=[([1, 2, 3], 30), ([2, 3], 30)], block_size=2, spare_blocks=0, max_num_seqs=2,
+         policy="unified", caching=False, async_scheduling=True, abort_at=None)
+def test_steady_path_decides_as_the_general_path(reqs, block_size, spare_blocks, max_num_seqs, policy, caching,
+                                                 async_scheduling, abort_at):
+    longest = max(len(p) + m for p, m in reqs)
+    _check_same(reqs=reqs, block_size=block_size, num_blocks=-(-longest // block_size) + spare_blocks,
+                max_num_seqs=max_num_seqs, policy=policy, caching=caching, async_scheduling=async_scheduling,
+                abort_at=abort_at)
+
+
+def _trace(steady: bool, async_scheduling: bool):
+    from kvscope.trace.recorder import Recorder
+
+    config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
+                                      async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4, eos_every=29), _Tok(), max_model_len=256, eos_token_ids=[0])
+    engine.scheduler.steady_decode = steady
+    recorder = Recorder(engine, "blocks")
+    trace = recorder.start()
+    for i in range(6):
+        engine.add_request([1 + i % 3, 2, 3, 4, 5, 6][: 3 + i % 4], SamplingParams(max_tokens=30 + i, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    recorder.stop()
+    return trace, engine.scheduler.num_steady_steps
+
+
+def test_a_recorded_trace_is_the_same_with_the_steady_path():
+    for async_scheduling in (False, True):
+        (general, n_general), (steady, n_steady) = _trace(False, async_scheduling), _trace(True, async_scheduling)
+        assert n_general == 0 < n_steady
+        timing = [c for c in general.steps.columns if c.endswith("_s") or c.endswith("time")]
+        assert steady.steps.drop(columns=timing).equals(general.steps.drop(columns=timing))
+        assert steady.block_events.equals(general.block_events)
+        for table in ("scheduled", "queues", "block_tables", "slot_mapping"):
+            assert getattr(steady, table)().equals(getattr(general, table)()), table
+        for step in general.step_ids:
+            assert steady.blocks(step).equals(general.blocks(step))
