@@ -74,9 +74,12 @@ def _assert_released(llm: LLM, created: set[str]) -> None:
 
 
 def _created_by(llm: LLM, before: set[str]) -> set[str]:
-    """The /dev/shm names this live engine made: its channel segment and its doorbell semaphores."""
-    created = _shm() - before
-    assert any(n.startswith(llm.llm_engine.executor._ranks.channel.base) for n in created)
+    """The /dev/shm names this live engine made: its channel segments and its doorbell
+    semaphores (by name, so another process's names never count: tests may run side by side)."""
+    ranks = llm.llm_engine.executor._ranks
+    bells = {"sem." + bell._semlock.name.lstrip("/") for bell in ranks.doorbells}
+    created = {n for n in _shm() - before if n.startswith(ranks.channel.base) or n in bells}
+    assert any(n.startswith(ranks.channel.base) for n in created) and bells <= created
     return created
 
 
