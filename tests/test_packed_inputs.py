@@ -15,9 +15,9 @@ from engine_helpers import make_llm, token_ids
 from kvscope import SamplingParams
 from kvscope.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvscope.forward_context import forward_context
-from kvscope.runner.cuda_graphs import BUCKETS, DecodeGraphs, StaticTables, packed_decode_bytes
+from kvscope.runner.cuda_graphs import BUCKETS, DecodeGraphs, StaticTables
 from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
-from kvscope.runner.packed_inputs import PackedLayout, decode_views, pack, views
+from kvscope.runner.packed_inputs import PackedLayout, decode_views, pack, packed_decode_bytes, views
 
 BLOCK = 4
 

@@ -20,15 +20,10 @@ import torch
 from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.runner.inputs import StepInputs
-from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_int64_size, decode_views
+from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_views, packed_decode_bytes
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 _MAX_CACHED_VIEWS = 4096  # (batch, width, end) keys whose table views are kept
-
-
-def packed_decode_bytes(rows: int, width: int) -> int:
-    """The largest packed step of ``rows`` decode rows with ``width``-column tables."""
-    return 8 * decode_int64_size(rows) + 4 * (2 * rows + 1 + rows + 1 + rows * width)
 
 
 class DecodeGraphs:

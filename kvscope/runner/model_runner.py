@@ -332,19 +332,14 @@ class ModelRunner:
         wanted = graphs is None or (fill.size and not steady) or x.logits_indices.size != x.num_tokens
         d = views(flat, layout) if wanted else None
         t1 = time.perf_counter()
+        ids = d.input_ids if graphs is None else graphs.input_ids(x.num_seqs)
+        if steady:  # a graph reads its ids in place; an eager pass can take the tokens as they are
+            ids = self._last_sample if graphs is None else ids.copy_(self._last_sample)
+        elif fill.size:
+            ids[d.fill] = self._last_sample[d.src]
         if graphs is not None:
-            ids = graphs.input_ids(x.num_seqs)
-            if steady:
-                ids.copy_(self._last_sample)
-            elif fill.size:
-                ids[d.fill] = self._last_sample[d.src]
             hidden = graphs.run(layout)
         else:
-            ids = d.input_ids
-            if steady:
-                ids = self._last_sample
-            elif fill.size:
-                ids[d.fill] = self._last_sample[d.src]
             with forward_context(self._metadata(x, d)), self._threads():
                 hidden = self._forward(ids, d.positions)
         rows = None

@@ -64,6 +64,12 @@ def decode_int64_size(rows: int) -> int:
     return 6 * rows
 
 
+def packed_decode_bytes(rows: int, width: int) -> int:
+    """The bytes of the largest step padded to ``rows`` decode rows with ``width``-column tables
+    (every row sampling, every input id a placeholder): what a graph's input buffer holds."""
+    return PackedLayout(rows, rows, rows, width, rows, rows, decode_int64_size(rows)).nbytes
+
+
 def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout, host: np.ndarray) -> None:
     """Write ``x`` (and the placeholder rows ``fill`` with their sources ``src``) into the
     bytes ``host`` as ``layout`` says; padding rows get no slot, no context, and the last
