@@ -43,11 +43,12 @@ def status(page) -> str:
     return page.inner_text(STATUS)
 
 
-def wait_until(cond, timeout: float, what: str) -> None:
+def wait_until(cond, timeout: float, what: str, page=None) -> None:
+    """Wait for ``cond``; on a timeout, say what, and what the dashboard's status line says."""
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"; status: {status(page)!r}" if page else ""))
         time.sleep(0.05)
 
 
@@ -83,7 +84,7 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         # The last cell starts a background run: the pool changes while it runs ...
         wait_until(lambda: "background run" in status(page), 90, "the background run")
         seen = {pool_step(page)}
-        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 90, "the pool to change during the run")
+        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 90, "the pool to change during the run", page)
         dashboard = page.locator(".kvscope-dashboard").first
         dashboard.screenshot(path=str(SHOTS / "quickstart_live.png"))
 

@@ -248,6 +248,34 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
     dash.detach()
 
 
+@pytest.mark.parametrize("max_steps", [2000, 3], ids=["whole-run", "ring-of-3"])
+def test_a_live_dashboard_follows_the_newest_step_until_the_user_moves_away(max_steps):
+    """The dashboard's own slider moves never switch "follow live" off: not a first update that
+    finds several steps (a busy machine), not the ring buffer dropping the step shown. A move
+    by the user does, and ticking "follow live" again goes back to the newest step."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, max_steps=max_steps, interval=0.001, max_load=1.0)
+    with dash._lock:  # the updater waits, as on a busy machine, while the first steps run
+        run = dash.generate_async(PROMPTS, greedy(12))
+        wait_for(lambda: len(dash.trace.step_ids) and dash.trace.step_ids[-1] >= 8)
+    run.result(timeout=30)
+    wait_for(lambda: dash.step == dash.trace.step_ids[-1])
+    assert dash.follow.value
+    assert dash.slider.value == dash.play.value == dash.trace.step_ids[-1]
+    assert dash.slider.min == dash.trace.step_ids[0]
+
+    first = dash.trace.step_ids[0]
+    dash.slider.value = first  # what dragging the slider does
+    assert not dash.follow.value and dash.step == first
+    llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)
+    # it stays on the step chosen, or on the oldest one kept once the ring buffer dropped that
+    wait_for(lambda: dash.slider.max == dash.trace.step_ids[-1] and dash.step == max(first, dash.trace.step_ids[0]))
+    assert not dash.follow.value
+    dash.follow.value = True
+    assert dash.step == dash.trace.step_ids[-1]
+    dash.detach()
+
+
 class _Cycle:
     """A reference cycle: only the cyclic garbage collector frees it."""
 

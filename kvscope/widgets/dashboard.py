@@ -140,13 +140,17 @@ class Dashboard:
                                   layout=W.Layout(width="60%"))
         self.slider.observe(self._on_slider, "value")
         self.play = W.Play(interval=150, min=0, max=0, description="play")
-        W.jslink((self.play, "value"), (self.slider, "value"))
+        # Linked in the kernel, not the browser: the views need the kernel to show a step
+        # anyway, and a browser-side link would echo the kernel's own moves back to it as
+        # slider moves, which read as the user's.
+        W.link((self.play, "value"), (self.slider, "value"))
         self.status = W.HTML()
         self.status.add_class("kvscope-status")
         header = [self.play, self.slider, self.status]
         if live:
             self.follow = W.Checkbox(value=True, description="follow live", indent=False,
                                      layout=W.Layout(width="110px"))
+            self.follow.observe(self._on_follow, "value")
             self.pause_button = W.Button(description="Pause", icon="pause", tooltip="hold the background run after this step")
             self.step_button = W.Button(description="Step", icon="step-forward", tooltip="run one engine step")
             self.resume_button = W.Button(description="Resume", icon="play", tooltip="continue the background run")
@@ -200,21 +204,28 @@ class Dashboard:
             self.follow.value = False  # moved away from the newest step: stop jumping there
         self.show_step(change["new"])
 
+    def _on_follow(self, change: dict) -> None:
+        if change["new"]:
+            self._refresh(follow=True)  # following again: go to the newest step now, not at the next one
+
     def _refresh(self, follow: bool) -> None:
         """Take in new steps and extend the slider; show the newest step when following."""
-        ids = self.trace.step_ids
-        if not ids:
-            return
         with self._lock:
+            ids = self.trace.step_ids
+            if not ids:
+                return
             self.series.sync()
-            for w in (self.slider, self.play):
-                with w.hold_sync():  # steps only grow, so widen the top before raising the bottom
-                    w.max, w.min = ids[-1], ids[0]
+            # Steps only grow: widen the top, move to the newest, then raise the bottom, each in
+            # a message of its own. Any other order clamps a slider, here or in the browser (which
+            # applies a message's value before its max, and sends the clamped value back); the
+            # clamped value reads as the user's move and stops the following.
+            self.slider.max = self.play.max = ids[-1]
             if follow and self.slider.value != ids[-1]:
                 self.slider.value = ids[-1]  # the observer shows it
             elif follow:
                 self.show_step(ids[-1])
-            elif self._shown is not None:  # not following: the views over all steps still grow
+            self.slider.min = self.play.min = ids[0]
+            if not follow and self._shown is not None:  # not following: the views over all steps still grow
                 data = StepData(self.trace, self._shown, self.series)
                 for name in ("lifecycle", "timeline"):
                     if name in self.views:
