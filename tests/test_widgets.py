@@ -168,6 +168,9 @@ def test_replay_of_a_loaded_trace_shows_the_same_steps(tmp_path):
             keys = [k for k in a.keys if not k.startswith("_")
                     and k not in ("layout", "tabbable", "tooltip", "delta", "delta_base", "version")]
             assert a.get_state(keys) == b.get_state(keys)
+    # the play button's ticks move the slider and the views (linked in the kernel)
+    replay.play.value = trace.step_ids[1]
+    assert replay.slider.value == replay.step == trace.step_ids[1]
 
 
 def block_states(blocks) -> np.ndarray:
