@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from kvscope.distributed.parallel_state import destroy_tp, init_tp
 from kvscope.layers.rotary import RotaryEmbedding, rope_config_from_hf
-from kvscope.layers.weight_layout import input_major_weights
+from kvscope.layers import weight_layout
+from kvscope.layers.weight_layout import pack_cpu_weights
 from kvscope.models import build_model, spec_for
 from kvscope.models.loader import CheckpointMismatchError, load_weights
 from kvscope.forward_context import forward_context
@@ -102,20 +103,31 @@ def test_one_packed_step_matches_transformers(case) -> None:
     torch.testing.assert_close(paged, torch.cat(expected), atol=ATOL, rtol=RTOL)
 
 
-def test_input_major_weights_keep_values_ties_and_logits(case) -> None:
-    """The CPU runner's weight order changes memory order only: the same values, the tie of
-    embedding and LM head kept, and the same logits as transformers."""
+@pytest.mark.parametrize("packed", [True, False], ids=["onednn", "input-major"])
+def test_cpu_weights_keep_values_ties_and_logits(case, packed, monkeypatch) -> None:
+    """The CPU runner's matmul weights (packed for oneDNN, or input-major where it cannot pack)
+    hold the same values, keep the tie of embedding and LM head, and give the same logits as
+    transformers; a packed weight's plain copy is dropped unless another module reads it."""
     model, prompts, expected = case
     relaid = copy.deepcopy(model)
-    input_major_weights(relaid)
-    before, after = dict(model.named_parameters()), dict(relaid.named_parameters())
-    matmul_weights = [n for n in after if n.endswith("proj.weight") or n == "lm_head.weight"]
-    assert matmul_weights
-    for name in matmul_weights:
-        assert after[name].t().is_contiguous() and not after[name].is_contiguous(), name
-        assert torch.equal(after[name], before[name]), name
-    head, embed = relaid.lm_head.weight, relaid.model.embed_tokens.weight
-    assert (head is embed) == (model.lm_head.weight is model.model.embed_tokens.weight)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if not packed:
+        monkeypatch.setattr(weight_layout, "can_pack", lambda dtype: False)
+    assert pack_cpu_weights(relaid) is packed
+    matmuls = {name: m for name, m in relaid.named_modules() if hasattr(m, "packed_weight")}
+    assert len(matmuls) == 4 * len(relaid.model.layers) + 1
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert (relaid.lm_head.weight is relaid.model.embed_tokens.weight) == tied
+    for name, m in matmuls.items():
+        original = before.get(f"{name}.weight", before["model.embed_tokens.weight"])
+        if packed:
+            assert torch.equal(m.packed_weight.to_dense(), original), name
+            assert m.weight.is_meta == (not (tied and name == "lm_head")), name
+        else:
+            assert m.packed_weight is None
+            assert m.weight.t().is_contiguous() and not m.weight.is_contiguous(), name
+            assert torch.equal(m.weight, original), name
+    assert torch.equal(relaid.model.embed_tokens.weight, before["model.embed_tokens.weight"])
     chunks = [(i, 0, len(p)) for i, p in enumerate(prompts)]
     _detach_pool(relaid)
     torch.testing.assert_close(_step(relaid, prompts, chunks, block_size=4), torch.cat(expected),

@@ -18,6 +18,7 @@ from kvscope.distributed.parallel_state import (
     get_tp_rank, get_tp_size, tp_all_reduce, tp_gather_to_rank0,
 )
 from kvscope.layers.sharding import WeightSource, copy_checked, pad_vocab_size, read_shard, source_shape
+from kvscope.layers.weight_layout import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -55,9 +56,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to vocabulary logits. Share the embedding's ``weight`` to tie them."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.packed_weight: torch.Tensor | None = None  # set on a CPU (layers/weight_layout.py)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary float32 logits on TP rank 0 (padding cut off); ``None`` on the other ranks."""
-        logits = tp_gather_to_rank0(F.linear(hidden, self.weight), dim=-1)
+        logits = tp_gather_to_rank0(linear(hidden, self.weight, None, self.packed_weight), dim=-1)
         if logits is None:
             return None
         if logits.shape[-1] != self.vocab_size:

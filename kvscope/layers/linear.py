@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvscope.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
 from kvscope.layers.sharding import (
     WeightSource, copy_checked, divide, read_shard, source_shape,
 )
+from kvscope.layers.weight_layout import linear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -46,6 +46,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_offsets = [sum(self.local_sizes[:i]) for i in range(len(self.local_sizes))]
         self.weight = _param(sum(self.local_sizes), input_size)
         self.bias = _param(sum(self.local_sizes)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set on a CPU (layers/weight_layout.py)
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader
@@ -65,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(dst, read_shard(src, 0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -111,6 +112,7 @@ class RowParallelLinear(nn.Module):
         self.local_input = divide(input_size, self.tp_size, "input size")
         self.weight = _param(output_size, self.local_input)
         self.bias = _param(output_size) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # set on a CPU (layers/weight_layout.py)
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self.weight_loader
@@ -131,6 +133,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        y = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return y if self.bias is None else y + self.bias

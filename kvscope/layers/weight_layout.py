@@ -1,21 +1,54 @@
-"""The memory order of the matmul weights on a CPU."""
+"""How the matmul weights are held on a CPU: packed once for oneDNN.
+
+A decode step multiplies a few rows by every weight of the model. oneDNN's matmul on a weight
+reordered once into its own blocked layout does that faster than the BLAS call ``F.linear``
+makes on a plain matrix (benchmarks/RESULTS.md, issue 19), so the CPU runner packs each
+float32 matmul weight at load time and the matmul layers multiply by the packed copy.
+
+Where oneDNN is missing (or the weights are not float32) the weights are laid out
+input-major instead: the transpose of a contiguous ``[in, out]`` matrix, which the BLAS takes
+as a plain row-major operand.
+"""
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from kvscope.layers.embedding import ParallelLMHead
-from kvscope.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias``, by the packed copy of ``weight`` when there is one."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def input_major_weights(model: nn.Module) -> None:
-    """Lay every matmul weight ``W`` ``[out, in]`` of ``model`` out as the transpose of a
-    contiguous ``[in, out]`` matrix: the same values and shape, another memory order.
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether this torch build packs ``dtype`` weights for oneDNN."""
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
-    ``F.linear`` computes ``x @ W.T``; in this order the CPU's BLAS gets ``W.T`` as a plain
-    row-major operand instead of a transposed one, and multiplies it faster with the few rows
-    of a decode step (benchmarks/RESULTS.md, issue 19). The parameters stay the same objects,
-    so a tied embedding still shares its LM head's weight.
+
+def pack_cpu_weights(model: nn.Module) -> bool:
+    """Pack every matmul weight of ``model`` (the modules with a ``packed_weight`` slot) for
+    oneDNN, or lay them out input-major where that cannot be done; returns whether they were
+    packed.
+
+    A packed weight is a copy; the plain one is kept only where another module reads it (a
+    tied embedding reads its LM head's weight). The others move to the meta device, so the
+    model holds its weights once and any read of a dropped value fails loudly.
     """
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
-            module.weight.data = module.weight.data.t().contiguous().t()
+    matmuls = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    if not matmuls:
+        return False
+    if not can_pack(matmuls[0].weight.dtype):
+        for m in matmuls:
+            m.weight.data = m.weight.data.t().contiguous().t()
+        return False
+    read_elsewhere = {id(p) for m in model.modules() if not hasattr(m, "packed_weight")
+                      for p in m.parameters(recurse=False)}
+    for m in matmuls:
+        m.packed_weight = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), None)
+        if id(m.weight) not in read_elsewhere:
+            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+    return True

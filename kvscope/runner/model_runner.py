@@ -23,7 +23,7 @@ from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.select import select_backend
 from kvscope.layers.attention import Attention
-from kvscope.layers.weight_layout import input_major_weights
+from kvscope.layers.weight_layout import pack_cpu_weights
 from kvscope.models import build_model
 from kvscope.models.decoder import head_dim_of
 from kvscope.models.loader import load_weights
@@ -121,7 +121,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype=self.dtype, device=self.device)
         load_weights(self.model, model_dir)
         if self.device.type == "cpu":
-            input_major_weights(self.model)
+            pack_cpu_weights(self.model)
         self.model.eval()
         self.backend = select_backend(config.attention_backend, self.device)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
