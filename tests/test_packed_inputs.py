@@ -3,6 +3,7 @@ was packed from, and a CUDA graph's fixed views and static tables (on CPU tensor
 padding the bucket needs, over steps packed one after another into the same stale buffer."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -32,6 +33,14 @@ def _step(rng: np.random.Generator, lens: list[tuple[int, int]], step: int) -> S
     return build_step_inputs(SchedulerOutput(step=step, requests=rows), BLOCK, BlockTables())
 
 
+def _assert_aligned(buf: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Every input starts a multiple of 16 bytes into the buffer: Triton compiles a kernel per
+    pointer alignment of its arguments, so an input that starts anywhere else makes the next
+    step compile another variant of the attention kernel in the middle of a run."""
+    for t in tensors:
+        assert (t.data_ptr() - buf.data_ptr()) % 16 == 0, (t.shape, t.data_ptr() - buf.data_ptr())
+
+
 def _placeholders(rng: np.random.Generator, x: StepInputs) -> tuple[np.ndarray, np.ndarray]:
     fill = np.flatnonzero(rng.random(x.num_tokens) < 0.5)
     return fill, rng.permutation(max(fill.size, 1))[: fill.size].astype(np.int64)
@@ -47,6 +56,7 @@ def test_packed_views_are_the_step_inputs(lens, seed):
     buf = torch.from_numpy(rng.integers(0, 256, size=layout.nbytes + 64, dtype=np.uint8))  # stale bytes
     pack(x, fill, src, layout, buf.numpy())
     d = views(buf, layout)
+    _assert_aligned(buf, [getattr(d, f.name) for f in dataclasses.fields(d)])
     for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "context_lens",
                  "cu_seqlens_k", "cu_seqlens_q", "block_tables"):
         got, want = getattr(d, name), getattr(x, name)
@@ -78,6 +88,7 @@ def test_a_graph_reads_each_padded_step_in_place_over_stale_buffers(steps, seed)
         assert layout.nbytes <= flat.numel()
         pack(x, fill, src, layout, flat.numpy())
         v = decode_views(flat, g)
+        _assert_aligned(flat, [getattr(v, f.name) for f in dataclasses.fields(v)])
         pad = g - b
         assert np.array_equal(v.input_ids[:b].numpy(), x.input_ids)
         assert np.array_equal(v.positions[:b].numpy(), x.positions)
@@ -85,6 +96,7 @@ def test_a_graph_reads_each_padded_step_in_place_over_stale_buffers(steps, seed)
         assert v.context_lens.tolist() == x.context_lens.tolist() + [0] * pad
         assert v.cu_seqlens_k.tolist() == x.cu_seqlens_k.tolist() + [int(x.cu_seqlens_k[-1])] * pad
         d = views(flat, layout)  # the rest of the step (placeholders, logits rows) where they are read
+        _assert_aligned(flat, [getattr(d, f.name) for f in dataclasses.fields(d)])
         assert np.array_equal(d.fill.numpy(), fill) and np.array_equal(d.src.numpy(), src)
         assert np.array_equal(d.logits_indices.numpy(), x.logits_indices)
         tables.write(layout)

@@ -229,7 +229,9 @@ def _owning_sequence(cu_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return count - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+# Arguments that change from step to step are not specialised on (Triton compiles a variant per
+# value class of an int: 1, a multiple of 16, other), so a run compiles no new variant midway.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "bt_stride"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
     part_acc_ptr, part_m_ptr, part_l_ptr,

@@ -133,6 +133,10 @@ class ModelRunner:
             blocks = torch.tensor([self.num_kv_blocks], dtype=torch.int64, device=self.device)
             self.num_kv_blocks = int(tp_all_reduce(blocks, op=dist.ReduceOp.MIN).item())
         self._allocate_pool(tp_size)
+        if self.device.type == "cuda":
+            self._compile_step_kinds()
+        for layer in self.attn_layers:  # (after the dummy steps: the scales come from the first real prefill)
+            layer.calculate_kv_scales = config.calculate_kv_scales
         self.graphs: DecodeGraphs | None = None
         # Two pinned staging buffers, alternating: filling one never waits on the copy in flight.
         self._staging: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
@@ -188,21 +192,38 @@ class ModelRunner:
         n_seq = max(1, min(self.config.max_num_seqs, n_tok // self.max_model_len or 1))
         lens = np.full(n_seq, n_tok // n_seq, dtype=np.int64)
         lens[: n_tok - int(lens.sum())] += 1
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        t = int(lens.sum())
+        self._dummy_step(lens, lens, logits=True)
+        torch.cuda.synchronize(self.device)
+
+    def _compile_step_kinds(self) -> None:
+        """A fresh prefill and a mixed step (a decode row beside a chunk after a cached prefix)
+        run once on the pool, writing nothing, so the attention kernel variants of those steps
+        compile at start-up rather than inside the first run that has them (the decode
+        graphs compile theirs when captured)."""
+        self._dummy_step(np.array([2]), np.array([2]))
+        self._dummy_step(np.array([1, 2]), np.array([2, 3]))
+        torch.cuda.synchronize(self.device)
+
+    def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray, logits: bool = False) -> None:
+        """A forward of sequences with ``q_lens`` new tokens and ``context_lens`` in all, every
+        key read from pool block 0 and no slot written."""
+        cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(context_lens)]).astype(np.int32)
+        t, width = int(cu_q[-1]), -(-int(context_lens.max()) // self.block_size)
         dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((t,), -1, dtype=torch.int64, device=self.device),
-            cu_seqlens_q=dev(cu), cu_seqlens_k=dev(cu), context_lens=dev(lens.astype(np.int32)),
-            block_tables=torch.zeros((n_seq, 1), dtype=torch.int32, device=self.device),
-            max_seqlen_q=int(lens.max()), max_seqlen_k=int(lens.max()), num_seqs=n_seq,
-            num_tokens=t, block_size=self.block_size, decode_only=False, no_prefix=True,
+            cu_seqlens_q=dev(cu_q), cu_seqlens_k=dev(cu_k), context_lens=dev(context_lens.astype(np.int32)),
+            block_tables=torch.zeros((len(q_lens), width), dtype=torch.int32, device=self.device),
+            max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()), num_seqs=len(q_lens),
+            num_tokens=t, block_size=self.block_size, decode_only=False,
+            no_prefix=bool((q_lens == context_lens).all()),
         )
         ids = torch.zeros(t, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), forward_context(meta):
             hidden = self.model(ids, ids)
-            self.model.compute_logits(hidden[dev(cu[1:] - 1).long()])
-        torch.cuda.synchronize(self.device)
+            if logits:
+                self.model.compute_logits(hidden[dev(cu_q[1:] - 1).long()])
 
     def _allocate_pool(self, tp_size: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
@@ -215,7 +236,6 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
             layer.k_scale = torch.ones((), dtype=torch.float32, device=self.device)
             layer.v_scale = torch.ones((), dtype=torch.float32, device=self.device)
-            layer.calculate_kv_scales = self.config.calculate_kv_scales
 
     # ---------------------------------------------------------------- step
     @contextlib.contextmanager

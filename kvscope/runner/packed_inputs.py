@@ -6,6 +6,11 @@ of one buffer whose views are the model's inputs. The layout puts the int64 inpu
 rows ``fill``/``src``) and the int32 ones after (``context_lens``, ``cu_seqlens_k``,
 ``cu_seqlens_q``, the block tables), so no conversion runs on the device.
 
+Every input starts 16 bytes into the buffer or a multiple of that (the int64 arrays take an
+even number of elements, the int32 ones a multiple of four, the gaps unread): a Triton kernel
+is compiled per pointer alignment of its arguments, so views that start wherever the previous
+array ended would compile new variants of the attention kernel in the middle of a run.
+
 A batch padded to ``rows`` sequences (a CUDA graph's bucket) has its first five inputs at
 offsets that depend on ``rows`` alone (:func:`decode_views`): the graph captured for that
 bucket reads them in place, so a replay needs no copy into static buffers. Its padding rows
@@ -13,7 +18,8 @@ get what a bucket's padding needs (no KV slot, no context).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -41,27 +47,51 @@ class PackedLayout:
         rows = b if bucket is None else bucket
         tokens = x.num_tokens + rows - b
         s, w = x.logits_indices.size, x.block_tables.shape[1]
-        n64 = 3 * tokens + s + 2 * num_fill if bucket is None else decode_int64_size(bucket)
-        return cls(tokens, rows, b, w, s, num_fill, n64)
+        if bucket is not None:
+            return cls(tokens, rows, b, w, s, num_fill, decode_int64_size(bucket))
+        layout = cls(tokens, rows, b, w, s, num_fill, 0)
+        return replace(layout, n64=layout.used64)
+
+    @cached_property
+    def starts64(self) -> tuple[int, ...]:
+        """Element offsets of ids, positions, slots, logits rows, fill and src, then the end of src."""
+        t, s, f = _even(self.tokens), _even(self.num_logits), _even(self.num_fill)
+        return (0, t, 2 * t, 3 * t, 3 * t + s, 3 * t + s + f, 3 * t + s + 2 * f)
+
+    @cached_property
+    def starts32(self) -> tuple[int, ...]:
+        """Element offsets (after the int64 part) of context lengths, cumulative key lengths,
+        cumulative query lengths and the block tables, then the end of the tables."""
+        ctx, cu_k, cu_q = _quad(self.rows), _quad(self.rows + 1), _quad(self.num_seqs + 1)
+        tables = ctx + cu_k + cu_q
+        return (0, ctx, ctx + cu_k, tables, tables + self.num_seqs * self.width)
 
     @property
     def used64(self) -> int:
-        """int64 elements written: ids, positions, slots, then logits rows, fill and src."""
-        return 3 * self.tokens + self.num_logits + 2 * self.num_fill
+        """int64 elements taken: ids, positions, slots, then logits rows, fill and src."""
+        return self.starts64[-1]
 
     @property
     def n32(self) -> int:
-        return 2 * self.rows + 1 + self.num_seqs + 1 + self.num_seqs * self.width
+        return self.starts32[-1]
 
     @property
     def nbytes(self) -> int:
         return 8 * self.n64 + 4 * self.n32
 
 
+def _even(n: int) -> int:
+    return n + (n & 1)
+
+
+def _quad(n: int) -> int:
+    return -(-n // 4) * 4
+
+
 def decode_int64_size(rows: int) -> int:
     """int64 elements before the int32 part for a batch padded to ``rows``: room for every
     row's ``logits_indices``, ``fill`` and ``src`` whatever the step's counts."""
-    return 6 * rows
+    return 6 * _even(rows)
 
 
 def packed_decode_bytes(rows: int, width: int) -> int:
@@ -77,17 +107,16 @@ def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
     pad = layout.rows - layout.num_seqs
     wide = host[: 8 * layout.used64].view(np.int64)
     narrow = host[8 * layout.n64: layout.nbytes].view(np.int32)
-    tables = x.block_tables.ravel()
-    if pad:
-        zeros = np.zeros(pad, dtype=np.int64)
-        np.concatenate((x.input_ids, zeros, x.positions, zeros, x.slot_mapping, np.full(pad, -1),
-                        x.logits_indices, fill, src), out=wide, casting="unsafe")
-        np.concatenate((x.context_lens, zeros, x.cu_seqlens_k, np.full(pad, x.cu_seqlens_k[-1]),
-                        x.cu_seqlens_q, tables), out=narrow, casting="unsafe")
-    else:
-        np.concatenate((x.input_ids, x.positions, x.slot_mapping, x.logits_indices, fill, src),
-                       out=wide, casting="unsafe")
-        np.concatenate((x.context_lens, x.cu_seqlens_k, x.cu_seqlens_q, tables), out=narrow, casting="unsafe")
+    o64, o32 = layout.starts64, layout.starts32
+    for start, a, padding in ((o64[0], x.input_ids, 0), (o64[1], x.positions, 0), (o64[2], x.slot_mapping, -1),
+                              (o32[0], x.context_lens, 0), (o32[1], x.cu_seqlens_k, x.cu_seqlens_k[-1])):
+        out = wide if a.dtype == np.int64 else narrow
+        out[start: start + a.size] = a
+        out[start + a.size: start + a.size + pad] = padding
+    for start, a in ((o64[3], x.logits_indices), (o64[4], fill), (o64[5], src)):
+        wide[start: start + a.size] = a
+    narrow[o32[2]: o32[2] + x.num_seqs + 1] = x.cu_seqlens_q
+    narrow[o32[3]: o32[4]] = x.block_tables.ravel()
 
 
 @dataclass
@@ -108,12 +137,23 @@ class DeviceInputs:
 
 def views(flat: torch.Tensor, layout: PackedLayout) -> DeviceInputs:
     """``flat`` (the packed bytes, anywhere) as the step's tensors."""
-    t, b = layout.tokens, layout.num_seqs
-    ids, pos, slots, logits, fill, src, _ = flat[: 8 * layout.n64].view(torch.int64).split(
-        [t, t, t, layout.num_logits, layout.num_fill, layout.num_fill, layout.n64 - layout.used64])
-    ctx, cu_k, cu_q, tables = flat[8 * layout.n64: layout.nbytes].view(torch.int32).split(
-        [layout.rows, layout.rows + 1, b + 1, b * layout.width])
+    t, s, f, b = layout.tokens, layout.num_logits, layout.num_fill, layout.num_seqs
+    sizes64 = (t, t, t, s, f, f)
+    o64, o32 = layout.starts64, layout.starts32
+    wide = flat[: 8 * layout.n64].view(torch.int64).split(_with_gaps(sizes64, o64, layout.n64))[::2]
+    sizes32 = (layout.rows, layout.rows + 1, b + 1, b * layout.width)
+    narrow = flat[8 * layout.n64: layout.nbytes].view(torch.int32).split(_with_gaps(sizes32, o32, layout.n32))[::2]
+    ids, pos, slots, logits, fill, src = wide[:6]
+    ctx, cu_k, cu_q, tables = narrow[:4]
     return DeviceInputs(ids, pos, slots, logits, fill, src, ctx, cu_k, cu_q, tables.view(b, layout.width))
+
+
+def _with_gaps(sizes: tuple[int, ...], starts: tuple[int, ...], total: int) -> list[int]:
+    """Split sizes that take each array at its start and the gap after it: arrays at the even
+    places."""
+    ends = [start + n for start, n in zip(starts, sizes)]
+    gaps = [nxt - end for end, nxt in zip(ends, (*starts[1:len(sizes)], total))]
+    return [n for pair in zip(sizes, gaps) for n in pair]
 
 
 @dataclass(frozen=True)
@@ -130,7 +170,9 @@ class DecodeViews:
 def decode_views(flat: torch.Tensor, rows: int) -> DecodeViews:
     """Where a step padded to ``rows`` (``PackedLayout.of(x, f, bucket=rows)``) keeps its first
     five inputs in ``flat``: the same for every step padded to that bucket."""
-    wide = flat[: 8 * 3 * rows].view(torch.int64)
+    r64, r32 = _even(rows), _quad(rows)
+    wide = flat[: 8 * 3 * r64].view(torch.int64)
     start = 8 * decode_int64_size(rows)
-    narrow = flat[start: start + 4 * (2 * rows + 1)].view(torch.int32)
-    return DecodeViews(wide[:rows], wide[rows: 2 * rows], wide[2 * rows:], narrow[:rows], narrow[rows:])
+    narrow = flat[start: start + 4 * (r32 + rows + 1)].view(torch.int32)
+    return DecodeViews(wide[:rows], wide[r64: r64 + rows], wide[2 * r64: 2 * r64 + rows], narrow[:rows],
+                       narrow[r32:])
