@@ -18,7 +18,7 @@ get what a bucket's padding needs (no KV slot, no context).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -47,16 +47,13 @@ class PackedLayout:
         rows = b if bucket is None else bucket
         tokens = x.num_tokens + rows - b
         s, w = x.logits_indices.size, x.block_tables.shape[1]
-        if bucket is not None:
-            return cls(tokens, rows, b, w, s, num_fill, decode_int64_size(bucket))
-        layout = cls(tokens, rows, b, w, s, num_fill, 0)
-        return replace(layout, n64=layout.used64)
+        n64 = _starts64(tokens, s, num_fill)[-1] if bucket is None else decode_int64_size(bucket)
+        return cls(tokens, rows, b, w, s, num_fill, n64)
 
     @cached_property
     def starts64(self) -> tuple[int, ...]:
         """Element offsets of ids, positions, slots, logits rows, fill and src, then the end of src."""
-        t, s, f = _even(self.tokens), _even(self.num_logits), _even(self.num_fill)
-        return (0, t, 2 * t, 3 * t, 3 * t + s, 3 * t + s + f, 3 * t + s + 2 * f)
+        return _starts64(self.tokens, self.num_logits, self.num_fill)
 
     @cached_property
     def starts32(self) -> tuple[int, ...]:
@@ -80,6 +77,11 @@ class PackedLayout:
         return 8 * self.n64 + 4 * self.n32
 
 
+def _starts64(tokens: int, num_logits: int, num_fill: int) -> tuple[int, ...]:
+    t, s, f = _even(tokens), _even(num_logits), _even(num_fill)
+    return (0, t, 2 * t, 3 * t, 3 * t + s, 3 * t + s + f, 3 * t + s + 2 * f)
+
+
 def _even(n: int) -> int:
     return n + (n & 1)
 
@@ -100,6 +102,11 @@ def packed_decode_bytes(rows: int, width: int) -> int:
     return PackedLayout(rows, rows, rows, width, rows, rows, decode_int64_size(rows)).nbytes
 
 
+# What fills up to the next 16-byte start (never read), and the padding rows' values, by dtype:
+# a concatenation of arrays of one dtype takes numpy's fast path.
+_GAP = {np.dtype(np.int64): np.zeros(1, dtype=np.int64), np.dtype(np.int32): np.zeros(3, dtype=np.int32)}
+
+
 def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout, host: np.ndarray) -> None:
     """Write ``x`` (and the placeholder rows ``fill`` with their sources ``src``) into the
     bytes ``host`` as ``layout`` says; padding rows get no slot, no context, and the last
@@ -107,16 +114,18 @@ def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
     pad = layout.rows - layout.num_seqs
     wide = host[: 8 * layout.used64].view(np.int64)
     narrow = host[8 * layout.n64: layout.nbytes].view(np.int32)
-    o64, o32 = layout.starts64, layout.starts32
-    for start, a, padding in ((o64[0], x.input_ids, 0), (o64[1], x.positions, 0), (o64[2], x.slot_mapping, -1),
-                              (o32[0], x.context_lens, 0), (o32[1], x.cu_seqlens_k, x.cu_seqlens_k[-1])):
-        out = wide if a.dtype == np.int64 else narrow
-        out[start: start + a.size] = a
-        out[start + a.size: start + a.size + pad] = padding
-    for start, a in ((o64[3], x.logits_indices), (o64[4], fill), (o64[5], src)):
-        wide[start: start + a.size] = a
-    narrow[o32[2]: o32[2] + x.num_seqs + 1] = x.cu_seqlens_q
-    narrow[o32[3]: o32[4]] = x.block_tables.ravel()
+    t, s, f, r = layout.tokens, layout.num_logits, layout.num_fill, layout.rows
+    g64, g32 = _GAP[wide.dtype], _GAP[narrow.dtype]
+    zeros64, zeros32, no_slots, last = g64[:0], g32[:0], g64[:0], g32[:0]
+    if pad:
+        zeros64, zeros32 = np.zeros(pad, dtype=np.int64), np.zeros(pad, dtype=np.int32)
+        no_slots, last = np.full(pad, -1, dtype=np.int64), np.full(pad, x.cu_seqlens_k[-1], dtype=np.int32)
+    np.concatenate((x.input_ids, zeros64, g64[: t & 1], x.positions, zeros64, g64[: t & 1], x.slot_mapping,
+                    no_slots, g64[: t & 1], x.logits_indices, g64[: s & 1], fill, g64[: f & 1], src, g64[: f & 1]),
+                   out=wide, casting="unsafe")
+    np.concatenate((x.context_lens, zeros32, g32[: -r % 4], x.cu_seqlens_k, last, g32[: -(r + 1) % 4],
+                    x.cu_seqlens_q, g32[: -(layout.num_seqs + 1) % 4], x.block_tables.ravel()),
+                   out=narrow, casting="unsafe")
 
 
 @dataclass
