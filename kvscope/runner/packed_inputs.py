@@ -93,13 +93,18 @@ def _quad(n: int) -> int:
 def decode_int64_size(rows: int) -> int:
     """int64 elements before the int32 part for a batch padded to ``rows``: room for every
     row's ``logits_indices``, ``fill`` and ``src`` whatever the step's counts."""
-    return 6 * _even(rows)
+    return _starts64(rows, rows, rows)[-1]
+
+
+def _bucket_layout(rows: int, width: int) -> PackedLayout:
+    """The largest step padded to ``rows`` decode rows with ``width``-column tables (every row
+    sampling, every input id a placeholder)."""
+    return PackedLayout(rows, rows, rows, width, rows, rows, decode_int64_size(rows))
 
 
 def packed_decode_bytes(rows: int, width: int) -> int:
-    """The bytes of the largest step padded to ``rows`` decode rows with ``width``-column tables
-    (every row sampling, every input id a placeholder): what a graph's input buffer holds."""
-    return PackedLayout(rows, rows, rows, width, rows, rows, decode_int64_size(rows)).nbytes
+    """What a graph's input buffer holds: the bytes of :func:`_bucket_layout`."""
+    return _bucket_layout(rows, width).nbytes
 
 
 # What fills up to the next 16-byte start (never read), and the padding rows' values, by dtype:
@@ -114,17 +119,20 @@ def pack(x: StepInputs, fill: np.ndarray, src: np.ndarray, layout: PackedLayout,
     pad = layout.rows - layout.num_seqs
     wide = host[: 8 * layout.used64].view(np.int64)
     narrow = host[8 * layout.n64: layout.nbytes].view(np.int32)
-    t, s, f, r = layout.tokens, layout.num_logits, layout.num_fill, layout.rows
+    t, s, f, r, b = layout.tokens, layout.num_logits, layout.num_fill, layout.rows, layout.num_seqs
+    o64, o32 = layout.starts64, layout.starts32
     g64, g32 = _GAP[wide.dtype], _GAP[narrow.dtype]
     zeros64, zeros32, no_slots, last = g64[:0], g32[:0], g64[:0], g32[:0]
     if pad:
         zeros64, zeros32 = np.zeros(pad, dtype=np.int64), np.zeros(pad, dtype=np.int32)
         no_slots, last = np.full(pad, -1, dtype=np.int64), np.full(pad, x.cu_seqlens_k[-1], dtype=np.int32)
-    np.concatenate((x.input_ids, zeros64, g64[: t & 1], x.positions, zeros64, g64[: t & 1], x.slot_mapping,
-                    no_slots, g64[: t & 1], x.logits_indices, g64[: s & 1], fill, g64[: f & 1], src, g64[: f & 1]),
-                   out=wide, casting="unsafe")
-    np.concatenate((x.context_lens, zeros32, g32[: -r % 4], x.cu_seqlens_k, last, g32[: -(r + 1) % 4],
-                    x.cu_seqlens_q, g32[: -(layout.num_seqs + 1) % 4], x.block_tables.ravel()),
+    # Each array, then the gap up to the next one's start.
+    to_t = g64[: o64[1] - t]
+    np.concatenate((x.input_ids, zeros64, to_t, x.positions, zeros64, to_t, x.slot_mapping, no_slots, to_t,
+                    x.logits_indices, g64[: o64[4] - o64[3] - s], fill, g64[: o64[5] - o64[4] - f],
+                    src, g64[: o64[6] - o64[5] - f]), out=wide, casting="unsafe")
+    np.concatenate((x.context_lens, zeros32, g32[: o32[1] - r], x.cu_seqlens_k, last, g32[: o32[2] - o32[1] - r - 1],
+                    x.cu_seqlens_q, g32[: o32[3] - o32[2] - b - 1], x.block_tables.ravel()),
                    out=narrow, casting="unsafe")
 
 
@@ -179,9 +187,9 @@ class DecodeViews:
 def decode_views(flat: torch.Tensor, rows: int) -> DecodeViews:
     """Where a step padded to ``rows`` (``PackedLayout.of(x, f, bucket=rows)``) keeps its first
     five inputs in ``flat``: the same for every step padded to that bucket."""
-    r64, r32 = _even(rows), _quad(rows)
-    wide = flat[: 8 * 3 * r64].view(torch.int64)
-    start = 8 * decode_int64_size(rows)
-    narrow = flat[start: start + 4 * (r32 + rows + 1)].view(torch.int32)
-    return DecodeViews(wide[:rows], wide[r64: r64 + rows], wide[2 * r64: 2 * r64 + rows], narrow[:rows],
-                       narrow[r32:])
+    layout = _bucket_layout(rows, 0)
+    o64, o32 = layout.starts64, layout.starts32
+    wide = flat[: 8 * o64[3]].view(torch.int64)
+    narrow = flat[8 * layout.n64: 8 * layout.n64 + 4 * o32[2]].view(torch.int32)
+    return DecodeViews(wide[:rows], wide[o64[1]: o64[1] + rows], wide[o64[2]: o64[2] + rows], narrow[:rows],
+                       narrow[o32[1]: o32[1] + rows + 1])
