@@ -39,6 +39,14 @@ from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, Sched
 _NONE: tuple[int, ...] = ()  # the usual decode row's new block ids (shared, never mutated)
 
 
+def _unsent_blocks(req: Request) -> list[int] | tuple[int, ...]:
+    """The block ids appended to ``req``'s table since the runner last saw it (a row's
+    ``new_block_ids``), marked sent."""
+    table, sent = req.block_table, req.num_sent_blocks
+    req.num_sent_blocks = len(table)
+    return table[sent:] if len(table) > sent else _NONE
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -126,8 +134,7 @@ class Scheduler:
             for i in cross.tolist():  # one block each, allocated in row order as the general path does
                 req = running[i]
                 bm.allocate(req, int(start[i]) + 1)
-                new_ids[i] = req.block_table[req.num_sent_blocks:]
-                req.num_sent_blocks = len(req.block_table)
+                new_ids[i] = _unsent_blocks(req)
             batch.capacity[cross] += bm.block_size
         rows = out.requests
         tokens: list[int] = []
@@ -275,16 +282,13 @@ class Scheduler:
         token_ids = tokens[start:end]
         if end > num_tokens:  # only a decode row's one input token can be in flight
             token_ids.append(PLACEHOLDER)
-        table = req.block_table
-        sent = req.num_sent_blocks
         # Positional arguments, in field order: keyword construction costs several times more
         # and this runs once per row per step.
         row = ScheduledRequest(
-            req.seq_id, token_ids, start, table[sent:] if len(table) > sent else _NONE, req.resumed,
+            req.seq_id, token_ids, start, _unsent_blocks(req), req.resumed,
             start < req.prefill_len, sample, num_cached, req.params if sample else None,
             num_tokens - req.num_prompt_tokens + pending,
         )
-        req.num_sent_blocks = len(table)
         req.resumed = False
         req.num_computed_tokens = end
         if sample:
