@@ -263,9 +263,10 @@ def test_a_live_dashboard_follows_the_newest_step_until_the_user_moves_away(max_
         wait_for(lambda: len(dash.trace.step_ids) and dash.trace.step_ids[-1] >= 8)
     run.result(timeout=30)
     wait_for(lambda: dash.step == dash.trace.step_ids[-1])
-    assert dash.follow.value
-    assert dash.slider.value == dash.play.value == dash.trace.step_ids[-1]
-    assert dash.slider.min == dash.trace.step_ids[0]
+    with dash._lock:  # (the update that showed it may still be moving the linked play widget)
+        assert dash.follow.value
+        assert dash.slider.value == dash.play.value == dash.trace.step_ids[-1]
+        assert dash.slider.min == dash.trace.step_ids[0]
 
     first = dash.trace.step_ids[0]
     dash.slider.value = first  # what dragging the slider does
