@@ -130,28 +130,35 @@ def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
 
 
 def _compiled_variants() -> int:
-    """Compiled variants of the paged-attention kernels in this process, on every device."""
+    """Compiled variants of the paged-attention and sampling kernels in this process, on every device."""
     from kvscope.kernels import triton_attention as ta
+    from kvscope.kernels import triton_sampling as ts
 
-    kernels = (ta._paged_attention_kernel, ta._merge_splits_kernel, ta._store_kvcache_kernel)
+    kernels = (ta._paged_attention_kernel, ta._merge_splits_kernel, ta._store_kvcache_kernel,
+               ts._sample_kernel, ts._noise_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
-def test_a_run_compiles_no_attention_kernel_after_start_up(tmp_path):
-    """Start-up compiles every attention kernel variant a run uses (fresh prefill and mixed
-    steps by dummy steps, decode by graph capture), so nothing compiles inside a timed run.
-    Steps of every size used to start their packed inputs at other byte alignments and give
-    other block-table widths, each a variant of its own compiled mid-run. A shape no other
-    test uses (one KV head of 32, 64-slot pages), so the process's earlier compiles do not
-    hide a variant."""
+def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path):
+    """Start-up compiles every attention and sampling kernel variant a run uses (fresh prefill
+    and mixed steps by dummy steps, decode by graph capture, the sampler's by a launch of each),
+    so nothing compiles inside a timed run. Steps of every size used to start their packed
+    inputs at other byte alignments and give other block-table widths, each a variant of its
+    own compiled mid-run. A shape no other test uses (one KV head of 32, 64-slot pages, a
+    vocabulary not a multiple of 16), so the process's earlier compiles do not hide a variant.
+    The rows are greedy, random at one or at several temperatures, seeded, and top-k."""
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **{**SHAPE, "num_attention_heads": 4,
-                                                               "num_key_value_heads": 1, "head_dim": 32})
+                                                               "num_key_value_heads": 1, "head_dim": 32,
+                                                               "vocab_size": 520})
     llm = LLM(str(path), device="cuda", attention_backend="triton", dtype="bfloat16", block_size=64,
               max_num_seqs=8, max_num_batched_tokens=96, gpu_memory_utilization=0.3)
     started = _compiled_variants()
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 400))] for _ in range(14)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True) for _ in prompts]
+    kinds_of_row = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.2), dict(temperature=0.8, seed=3),
+                    dict(temperature=0.8, top_k=5)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **kinds_of_row[i % 5])
+              for i in range(len(prompts))]
     kinds = set()
     llm.hooks.add("step.scheduled", lambda scheduler_output, **_: kinds.add(
         tuple(sorted({r.num_new_tokens > 1 for r in scheduler_output.requests}))))

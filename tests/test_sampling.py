@@ -14,9 +14,14 @@ from kvscope.runner.sampler import Sampler, apply_top_k_top_p
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
 
-def _draw(params: SamplingParams, n: int = 40000, seed: int = 0) -> torch.Tensor:
-    sampler = Sampler(seed, torch.device("cpu"))
-    logits = PROBS.log().repeat(n, 1)
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+def _draw(params: SamplingParams, n: int = 40000, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+    """``n`` draws; on CUDA through the Triton kernels (fused, or their noise under top-k/top-p)."""
+    sampler = Sampler(seed, torch.device(device))
+    logits = PROBS.log().repeat(n, 1).to(device)
     return torch.tensor(sampler.sample(logits, [params] * n, [0] * n).to_output().tokens)
 
 
@@ -33,8 +38,9 @@ def _freq(tokens: torch.Tensor) -> torch.Tensor:
     (SamplingParams(temperature=1.0, top_k=3, top_p=0.7), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
     (SamplingParams(temperature=0.5), PROBS ** 2 / (PROBS ** 2).sum()),
 ])
-def test_sampling_frequencies_match_the_truncated_distribution(params, expected):
-    freq = _freq(_draw(params))
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sampling_frequencies_match_the_truncated_distribution(params, expected, device):
+    freq = _freq(_draw(params, device=device))
     assert (freq[expected == 0] == 0).all(), "a masked token was sampled"
     # 40k draws: 5 standard errors of the largest-variance cell is < 0.0125
     assert torch.allclose(freq, expected, atol=0.0125), (freq, expected)

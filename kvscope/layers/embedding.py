@@ -61,10 +61,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed_weight: torch.Tensor | None = None  # set on a CPU (layers/weight_layout.py)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary float32 logits on TP rank 0 (padding cut off); ``None`` on the other ranks."""
+        """Full-vocabulary logits in the weights' dtype on TP rank 0 (padding cut off); ``None`` on
+        the other ranks. The sampler reads them as they are: a float32 copy of ``[rows, vocab]``
+        would cost a pass over memory the fused sampling kernel does not need."""
         logits = tp_gather_to_rank0(linear(hidden, self.weight, None, self.packed_weight), dim=-1)
         if logits is None:
             return None
         if logits.shape[-1] != self.vocab_size:
             logits = logits[..., : self.vocab_size].contiguous()
-        return logits.float()
+        return logits

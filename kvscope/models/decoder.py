@@ -159,5 +159,5 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """float32 ``[n, vocab]`` on TP rank 0 (``None`` on other ranks)."""
+        """``[n, vocab]`` in the model's dtype on TP rank 0 (``None`` on other ranks)."""
         return self.lm_head(hidden)

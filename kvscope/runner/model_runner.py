@@ -199,9 +199,10 @@ class ModelRunner:
         """A fresh prefill and a mixed step (a decode row beside a chunk after a cached prefix)
         run once on the pool, writing nothing, so the attention kernel variants of those steps
         compile at start-up rather than inside the first run that has them (the decode
-        graphs compile theirs when captured)."""
+        graphs compile theirs when captured), and so do the sampling kernels'."""
         self._dummy_step(np.array([2]), np.array([2]))
         self._dummy_step(np.array([1, 2]), np.array([2, 3]))
+        self.sampler.compile_kernels(self.vocab_size, self.dtype)
         torch.cuda.synchronize(self.device)
 
     def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray, logits: bool = False) -> None:

@@ -1,9 +1,11 @@
 """Token sampling for the rows that need a next token: greedy, temperature, top-k, top-p, seeds.
 
-Random rows use the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which samples from
-``p`` exactly and lets each seeded row draw its noise from its own generator. A seeded row's
-noise depends only on ``(seed, output index)``, so the same request gives the same tokens
-whatever it was batched with, and after a preemption.
+Random rows use the exponential race in log space (``argmax(logits / T - log E)``,
+``E ~ Exp(1)``), which samples from ``softmax(logits / T)`` exactly and lets each seeded row draw
+its noise from its own stream. A seeded row's noise depends only on ``(seed, output index)``, so
+the same request gives the same tokens whatever it was batched with, and after a preemption.
+On CUDA the noise is counter-based and drawn by :mod:`kvscope.kernels.triton_sampling`, which
+also samples whole batches in one launch when no row asks for top-k, top-p or log-probs.
 
 Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
 :class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
@@ -14,8 +16,10 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kvscope.kernels.fused import sampling_kernels
 from kvscope.sampling_params import SamplingParams
 
 
@@ -152,20 +156,29 @@ def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> to
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    """Samples one token per row; on CUDA through :mod:`kvscope.kernels.triton_sampling` (one
+    fused launch for rows without top-k, top-p or log-probs, and the same noise for the torch
+    code that handles those), on CPU through torch's generator."""
+
+    def __init__(self, seed: int, device: torch.device, use_triton: bool | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # None: the Triton kernels where they run (CUDA); True also runs them on CPU tensors
+        # under Triton's interpreter (the tests).
+        self.kernels = sampling_kernels(device, use_triton)
+        self._key = (seed * 0x9E3779B97F4A7C15 & ((1 << 62) - 1)) | (1 << 62)  # always int64 to Triton
+        self._step = 0  # the unseeded rows' stream number: one per call
         self._temperatures: dict[float, torch.Tensor] = {}  # one device scalar per temperature seen
-        # The exponential race's noise, redrawn in place each step (a later step's draw is queued
-        # after the last step's use of it on the device's one stream).
+        # The torch path's exponential race noise, redrawn in place each step (a later step's draw
+        # is queued after the last step's use of it on the device's one stream).
         self._noise: torch.Tensor | None = None
         # On CUDA the tokens come back through reused pinned memory; on CPU they are already there.
         self.readback = HostReadback(pin=True) if device.type == "cuda" else None
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
-        t = torch.tensor(values, dtype=dtype)
+        t = torch.as_tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
@@ -179,6 +192,25 @@ class Sampler:
             t = self._temperatures[value] = torch.full((1, 1), value, dtype=torch.float32, device=self.device)
         return t
 
+    def compile_kernels(self, vocab: int, dtype: torch.dtype) -> None:
+        """Compile the Triton sampling kernels' variants now (start-up), not in the first steps."""
+        if self.kernels is not None:
+            self.kernels.compile_variants(vocab, dtype, self.device)
+
+    def _streams(self, params: list[SamplingParams], output_index: list[int], seeded: bool):
+        """This call's noise streams (:class:`~kvscope.kernels.triton_sampling.Streams`): row ``i``
+        draws ``(key, i, step)``; a seeded row ``(seed, output index, SEEDED)``."""
+        self._step += 1
+        if not seeded:
+            return self.kernels.Streams(self._key, self._step)
+        n = len(params)
+        cols = np.empty((n, 3), dtype=np.int64)
+        cols[:, 0], cols[:, 1], cols[:, 2] = self._key, np.arange(n), self._step
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                cols[i] = (np.uint64(p.seed & (2**64 - 1)).view(np.int64), output_index[i], self.kernels.SEEDED)
+        return self.kernels.Streams(self._key, self._step, self._tensor(cols, torch.int64))
+
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> DeviceSample:
@@ -188,35 +220,32 @@ class Sampler:
         first = params[0]
         shared = all(p is first for p in params)
         settings = (first,) if shared else params  # what the per-step checks need to look at
-        if logits.dtype != torch.float32:  # (the LM head's logits already are: no call for nothing)
-            logits = logits.float()
-        vocab = logits.shape[-1]
         asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
+        masked = any(p.top_k > 0 or p.top_p < 1.0 for p in settings)
+        seeded = any(p.seed is not None for p in settings)
+        temps = [first.temperature] if shared else [p.temperature for p in params]
+        one_temp = temps.count(temps[0]) == len(temps)
+        if self.kernels is not None and not masked and want_lp < 0:
+            temperature = temps[0] if one_temp else self._tensor(temps, torch.float32)
+            tokens = self.kernels.sample(logits, temperature, self._streams(params, output_index, seeded))
+            return DeviceSample(tokens, params, None, self.readback)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if want_lp >= 0 else None
-
-        greedy = [p.temperature == 0 for p in settings]
+        greedy = [t == 0 for t in temps]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            if shared:
-                scaled = logits / self._temperature(first.temperature)
+            if one_temp:
+                scaled = logits / self._temperature(temps[0])
             else:
-                temps = self._tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
-                scaled = logits / temps.unsqueeze(1)
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in settings):
+                scaled = logits / self._tensor([t if t > 0 else 1.0 for t in temps], torch.float32).unsqueeze(1)
+            if masked:
                 top_k = self._tensor([p.top_k for p in params], torch.int64)
                 top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            probs = scaled.softmax(dim=-1)
-            if self._noise is None or self._noise.shape != probs.shape:
-                self._noise = torch.empty_like(probs)
-            noise = self._noise.exponential_(generator=self.generator)
-            if any(p.seed is not None for p in settings):
-                for i, p in enumerate(params):
-                    if p.seed is not None and p.temperature != 0:
-                        noise[i] = _seeded_noise(p.seed, output_index[i], vocab, logits.device)
-            tokens = (probs / noise).argmax(dim=-1)
+            tokens = (scaled - self._log_noise(params, output_index, seeded, scaled.shape)).argmax(dim=-1)
             if any(greedy):  # (a mixed batch: rows of their own)
                 mask = self._tensor(greedy, torch.bool)
                 tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
@@ -225,3 +254,19 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
         return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
+
+    def _log_noise(self, params: list[SamplingParams], output_index: list[int], seeded: bool,
+                   shape: torch.Size) -> torch.Tensor:
+        """``log E``, ``E ~ Exp(1)``, per row and token: the kernels' streams, or torch's generator
+        (a seeded row from its own, keyed by seed and output index)."""
+        if self.kernels is not None:
+            return self.kernels.log_exponential_noise(*shape, self._streams(params, output_index, seeded),
+                                                      self.device)
+        if self._noise is None or self._noise.shape != shape:
+            self._noise = torch.empty(shape, device=self.device)
+        noise = self._noise.exponential_(generator=self.generator)
+        if seeded:
+            for i, p in enumerate(params):
+                if p.seed is not None:
+                    noise[i] = _seeded_noise(p.seed, output_index[i], shape[1], self.device)
+        return noise.log()
