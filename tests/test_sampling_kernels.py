@@ -144,9 +144,9 @@ def test_interpreted_sampler_paths_agree() -> None:
 @pytest.mark.slow
 @compiled_only
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = record_launches(monkeypatch, ts, ("_sample_kernel", "_noise_kernel"))
+    kernels = record_launches(monkeypatch, ts, ("_sample_chunks_kernel", "_pick_chunk_kernel", "_noise_kernel"))
     ts.compile_variants(151936, torch.bfloat16, torch.device("cpu"))
-    assert [len(r.calls) for r in kernels.values()] == [4, 2]
+    assert [len(r.calls) for r in kernels.values()] == [4, 4, 2]
     compile_recorded(kernels)
 
 
@@ -175,7 +175,7 @@ def test_gpu_kernel_compiles_once_across_steps() -> None:
     """The step number and temperature change from call to call: neither may select a new
     compiled variant (a mid-run compile costs more than many steps)."""
     logits = torch.randn(8, 1000, device="cuda")
-    variants = lambda: sum(len(c[0]) for c in ts._sample_kernel.device_caches.values())
+    variants = lambda: sum(len(c[0]) for c in ts._sample_chunks_kernel.device_caches.values())
     ts.sample(logits, 0.7, ts.Streams(KEY, 1))
     first = variants()
     for step, temp in ((16, 1.0), (17, 0.5), (2**20, 2.0), (2**31 - 1, 1.0)):

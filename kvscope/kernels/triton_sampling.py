@@ -5,10 +5,13 @@ A random row samples by the exponential race in log space: the token is
 token with probability ``softmax(logits / T)``; a greedy row (``T == 0``) takes
 ``argmax(logits)``. Unfused, that is a cast, a division, a softmax, a noise draw, a division and
 an argmax, each a launch and a round trip through ``[rows, vocab]`` float32 memory; here it is
-one launch that reads the logits once, in their own dtype, and draws the noise in registers.
+one pass that reads the logits once, in their own dtype, and draws the noise in registers: each
+program takes one chunk of a row's vocabulary (so a small batch still fills the GPU), and a
+second launch picks each row's best chunk.
 
 The noise is counter-based (Philox): the value at vocabulary entry ``j`` of a row is a pure
-function of the row's *stream*, ``(key, a, b)``, and ``j``. The sampler gives an unseeded row
+function of the row's *stream*, ``(key, a, b)``, and ``j`` (one Philox call gives four words,
+for four entries ``_QUARTER`` apart in a chunk). The sampler gives an unseeded row
 the stream ``(sampler key, row, step)`` and a seeded row ``(seed, output index, SEEDED)``, so a
 seeded request draws the same noise whatever it is batched with. :func:`log_exponential_noise`
 writes the same values to memory, for the torch path that masks top-k / top-p first: a row
@@ -21,65 +24,102 @@ import triton
 import triton.language as tl
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
-_BLOCK = 2048  # vocabulary entries per loop iteration
+_CHUNK = 4096  # vocabulary entries per program
+_QUARTER = _CHUNK // 4
 
 
 @triton.jit
-def _log_exponential(key, a, b, cols):
-    """``log E`` with ``E ~ Exp(1)`` for vocabulary entries ``cols`` of the stream ``(key, a, b)``.
-
-    The uniform takes the top 24 bits of a Philox word plus half a step, so it lies strictly
-    inside (0, 1): ``E`` is finite and nonzero, and no entry wins or loses regardless of its logit.
-    """
-    zero = tl.zeros_like(cols).to(tl.uint32)
-    r, _, _, _ = tl.philox(key, cols.to(tl.uint32), zero + a.to(tl.uint32), zero + b.to(tl.uint32), zero)
-    u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+def _log_exponential(word):
+    """``log E``, ``E ~ Exp(1)``, from one Philox word. The uniform takes the word's top 24 bits
+    plus half a step, so it lies strictly inside (0, 1): ``E`` is finite and nonzero, and no
+    entry wins or loses whatever its logit."""
+    u = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
     return tl.log(-tl.log(u))
 
 
 @triton.jit
-def _row_stream(row, streams_ptr, step_key, step, PER_ROW_STREAMS: tl.constexpr):
+def _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS: tl.constexpr, QUARTER: tl.constexpr):
+    """``log E`` for the four quarters of vocabulary chunk ``chunk`` of ``row``: entry
+    ``chunk * 4 * QUARTER + k * QUARTER + q`` takes word ``k`` of counter ``chunk * QUARTER + q``
+    of the row's stream ``(key, a, b)`` (``(step_key, row, step)`` unless streams are per row)."""
     if PER_ROW_STREAMS:
         own = streams_ptr + 3 * row
         key, a, b = tl.load(own), tl.load(own + 1), tl.load(own + 2)
     else:
         key, a, b = step_key.to(tl.int64), row, step.to(tl.int64)
-    return key, a, b
+    counter = (chunk * QUARTER + tl.arange(0, QUARTER)).to(tl.uint32)
+    zero = tl.zeros_like(counter)
+    w0, w1, w2, w3 = tl.philox(key, counter, zero + a.to(tl.uint32), zero + b.to(tl.uint32), zero)
+    return _log_exponential(w0), _log_exponential(w1), _log_exponential(w2), _log_exponential(w3)
+
+
+@triton.jit
+def _quarter_best(logits_ptr, start, vocab, temp, noise, QUARTER: tl.constexpr):
+    """(largest score, its first index) over entries ``[start, start + QUARTER)``: the score is
+    ``logits / temp - noise``, or the logit itself when ``temp == 0``."""
+    idx = start + tl.arange(0, QUARTER)
+    x = tl.load(logits_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    if temp != 0:
+        x = tl.div_rn(x, temp) - noise
+    return tl.max(x, axis=0), start + tl.argmax(x, axis=0, tie_break_left=True)
 
 
 @triton.jit(do_not_specialize=["temp", "step_key", "step"])
-def _sample_kernel(logits_ptr, stride, temp_ptr, temp, streams_ptr, step_key, step, out_ptr,
-                   vocab, PER_ROW_TEMP: tl.constexpr, PER_ROW_STREAMS: tl.constexpr, BLOCK: tl.constexpr):
-    """One row: the index of the largest ``logits / T - log E`` (of ``logits`` when ``T == 0``),
-    the first one on ties, as ``torch.argmax``."""
+def _sample_chunks_kernel(logits_ptr, stride, temp_ptr, temp, streams_ptr, step_key, step, best_ptr, vocab,
+                          num_chunks, PER_ROW_TEMP: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
+                          QUARTER: tl.constexpr):
+    """One chunk of one row: its best score and that entry's index, into ``best[row, chunk]``
+    (the score's bits and the index, as two int32)."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     if PER_ROW_TEMP:
         temp = tl.load(temp_ptr + row)
-    key, a, b = _row_stream(row, streams_ptr, step_key, step, PER_ROW_STREAMS)
-    cols = tl.arange(0, BLOCK)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        idx = start + cols
-        mask = idx < vocab
-        x = tl.load(logits_ptr + row * stride + idx, mask=mask, other=float("-inf")).to(tl.float32)
-        if temp != 0:
-            x = tl.div_rn(x, temp) - _log_exponential(key, a, b, idx)
-        m = tl.max(x, axis=0)
-        i = tl.argmax(x, axis=0, tie_break_left=True)
-        if m > best:
-            best = m
-            best_index = start + i.to(tl.int64)
-    tl.store(out_ptr + row, best_index)
+    n0, n1, n2, n3 = _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS, QUARTER)
+    row_ptr = logits_ptr + row * stride
+    start = chunk * 4 * QUARTER
+    best, best_i = _quarter_best(row_ptr, start, vocab, temp, n0, QUARTER)
+    m, i = _quarter_best(row_ptr, start + QUARTER, vocab, temp, n1, QUARTER)
+    best_i = tl.where(m > best, i, best_i)  # (a later quarter wins only by more: first index on ties)
+    best = tl.maximum(m, best)
+    m, i = _quarter_best(row_ptr, start + 2 * QUARTER, vocab, temp, n2, QUARTER)
+    best_i = tl.where(m > best, i, best_i)
+    best = tl.maximum(m, best)
+    m, i = _quarter_best(row_ptr, start + 3 * QUARTER, vocab, temp, n3, QUARTER)
+    best_i = tl.where(m > best, i, best_i)
+    best = tl.maximum(m, best)
+    out = best_ptr + 2 * (row * num_chunks + chunk)
+    tl.store(out, best.to(tl.int32, bitcast=True))
+    tl.store(out + 1, best_i.to(tl.int32))
+
+
+@triton.jit
+def _pick_chunk_kernel(best_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr):
+    """One row: the index of its best chunk's best entry, the first one on ties, as ``torch.argmax``."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < num_chunks
+    pairs = best_ptr + 2 * (row * num_chunks + c)
+    score = tl.load(pairs, mask=mask, other=0).to(tl.float32, bitcast=True)
+    score = tl.where(mask, score, float("-inf"))
+    index = tl.load(pairs + 1, mask=mask, other=0)
+    top = tl.max(score, axis=0)
+    first = tl.min(tl.where(mask & (score == top), index, vocab), axis=0)
+    tl.store(out_ptr + row, tl.minimum(first, vocab - 1).to(tl.int64))
 
 
 @triton.jit(do_not_specialize=["step_key", "step"])
 def _noise_kernel(out_ptr, stride, streams_ptr, step_key, step, vocab,
-                  PER_ROW_STREAMS: tl.constexpr, BLOCK: tl.constexpr):
+                  PER_ROW_STREAMS: tl.constexpr, QUARTER: tl.constexpr):
+    """One chunk of one row: the ``log E`` that :func:`_sample_chunks_kernel` draws there."""
     row = tl.program_id(0).to(tl.int64)
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    key, a, b = _row_stream(row, streams_ptr, step_key, step, PER_ROW_STREAMS)
-    tl.store(out_ptr + row * stride + idx, _log_exponential(key, a, b, idx), mask=idx < vocab)
+    chunk = tl.program_id(1)
+    n0, n1, n2, n3 = _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS, QUARTER)
+    start = chunk * 4 * QUARTER + tl.arange(0, QUARTER)
+    row_ptr = out_ptr + row * stride
+    tl.store(row_ptr + start, n0, mask=start < vocab)
+    tl.store(row_ptr + start + QUARTER, n1, mask=start + QUARTER < vocab)
+    tl.store(row_ptr + start + 2 * QUARTER, n2, mask=start + 2 * QUARTER < vocab)
+    tl.store(row_ptr + start + 3 * QUARTER, n3, mask=start + 3 * QUARTER < vocab)
 
 
 class Streams:
@@ -96,16 +136,21 @@ class Streams:
 
 def sample(logits: torch.Tensor, temperature: float | torch.Tensor, streams: Streams) -> torch.Tensor:
     """int64 ``[rows]``: one token per row of ``logits`` (``[rows, vocab]``, any float dtype,
-    rows contiguous) at ``temperature`` (one for all rows, or float32 ``[rows]``; 0 is greedy)."""
+    rows contiguous, ``vocab < 2**31``) at ``temperature`` (one for all rows, or float32
+    ``[rows]``; 0 is greedy)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if not rows:
+        return out
+    chunks = triton.cdiv(vocab, _CHUNK)
+    best = torch.empty(rows, chunks, 2, dtype=torch.int32, device=logits.device)
     per_row_temp = isinstance(temperature, torch.Tensor)
-    if rows:
-        _sample_kernel[(rows,)](
-            logits, logits.stride(0), temperature if per_row_temp else out, 0.0 if per_row_temp else float(temperature),
-            *streams.args(out), out, vocab,
-            PER_ROW_TEMP=per_row_temp, PER_ROW_STREAMS=streams.per_row is not None, BLOCK=_BLOCK, num_warps=8,
-        )
+    _sample_chunks_kernel[(rows, chunks)](
+        logits, logits.stride(0), temperature if per_row_temp else out, 0.0 if per_row_temp else float(temperature),
+        *streams.args(out), best, vocab, chunks,
+        PER_ROW_TEMP=per_row_temp, PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
+    )
+    _pick_chunk_kernel[(rows,)](best, out, chunks, vocab, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
     return out
 
 
@@ -123,8 +168,8 @@ def log_exponential_noise(rows: int, vocab: int, streams: Streams, device: torch
     """float32 ``[rows, vocab]``: the ``log E`` that :func:`sample` draws for the same streams."""
     out = torch.empty(rows, vocab, dtype=torch.float32, device=device)
     if rows:
-        _noise_kernel[(rows, triton.cdiv(vocab, _BLOCK))](
+        _noise_kernel[(rows, triton.cdiv(vocab, _CHUNK))](
             out, out.stride(0), *streams.args(out), vocab,
-            PER_ROW_STREAMS=streams.per_row is not None, BLOCK=_BLOCK, num_warps=4,
+            PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
         )
     return out
