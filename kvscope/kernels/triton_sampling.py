@@ -1,21 +1,22 @@
 """Sampling on the GPU in one pass over the logits: temperature, noise and argmax fused.
 
-A random row samples by the exponential race in log space: the token is
-``argmax(logits / T - log E)``, ``E ~ Exp(1)`` drawn per vocabulary entry, which picks each
-token with probability ``softmax(logits / T)``; a greedy row (``T == 0``) takes
-``argmax(logits)``. Unfused, that is a cast, a division, a softmax, a noise draw, a division and
-an argmax, each a launch and a round trip through ``[rows, vocab]`` float32 memory; here it is
-one pass that reads the logits once, in their own dtype, and draws the noise in registers: each
+A random row samples by the Gumbel-max trick: the token is ``argmax(logits / T + G)`` with
+``G = -log(-log U)`` drawn per vocabulary entry, which picks each token with probability
+``softmax(logits / T)``; a greedy row takes ``argmax(logits)``. The kernel works in base 2
+(``argmax(log2(e) * logits / T - log2(-log2 U))``, the same argmax), so the noise costs two
+fast ``log2``. Unfused, that is a cast, a division, a softmax, a noise draw, a division and an
+argmax, each a launch and a round trip through ``[rows, vocab]`` float32 memory; here it is one
+pass that reads the logits once, in their own dtype, and draws the noise in registers: each
 program takes one chunk of a row's vocabulary (so a small batch still fills the GPU), and a
 second launch picks each row's best chunk.
 
-The noise is counter-based (Philox): the value at vocabulary entry ``j`` of a row is a pure
-function of the row's *stream*, ``(key, a, b)``, and ``j`` (one Philox call gives four words,
-for four entries ``_QUARTER`` apart in a chunk). The sampler gives an unseeded row
-the stream ``(sampler key, row, step)`` and a seeded row ``(seed, output index, SEEDED)``, so a
-seeded request draws the same noise whatever it is batched with. :func:`log_exponential_noise`
-writes the same values to memory, for the torch path that masks top-k / top-p first: a row
-samples the same token on both paths.
+The noise is counter-based (Philox-4x32-10): the value at vocabulary entry ``j`` of a row is a
+pure function of the row's *stream*, ``(key, a, b)``, and ``j`` (one Philox call gives four
+words, for four entries ``_QUARTER`` apart in a chunk). The sampler gives an unseeded row the
+stream ``(sampler key, row, step)`` and a seeded row ``(seed, output index, SEEDED)``, so a
+seeded request draws the same noise whatever it is batched with. Rows with top-k or top-p go
+through the same kernel with the tokens outside their set masked to ``-inf``, so a row samples
+the same token whichever path its batch took.
 """
 from __future__ import annotations
 
@@ -24,22 +25,24 @@ import triton
 import triton.language as tl
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
+LOG2E = 1.4426950408889634
 _CHUNK = 4096  # vocabulary entries per program
 _QUARTER = _CHUNK // 4
 
 
 @triton.jit
-def _log_exponential(word):
-    """``log E``, ``E ~ Exp(1)``, from one Philox word. The uniform takes the word's top 24 bits
-    plus half a step, so it lies strictly inside (0, 1): ``E`` is finite and nonzero, and no
-    entry wins or loses whatever its logit."""
-    u = ((word >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-    return tl.log(-tl.log(u))
+def _log2_exponential(word):
+    """``log2(-log2 U)`` from one Philox word: ``log2 E`` for ``E ~ Exp(1)`` up to a constant
+    (which no argmax sees). The uniform takes the word's top 23 bits plus half a step: every such
+    value is a float32 strictly inside (0, 1), so the noise is finite and no entry wins or loses
+    whatever its logit (with 24 bits the top value rounds up to 1.0, and its entry always won)."""
+    u = ((word >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return tl.log2(-tl.log2(u))
 
 
 @triton.jit
 def _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS: tl.constexpr, QUARTER: tl.constexpr):
-    """``log E`` for the four quarters of vocabulary chunk ``chunk`` of ``row``: entry
+    """The noise for the four quarters of vocabulary chunk ``chunk`` of ``row``: entry
     ``chunk * 4 * QUARTER + k * QUARTER + q`` takes word ``k`` of counter ``chunk * QUARTER + q``
     of the row's stream ``(key, a, b)`` (``(step_key, row, step)`` unless streams are per row)."""
     if PER_ROW_STREAMS:
@@ -50,41 +53,41 @@ def _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS: tl.co
     counter = (chunk * QUARTER + tl.arange(0, QUARTER)).to(tl.uint32)
     zero = tl.zeros_like(counter)
     w0, w1, w2, w3 = tl.philox(key, counter, zero + a.to(tl.uint32), zero + b.to(tl.uint32), zero)
-    return _log_exponential(w0), _log_exponential(w1), _log_exponential(w2), _log_exponential(w3)
+    return _log2_exponential(w0), _log2_exponential(w1), _log2_exponential(w2), _log2_exponential(w3)
 
 
 @triton.jit
-def _quarter_best(logits_ptr, start, vocab, temp, noise, QUARTER: tl.constexpr):
+def _quarter_best(logits_ptr, start, vocab, scale, noise, QUARTER: tl.constexpr):
     """(largest score, its first index) over entries ``[start, start + QUARTER)``: the score is
-    ``logits / temp - noise``, or the logit itself when ``temp == 0``."""
+    ``logits * scale - noise``, or the logit itself when ``scale == 0`` (greedy)."""
     idx = start + tl.arange(0, QUARTER)
     x = tl.load(logits_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-    if temp != 0:
-        x = tl.div_rn(x, temp) - noise
+    if scale != 0:
+        x = x * scale - noise
     return tl.max(x, axis=0), start + tl.argmax(x, axis=0, tie_break_left=True)
 
 
-@triton.jit(do_not_specialize=["temp", "step_key", "step"])
-def _sample_chunks_kernel(logits_ptr, stride, temp_ptr, temp, streams_ptr, step_key, step, best_ptr, vocab,
-                          num_chunks, PER_ROW_TEMP: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
+@triton.jit(do_not_specialize=["scale", "step_key", "step"])
+def _sample_chunks_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, step, best_ptr, vocab,
+                          num_chunks, PER_ROW_SCALE: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
                           QUARTER: tl.constexpr):
     """One chunk of one row: its best score and that entry's index, into ``best[row, chunk]``
-    (the score's bits and the index, as two int32)."""
+    (the score's bits and the index, as two int32). ``scale`` is ``log2(e) / T``, 0 for greedy."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    if PER_ROW_TEMP:
-        temp = tl.load(temp_ptr + row)
+    if PER_ROW_SCALE:
+        scale = tl.load(scale_ptr + row)
     n0, n1, n2, n3 = _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS, QUARTER)
     row_ptr = logits_ptr + row * stride
     start = chunk * 4 * QUARTER
-    best, best_i = _quarter_best(row_ptr, start, vocab, temp, n0, QUARTER)
-    m, i = _quarter_best(row_ptr, start + QUARTER, vocab, temp, n1, QUARTER)
+    best, best_i = _quarter_best(row_ptr, start, vocab, scale, n0, QUARTER)
+    m, i = _quarter_best(row_ptr, start + QUARTER, vocab, scale, n1, QUARTER)
     best_i = tl.where(m > best, i, best_i)  # (a later quarter wins only by more: first index on ties)
     best = tl.maximum(m, best)
-    m, i = _quarter_best(row_ptr, start + 2 * QUARTER, vocab, temp, n2, QUARTER)
+    m, i = _quarter_best(row_ptr, start + 2 * QUARTER, vocab, scale, n2, QUARTER)
     best_i = tl.where(m > best, i, best_i)
     best = tl.maximum(m, best)
-    m, i = _quarter_best(row_ptr, start + 3 * QUARTER, vocab, temp, n3, QUARTER)
+    m, i = _quarter_best(row_ptr, start + 3 * QUARTER, vocab, scale, n3, QUARTER)
     best_i = tl.where(m > best, i, best_i)
     best = tl.maximum(m, best)
     out = best_ptr + 2 * (row * num_chunks + chunk)
@@ -107,21 +110,6 @@ def _pick_chunk_kernel(best_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr
     tl.store(out_ptr + row, tl.minimum(first, vocab - 1).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["step_key", "step"])
-def _noise_kernel(out_ptr, stride, streams_ptr, step_key, step, vocab,
-                  PER_ROW_STREAMS: tl.constexpr, QUARTER: tl.constexpr):
-    """One chunk of one row: the ``log E`` that :func:`_sample_chunks_kernel` draws there."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    n0, n1, n2, n3 = _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS, QUARTER)
-    start = chunk * 4 * QUARTER + tl.arange(0, QUARTER)
-    row_ptr = out_ptr + row * stride
-    tl.store(row_ptr + start, n0, mask=start < vocab)
-    tl.store(row_ptr + start + QUARTER, n1, mask=start + QUARTER < vocab)
-    tl.store(row_ptr + start + 2 * QUARTER, n2, mask=start + 2 * QUARTER < vocab)
-    tl.store(row_ptr + start + 3 * QUARTER, n3, mask=start + 3 * QUARTER < vocab)
-
-
 class Streams:
     """The noise streams of a batch's rows: one ``(key, step)`` for all (row ``i`` draws
     ``(key, i, step)``), or each row's own ``(key, a, b)`` when some rows are seeded."""
@@ -134,42 +122,35 @@ class Streams:
         return (like if self.per_row is None else self.per_row), self.key, self.step
 
 
-def sample(logits: torch.Tensor, temperature: float | torch.Tensor, streams: Streams) -> torch.Tensor:
+def scale_of(temperature: float) -> float:
+    """The kernel's per-row ``scale`` for ``temperature``: ``log2(e) / T``, 0 for greedy."""
+    return LOG2E / temperature if temperature > 0 else 0.0
+
+
+def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) -> torch.Tensor:
     """int64 ``[rows]``: one token per row of ``logits`` (``[rows, vocab]``, any float dtype,
-    rows contiguous, ``vocab < 2**31``) at ``temperature`` (one for all rows, or float32
-    ``[rows]``; 0 is greedy)."""
+    rows contiguous, ``vocab < 2**31``; ``-inf`` marks a token a row may not take) at ``scale``
+    (:func:`scale_of` the temperature: one for all rows, or float32 ``[rows]``)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
     chunks = triton.cdiv(vocab, _CHUNK)
     best = torch.empty(rows, chunks, 2, dtype=torch.int32, device=logits.device)
-    per_row_temp = isinstance(temperature, torch.Tensor)
+    per_row = isinstance(scale, torch.Tensor)
     _sample_chunks_kernel[(rows, chunks)](
-        logits, logits.stride(0), temperature if per_row_temp else out, 0.0 if per_row_temp else float(temperature),
+        logits, logits.stride(0), scale if per_row else out, 0.0 if per_row else float(scale),
         *streams.args(out), best, vocab, chunks,
-        PER_ROW_TEMP=per_row_temp, PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
+        PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
     )
     _pick_chunk_kernel[(rows,)](best, out, chunks, vocab, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
     return out
 
 
 def compile_variants(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Launch every kernel variant a run can take (one or per-row temperatures, shared or per-row
+    """Launch every kernel variant a run can take (one or per-row scales, shared or per-row
     streams) once, so none compiles inside the first steps that use it."""
     logits = torch.zeros(2, vocab, dtype=dtype, device=device)
     for streams in (Streams(1 << 62, 0), Streams(1 << 62, 0, torch.zeros(2, 3, dtype=torch.int64, device=device))):
         sample(logits, 1.0, streams)
         sample(logits, torch.ones(2, device=device), streams)
-        log_exponential_noise(2, vocab, streams, device)
-
-
-def log_exponential_noise(rows: int, vocab: int, streams: Streams, device: torch.device) -> torch.Tensor:
-    """float32 ``[rows, vocab]``: the ``log E`` that :func:`sample` draws for the same streams."""
-    out = torch.empty(rows, vocab, dtype=torch.float32, device=device)
-    if rows:
-        _noise_kernel[(rows, triton.cdiv(vocab, _CHUNK))](
-            out, out.stride(0), *streams.args(out), vocab,
-            PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
-        )
-    return out

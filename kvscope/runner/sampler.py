@@ -13,6 +13,7 @@ only for those copies (so a next step can already be running).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -197,12 +198,13 @@ class Sampler:
         if self.kernels is not None:
             self.kernels.compile_variants(vocab, dtype, self.device)
 
-    def _streams(self, params: list[SamplingParams], output_index: list[int], seeded: bool):
+    def _streams(self, rows: "_Rows"):
         """This call's noise streams (:class:`~kvscope.kernels.triton_sampling.Streams`): row ``i``
         draws ``(key, i, step)``; a seeded row ``(seed, output index, SEEDED)``."""
         self._step += 1
-        if not seeded:
+        if not rows.seeded:
             return self.kernels.Streams(self._key, self._step)
+        params, output_index = rows.params, rows.output_index
         n = len(params)
         cols = np.empty((n, 3), dtype=np.int64)
         cols[:, 0], cols[:, 1], cols[:, 2] = self._key, np.arange(n), self._step
@@ -222,51 +224,77 @@ class Sampler:
         settings = (first,) if shared else params  # what the per-step checks need to look at
         asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
-        masked = any(p.top_k > 0 or p.top_p < 1.0 for p in settings)
-        seeded = any(p.seed is not None for p in settings)
-        temps = [first.temperature] if shared else [p.temperature for p in params]
-        one_temp = temps.count(temps[0]) == len(temps)
-        if self.kernels is not None and not masked and want_lp < 0:
-            temperature = temps[0] if one_temp else self._tensor(temps, torch.float32)
-            tokens = self.kernels.sample(logits, temperature, self._streams(params, output_index, seeded))
-            return DeviceSample(tokens, params, None, self.readback)
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if want_lp >= 0 else None
-        greedy = [t == 0 for t in temps]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
+        rows = _Rows(
+            params, output_index, temps=[first.temperature] if shared else [p.temperature for p in params],
+            masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
+            seeded=any(p.seed is not None for p in settings),
+        )
+        raw_logprobs = logits.float().log_softmax(dim=-1) if want_lp >= 0 else None
+        if self.kernels is not None:
+            tokens = self._sample_by_kernels(logits, rows)
         else:
-            if one_temp:
-                scaled = logits / self._temperature(temps[0])
-            else:
-                scaled = logits / self._tensor([t if t > 0 else 1.0 for t in temps], torch.float32).unsqueeze(1)
-            if masked:
-                top_k = self._tensor([p.top_k for p in params], torch.int64)
-                top_p = self._tensor([float(p.top_p) for p in params], torch.float32)
-                scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            tokens = (scaled - self._log_noise(params, output_index, seeded, scaled.shape)).argmax(dim=-1)
-            if any(greedy):  # (a mixed batch: rows of their own)
-                mask = self._tensor(greedy, torch.bool)
-                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+            tokens = self._sample_by_torch(logits.float(), rows)
         if raw_logprobs is None:
             return DeviceSample(tokens, params, None, self.readback)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
         return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
 
-    def _log_noise(self, params: list[SamplingParams], output_index: list[int], seeded: bool,
-                   shape: torch.Size) -> torch.Tensor:
-        """``log E``, ``E ~ Exp(1)``, per row and token: the kernels' streams, or torch's generator
-        (a seeded row from its own, keyed by seed and output index)."""
-        if self.kernels is not None:
-            return self.kernels.log_exponential_noise(*shape, self._streams(params, output_index, seeded),
-                                                      self.device)
-        if self._noise is None or self._noise.shape != shape:
-            self._noise = torch.empty(shape, device=self.device)
+    def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
+        """float32 ``logits / T`` per row (a greedy row by 1), top-k / top-p masked to ``-inf``."""
+        if rows.one_temp:
+            scaled = logits / self._temperature(rows.temps[0] if rows.temps[0] > 0 else 1.0)
+        else:
+            scaled = logits / self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
+        if rows.masked:
+            top_k = self._tensor([p.top_k for p in rows.params], torch.int64)
+            top_p = self._tensor([float(p.top_p) for p in rows.params], torch.float32)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        return scaled
+
+    def _sample_by_kernels(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
+        """One fused launch; rows with top-k / top-p take the same launch on logits whose tokens
+        outside their set are ``-inf``, so every row draws the same as without a neighbour that
+        masks."""
+        scale_of = self.kernels.scale_of
+        if rows.one_temp:
+            scale = scale_of(rows.temps[0])
+        else:
+            scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
+        if rows.masked:
+            logits = logits.masked_fill(self._scaled(logits.float(), rows).isinf(), float("-inf"))
+        return self.kernels.sample(logits, scale, self._streams(rows))
+
+    def _sample_by_torch(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
+        """The exponential race on float32 ``logits`` with noise from torch's generator (a seeded
+        row from its own, keyed by seed and output index)."""
+        greedy = [t == 0 for t in rows.temps]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        scaled = self._scaled(logits, rows)
+        if self._noise is None or self._noise.shape != scaled.shape:
+            self._noise = torch.empty(scaled.shape, device=self.device)
         noise = self._noise.exponential_(generator=self.generator)
-        if seeded:
-            for i, p in enumerate(params):
+        if rows.seeded:
+            for i, p in enumerate(rows.params):
                 if p.seed is not None:
-                    noise[i] = _seeded_noise(p.seed, output_index[i], shape[1], self.device)
-        return noise.log()
+                    noise[i] = _seeded_noise(p.seed, rows.output_index[i], scaled.shape[1], self.device)
+        tokens = (scaled - noise.log()).argmax(dim=-1)
+        if any(greedy):  # (a mixed batch: rows of their own)
+            tokens = torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), tokens)
+        return tokens
+
+
+@dataclass
+class _Rows:
+    """What one ``sample`` call needs to know of its rows' settings, read once."""
+
+    params: list[SamplingParams]
+    output_index: list[int]
+    temps: list[float]  # one per row, or one for all when every row shares one params object
+    masked: bool  # some row asks for top-k or top-p
+    seeded: bool  # some row has a seed
+
+    @functools.cached_property
+    def one_temp(self) -> bool:
+        return self.temps.count(self.temps[0]) == len(self.temps)
