@@ -54,6 +54,19 @@ def test_top_k_top_p_mask_is_exact():
     assert torch.equal(masked[keep], logits[keep])
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_vanishing_temperature_samples_greedily(device):
+    """``logits / T`` overflows float32 for a tiny ``T``; such a row must still take the argmax
+    (as vLLM does below its sampling epsilon), beside rows that really sample."""
+    logits = (torch.randn(6, 50, generator=torch.Generator().manual_seed(4)) - 2).to(device)
+    params = [SamplingParams(temperature=t) for t in (1e-300, 1e-6, 1.0, 1e-45, 0.0, 1e-300)]
+    tokens = Sampler(0, torch.device(device)).sample(logits, params, [0] * 6).to_output().tokens
+    greedy = logits.argmax(-1).tolist()
+    assert [tokens[i] for i in (0, 1, 3, 4, 5)] == [greedy[i] for i in (0, 1, 3, 4, 5)]
+    shared = Sampler(0, torch.device(device)).sample(logits, [params[0]] * 6, [0] * 6).to_output().tokens
+    assert shared == greedy
+
+
 def test_greedy_rows_ignore_noise_in_mixed_batch():
     sampler = Sampler(0, torch.device("cpu"))
     logits = PROBS.log().repeat(500, 1)

@@ -156,6 +156,9 @@ def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> to
     return torch.empty(vocab, device=device).exponential_(generator=gen)
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS): 1 / T would overflow
+
+
 class Sampler:
     """Samples one token per row; on CUDA through :mod:`kvscope.kernels.triton_sampling` (one
     fused launch for rows without top-k, top-p or log-probs, and the same noise for the torch
@@ -224,8 +227,11 @@ class Sampler:
         settings = (first,) if shared else params  # what the per-step checks need to look at
         asked = [p.logprobs for p in settings if p.logprobs is not None]
         want_lp = max(asked) if asked else -1
+        temps = [first.temperature] if shared else [p.temperature for p in params]
+        if min(temps) < GREEDY_BELOW:
+            temps = [t if t >= GREEDY_BELOW else 0.0 for t in temps]
         rows = _Rows(
-            params, output_index, temps=[first.temperature] if shared else [p.temperature for p in params],
+            params, output_index, temps=temps,
             masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
             seeded=any(p.seed is not None for p in settings),
         )
