@@ -280,6 +280,26 @@ def test_a_live_dashboard_follows_the_newest_step_until_the_user_moves_away(max_
     dash.detach()
 
 
+def test_a_slider_move_while_an_update_waits_for_the_lock_is_not_undone():
+    """The updater reads "follow live" once it holds the widgets' lock. It used to read it
+    before: an update woken by new steps read "on", waited while the user dragged the slider
+    back, then jumped to the newest step anyway."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, max_steps=2000, interval=0.001, max_load=1.0)
+    llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    wait_for(lambda: dash.step == dash.trace.step_ids[-1])
+    first = dash.trace.step_ids[0]
+    with dash._lock:
+        updates = dash.num_updates
+        llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False)  # wakes the updater, which waits here
+        time.sleep(0.3)
+        dash.slider.value = first  # the user's move, while that update waits
+    wait_for(lambda: dash.num_updates > updates and dash.slider.max == dash.trace.step_ids[-1])
+    with dash._lock:
+        assert dash.step == first and dash.slider.value == first and not dash.follow.value
+    dash.detach()
+
+
 class _Cycle:
     """A reference cycle: only the cyclic garbage collector frees it."""
 

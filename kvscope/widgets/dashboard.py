@@ -208,9 +208,13 @@ class Dashboard:
         if change["new"]:
             self._refresh(follow=True)  # following again: go to the newest step now, not at the next one
 
-    def _refresh(self, follow: bool) -> None:
-        """Take in new steps and extend the slider; show the newest step when following."""
+    def _refresh(self, follow: bool | None = None) -> None:
+        """Take in new steps and extend the slider; show the newest step when following
+        (``None``: as "follow live" says once the lock is held, so a slider move by the user
+        that lands while this waits for the lock is not jumped back)."""
         with self._lock:
+            if follow is None:
+                follow = self.follow.value
             ids = self.trace.step_ids
             if not ids:
                 return
@@ -251,7 +255,7 @@ class Dashboard:
             # engine holds it costs the engine nothing, and would make updates look dearer.
             start = time.thread_time()
             try:
-                self._refresh(follow=self.follow.value)
+                self._refresh()
                 self.num_updates += 1
             except Exception:  # a broken update must never stop the engine or this thread
                 self.last_error = traceback.format_exc()
@@ -351,7 +355,7 @@ class Dashboard:
         self._wake.set()
         self._updater.join()
         try:
-            self._refresh(follow=self.follow.value)
+            self._refresh()
             self._set_status()
         finally:
             frozen_heap.release()
