@@ -120,3 +120,25 @@ def test_rows_sharing_one_params_object_sample_as_rows_with_equal_copies(params)
     assert shared.logprobs == per_row.logprobs
     if params.temperature > 0:
         assert len(set(shared.tokens)) > 1  # really sampled, not a constant
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_call_on_the_last_calls_params_list_samples_as_a_fresh_one(device):
+    """Steady decode hands the sampler the very params list of the last step (one token
+    further), and the sampler reuses what it read from it: the same tokens and log-probs as a
+    sampler given a fresh copy of the list every step, seeded rows (whose noise follows the
+    output index) included. (On CUDA the kernels' path; its CPU tier is in test_sampling_kernels.)"""
+    kinds = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0), SamplingParams(temperature=1.2),
+             SamplingParams(temperature=0.8, seed=12, logprobs=2), SamplingParams(temperature=0.5, top_k=3)]
+    params = [kinds[i % 5] for i in range(10)]
+    reusing, fresh = Sampler(5, torch.device(device)), Sampler(5, torch.device(device))
+    gen = torch.Generator().manual_seed(9)
+    seen = []
+    for step in range(4):
+        logits = torch.randn(10, 40, generator=gen).to(device)
+        index = [step + i for i in range(10)]
+        a = reusing.sample(logits, params, index).to_output()
+        b = fresh.sample(logits, list(params), list(index)).to_output()
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+        seen.append(a.tokens)
+    assert len({tuple(t) for t in seen}) > 1

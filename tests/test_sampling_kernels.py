@@ -145,6 +145,20 @@ def check_seeded_row_keeps_its_token(device: str) -> None:
     assert len(set(differs)) > 1, "the output index does not reach the noise"
 
 
+def check_reused_params_list(device: str) -> None:
+    """The kernels' path of the sampler's reuse of the last call's params list (its per-row
+    scale stays on the device): tokens equal a sampler given fresh lists, seeded rows included."""
+    params = [SamplingParams(temperature=t, seed=s) for t, s in ((0.7, 3), (1.3, None), (0, None), (0.4, 8))]
+    reusing = Sampler(2, torch.device(device), use_triton=True)
+    fresh = Sampler(2, torch.device(device), use_triton=True)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        logits = torch.randn(4, 300, generator=gen).to(device)
+        index = [step, 2 * step, 0, step + 5]
+        assert reusing.sample(logits, params, index).to_output().tokens == \
+            fresh.sample(logits, list(params), list(index)).to_output().tokens
+
+
 def check_sampler_paths_agree(device: str) -> None:
     """The same rows through the plain launch and through the masked one (forced by a top-k that
     keeps every token), and a top-k that keeps one token: the same tokens, seeded and greedy rows
@@ -193,6 +207,7 @@ def test_interpreted_seeded_row_keeps_its_token() -> None:
 @interpreted_only
 def test_interpreted_sampler_paths_agree() -> None:
     check_sampler_paths_agree("cpu")
+    check_reused_params_list("cpu")
 
 
 @pytest.mark.slow
@@ -220,6 +235,7 @@ def test_gpu_fused_matches_reference(rows: int, vocab: int, dtype: torch.dtype, 
 def test_gpu_seeds_and_paths() -> None:
     check_noise_at_extreme_words("cuda")
     check_seeded_row_keeps_its_token("cuda")
+    check_reused_params_list("cuda")
     check_sampler_paths_agree("cuda")
 
 

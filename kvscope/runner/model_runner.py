@@ -149,6 +149,7 @@ class ModelRunner:
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
         self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
+        self._sampled_params: list[SamplingParams] | None = None  # and their sampling parameters
         self._row_numbers = np.arange(config.max_num_seqs)
         # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
         # on the device, so every rank fills the next step's placeholders without a readback.
@@ -384,6 +385,9 @@ class ModelRunner:
             sample = out.columns.sample
             sampled = [r for r in out.requests if r.sample]
             table_rows, seq_ids = x.table_rows[sample], out.columns.seq_id[sample]
+        # The same sequences as the last step sampled, in order (BlockTables hands the very same
+        # rows array back): their params list is the last step's, which the sampler has read.
+        same_rows = table_rows is self._sampled_rows
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
@@ -393,7 +397,7 @@ class ModelRunner:
                     self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
-            s, errors = self._sample(logits, sampled)
+            s, errors = self._sample(logits, sampled, same_rows)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
         self._remember_sampled(s.tokens, table_rows)
@@ -401,17 +405,22 @@ class ModelRunner:
         step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest]) -> tuple[DeviceSample, dict[int, str]]:
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], same_rows: bool
+                ) -> tuple[DeviceSample, dict[int, str]]:
         """Sample every row; a row whose own parameters make sampling fail fails alone.
 
         Such a row is found by sampling each row by itself, then sampled greedily in the batch
         so the other rows keep their places; its error goes back to the scheduler, which ends
-        the request with ``finish_reason="abort"``.
+        the request with ``finish_reason="abort"``. ``same_rows``: the rows are the last
+        step's, so their params list is too.
         """
-        params, index = [r.params for r in rows], [r.output_index for r in rows]
+        params = self._sampled_params if same_rows and self._sampled_params is not None else [r.params for r in rows]
+        self._sampled_params = params
+        index = [r.output_index for r in rows]
         try:
             return self.sampler.sample(logits, params, index), {}
         except Exception:
+            params = list(params)  # (the list the next steady step reuses keeps every row's own)
             errors: dict[int, str] = {}
             for i, r in enumerate(rows):
                 try:

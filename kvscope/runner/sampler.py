@@ -173,6 +173,7 @@ class Sampler:
         self.kernels = sampling_kernels(device, use_triton)
         self._key = (seed * 0x9E3779B97F4A7C15 & ((1 << 62) - 1)) | (1 << 62)  # always int64 to Triton
         self._step = 0  # the unseeded rows' stream number: one per call
+        self._last_rows: _Rows | None = None  # the last call's rows, read from its params list
         self._temperatures: dict[float, torch.Tensor] = {}  # one device scalar per temperature seen
         # The torch path's exponential race noise, redrawn in place each step (a later step's draw
         # is queued after the last step's use of it on the device's one stream).
@@ -221,20 +222,11 @@ class Sampler:
     ) -> DeviceSample:
         """Sample one token per row. When every row shares one ``SamplingParams`` object (what
         ``LLM.generate`` sends), its settings are read once and nothing per row goes to the
-        device; the tokens are the same as when each row brings its own equal copy."""
-        first = params[0]
-        shared = all(p is first for p in params)
-        settings = (first,) if shared else params  # what the per-step checks need to look at
-        asked = [p.logprobs for p in settings if p.logprobs is not None]
-        want_lp = max(asked) if asked else -1
-        temps = [first.temperature] if shared else [p.temperature for p in params]
-        if min(temps) < GREEDY_BELOW:
-            temps = [t if t >= GREEDY_BELOW else 0.0 for t in temps]
-        rows = _Rows(
-            params, output_index, temps=temps,
-            masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
-            seeded=any(p.seed is not None for p in settings),
-        )
+        device; the tokens are the same as when each row brings its own equal copy. Passing
+        the very ``params`` list of the last call (the same rows, one token further, as the
+        runner does in steady decode) reuses what that call read from it."""
+        rows = self._rows_of(params, output_index)
+        want_lp = rows.want_logprobs
         raw_logprobs = logits.float().log_softmax(dim=-1) if want_lp >= 0 else None
         if self.kernels is not None:
             tokens = self._sample_by_kernels(logits, rows)
@@ -245,6 +237,25 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
         return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
+
+    def _rows_of(self, params: list[SamplingParams], output_index: list[int]) -> "_Rows":
+        last = self._last_rows
+        if last is not None and last.params is params:
+            last.output_index = output_index
+            return last
+        first = params[0]
+        shared = all(p is first for p in params)
+        settings = (first,) if shared else params  # what the per-step checks need to look at
+        asked = [p.logprobs for p in settings if p.logprobs is not None]
+        temps = [first.temperature] if shared else [p.temperature for p in params]
+        if min(temps) < GREEDY_BELOW:
+            temps = [t if t >= GREEDY_BELOW else 0.0 for t in temps]
+        rows = self._last_rows = _Rows(
+            params, output_index, temps=temps, want_logprobs=max(asked) if asked else -1,
+            masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
+            seeded=any(p.seed is not None for p in settings),
+        )
+        return rows
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), top-k / top-p masked to ``-inf``."""
@@ -262,14 +273,15 @@ class Sampler:
         """One fused launch; rows with top-k / top-p take the same launch on logits whose tokens
         outside their set are ``-inf``, so every row draws the same as without a neighbour that
         masks."""
-        scale_of = self.kernels.scale_of
-        if rows.one_temp:
-            scale = scale_of(rows.temps[0])
-        else:
-            scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
+        if rows.scale is None:  # (on the device, read by this step's launch and the next ones')
+            scale_of = self.kernels.scale_of
+            if rows.one_temp:
+                rows.scale = scale_of(rows.temps[0])
+            else:
+                rows.scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
         if rows.masked:
             logits = logits.masked_fill(self._scaled(logits.float(), rows).isinf(), float("-inf"))
-        return self.kernels.sample(logits, scale, self._streams(rows))
+        return self.kernels.sample(logits, rows.scale, self._streams(rows))
 
     def _sample_by_torch(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """The exponential race on float32 ``logits`` with noise from torch's generator (a seeded
@@ -296,10 +308,12 @@ class _Rows:
     """What one ``sample`` call needs to know of its rows' settings, read once."""
 
     params: list[SamplingParams]
-    output_index: list[int]
+    output_index: list[int]  # (the one field a reusing call updates)
     temps: list[float]  # one per row, or one for all when every row shares one params object
+    want_logprobs: int  # the most log-probs a row asks for, -1 for none
     masked: bool  # some row asks for top-k or top-p
     seeded: bool  # some row has a seed
+    scale: float | torch.Tensor | None = None  # the kernels' scale, once computed
 
     @functools.cached_property
     def one_temp(self) -> bool:
