@@ -4,8 +4,10 @@ Random rows use the exponential race in log space (``argmax(logits / T - log E)`
 ``E ~ Exp(1)``), which samples from ``softmax(logits / T)`` exactly and lets each seeded row draw
 its noise from its own stream. A seeded row's noise depends only on ``(seed, output index)``, so
 the same request gives the same tokens whatever it was batched with, and after a preemption.
-On CUDA the noise is counter-based and drawn by :mod:`kvscope.kernels.triton_sampling`, which
-also samples whole batches in one launch when no row asks for top-k, top-p or log-probs.
+On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one launch, with
+counter-based noise drawn in registers (rows with top-k or top-p on logits masked outside their
+set; log-probs come from a ``log_softmax`` beside it); a temperature under ``GREEDY_BELOW`` is
+greedy.
 
 Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
 :class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
@@ -160,9 +162,8 @@ GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLI
 
 
 class Sampler:
-    """Samples one token per row; on CUDA through :mod:`kvscope.kernels.triton_sampling` (one
-    fused launch for rows without top-k, top-p or log-probs, and the same noise for the torch
-    code that handles those), on CPU through torch's generator."""
+    """Samples one token per row: on CUDA by the fused kernels of
+    :mod:`kvscope.kernels.triton_sampling`, on CPU by torch with torch's generator."""
 
     def __init__(self, seed: int, device: torch.device, use_triton: bool | None = None) -> None:
         self.device = device
