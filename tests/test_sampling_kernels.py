@@ -21,7 +21,8 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from kvscope import SamplingParams
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import LLM, SamplingParams
 from kvscope.kernels import triton_sampling as ts
 from kvscope.runner.sampler import Sampler
 from triton_testing import (compile_recorded, compiled_only, interpreted_only, needs_cuda, record_launches,
@@ -208,6 +209,33 @@ def test_interpreted_seeded_row_keeps_its_token() -> None:
 def test_interpreted_sampler_paths_agree() -> None:
     check_sampler_paths_agree("cpu")
     check_reused_params_list("cpu")
+
+
+def _engine_on_the_kernels(**config) -> LLM:
+    """A CPU engine whose runner samples through the Triton kernels (interpreted), as on CUDA."""
+    llm = make_llm(block_size=4, **config)
+    llm.llm_engine.executor.sampler = Sampler(0, torch.device("cpu"), use_triton=True)
+    return llm
+
+
+@interpreted_only
+def test_interpreted_engine_on_the_kernels_reproduces_a_seeded_request():
+    """The runner's use of the kernels (steady-decode reuse of the rows' settings, the masked
+    launch for top-k neighbours, streams by output index): a seeded request gives the same
+    tokens alone, in a batch with random, top-k and greedy neighbours, and under preemption."""
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = token_ids(_engine_on_the_kernels().generate([[7, 8, 9]], p, use_tqdm=False))[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=10, ignore_eos=True), greedy(10)]
+    prompts = [[1, 2], [7, 8, 9], [4, 4, 4, 4], [3]]
+    batch = _engine_on_the_kernels().generate(prompts, [others[0], p, others[1], others[2]], use_tqdm=False)
+    assert token_ids(batch)[1] == alone
+    tight = _engine_on_the_kernels(num_kv_blocks=8)
+    outs = tight.generate([[7, 8, 9]] + [[5] * 9] * 3, [p] + others, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert token_ids(outs)[0] == alone
+    other_seed = dataclasses.replace(p, seed=4321)
+    assert token_ids(_engine_on_the_kernels().generate([[7, 8, 9]], other_seed, use_tqdm=False))[0] != alone
 
 
 @pytest.mark.slow
