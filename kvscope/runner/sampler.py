@@ -228,11 +228,13 @@ class Sampler:
         runner does in steady decode) reuses what that call read from it."""
         rows = self._rows_of(params, output_index)
         want_lp = rows.want_logprobs
-        raw_logprobs = logits.float().log_softmax(dim=-1) if want_lp >= 0 else None
+        # float32 logits, cast once for whichever of log-probs, masks and the torch path needs them.
+        as_float = logits.float() if self.kernels is None or want_lp >= 0 or rows.masked else None
+        raw_logprobs = as_float.log_softmax(dim=-1) if want_lp >= 0 else None
         if self.kernels is not None:
-            tokens = self._sample_by_kernels(logits, rows)
+            tokens = self._sample_by_kernels(logits, as_float, rows)
         else:
-            tokens = self._sample_by_torch(logits.float(), rows)
+            tokens = self._sample_by_torch(as_float, rows)
         if raw_logprobs is None:
             return DeviceSample(tokens, params, None, self.readback)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -270,10 +272,10 @@ class Sampler:
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         return scaled
 
-    def _sample_by_kernels(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
-        """One fused launch; rows with top-k / top-p take the same launch on logits whose tokens
-        outside their set are ``-inf``, so every row draws the same as without a neighbour that
-        masks."""
+    def _sample_by_kernels(self, logits: torch.Tensor, as_float: torch.Tensor | None, rows: "_Rows") -> torch.Tensor:
+        """One fused launch on ``logits`` as they are; rows with top-k / top-p take the same
+        launch on logits whose tokens outside their set are ``-inf`` (found on ``as_float``, the
+        float32 cast), so every row draws the same as without a neighbour that masks."""
         if rows.scale is None:  # (on the device, read by this step's launch and the next ones')
             scale_of = self.kernels.scale_of
             if rows.one_temp:
@@ -281,7 +283,7 @@ class Sampler:
             else:
                 rows.scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
         if rows.masked:
-            logits = logits.masked_fill(self._scaled(logits.float(), rows).isinf(), float("-inf"))
+            logits = logits.masked_fill(self._scaled(as_float, rows).isinf(), float("-inf"))
         return self.kernels.sample(logits, rows.scale, self._streams(rows))
 
     def _sample_by_torch(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
