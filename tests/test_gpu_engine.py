@@ -135,7 +135,7 @@ def _compiled_variants() -> int:
     from kvscope.kernels import triton_sampling as ts
 
     kernels = (ta._paged_attention_kernel, ta._merge_splits_kernel, ta._store_kvcache_kernel,
-               ts._sample_chunks_kernel, ts._pick_chunk_kernel)
+               ts._chunk_mass_kernel, ts._pick_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 

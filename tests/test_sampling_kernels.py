@@ -1,19 +1,19 @@
 """The Triton sampling kernels (``kvscope.kernels.triton_sampling``) and the sampler on them.
 
 Truths: a torch Philox-4x32-10 written from its specification (Salmon et al., "Parallel random
-numbers: as easy as 1, 2, 3", SC 2011) gives the noise the kernel must draw, and torch's argmax
-over ``logits * scale - noise`` the token it must pick; the Gumbel law for that noise; and the
-metamorphic properties of the streams (a seeded row samples the same token at any batch
-position and whatever path its neighbours take; distinct streams draw distinct noise).
+numbers: as easy as 1, 2, 3", SC 2011) gives each row's uniform, and a float64 CDF of
+``softmax(logits / T)`` the token that uniform must pick; the frequencies of many draws against
+that distribution (chi-square); and the metamorphic properties of the streams (a seeded row
+samples the same token at any batch position and whatever path its neighbours take; distinct
+streams draw distinct uniforms).
 
 Tiers, as in test_triton_kernels.py: CPU under the Triton interpreter (few rows: each program
 runs in Python), the sm_90 compile check of the real launches, and on a GPU the same checks at
-model shapes (the sampling frequencies are in test_sampling.py).
+model shapes (the sampling frequencies at model shapes are in test_sampling.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -44,15 +44,9 @@ def philox(key: int, c0: torch.Tensor, c1: int, c2: int, c3: int = 0, rounds: in
     return x
 
 
-def reference_noise(vocab: int, key: int, a: int, b: int) -> torch.Tensor:
-    """float64 ``log2(-log2 U)`` per vocabulary entry of the stream ``(key, a, b)``: entry ``j``
-    of chunk ``m`` takes word ``(j % CHUNK) // QUARTER`` of counter ``m * QUARTER + j % QUARTER``."""
-    j = torch.arange(vocab)
-    m, o = j // ts._CHUNK, j % ts._CHUNK
-    words = torch.stack(philox(key, m * ts._QUARTER + o % ts._QUARTER, a, b))
-    word = words.gather(0, (o // ts._QUARTER).unsqueeze(0))[0]
-    u = ((word >> 9).double() + 0.5) / 2**23
-    return torch.log2(-torch.log2(u))
+def reference_uniform(key: int, a: int, b: int) -> float:
+    """The stream's uniform: the top 24 bits of word 0 of Philox at counter ``(0, a, b, 0)``."""
+    return (int(philox(key, torch.zeros(1), a, b)[0]) >> 8) / 2**24
 
 
 def stream_of(streams: ts.Streams, row: int) -> tuple[int, int, int]:
@@ -63,20 +57,25 @@ def stream_of(streams: ts.Streams, row: int) -> tuple[int, int, int]:
 
 
 def check_tokens(logits: torch.Tensor, scale: torch.Tensor, streams: ts.Streams, tokens: torch.Tensor) -> None:
-    """Each row's token has the row's best score ``logits * scale - noise`` (``logits`` when
-    ``scale == 0``), up to float32 rounding: exact on ties is not asked of a fast log2."""
+    """A greedy row (``scale == 0``) takes the first largest logit. A random row's token is where
+    its uniform ``u`` lands on the float64 CDF of ``2 ** (logits * scale)``: ``cdf[t - 1] <= u <
+    cdf[t]``, up to float32 rounding of the sums, and never a token of zero probability."""
     for row in range(logits.shape[0]):
-        x = logits[row].double()
-        if scale[row] != 0:
-            x = x * float(scale[row]) - reference_noise(x.numel(), *stream_of(streams, row))
-        best = x.max().item()
-        got = x[int(tokens[row])].item()
-        assert got >= best - 1e-5 * max(1.0, abs(best)), (row, int(tokens[row]), int(x.argmax()), got, best)
+        x, t = logits[row].double(), int(tokens[row])
+        if scale[row] == 0:
+            assert t == int(x.argmax()), (row, t)
+            continue
+        p = torch.exp2(x * float(scale[row]) - (x * float(scale[row])).max())
+        cdf = p.cumsum(0) / p.sum()
+        u = reference_uniform(*stream_of(streams, row))
+        below = float(cdf[t - 1]) if t else 0.0
+        assert p[t] > 0 and below - 1e-5 <= u <= float(cdf[t]) + 1e-5, (row, t, below, u, float(cdf[t]))
 
 
 def check_fused_matches_reference(rows: int, vocab: int, dtype: torch.dtype, device: str, seeded: bool) -> None:
     gen = torch.Generator().manual_seed(rows * vocab)
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(dtype)
+    logits[1::4, ::3] = float("-inf")  # masked tokens (top-k / top-p rows)
     temps = torch.rand(rows, generator=gen) + 0.3
     temps[::3] = 0  # greedy rows among the random ones
     scale = torch.tensor([ts.scale_of(float(t)) for t in temps], dtype=torch.float32)
@@ -93,38 +92,47 @@ def check_fused_matches_reference(rows: int, vocab: int, dtype: torch.dtype, dev
     assert torch.equal(ts.sample(on, 0.0, streams).cpu(), logits.float().argmax(-1))
 
 
+def check_frequencies(device: str, rows: int) -> None:
+    """``rows`` draws of one distribution (one row per draw, each its own stream) against its
+    probabilities: chi-square below the 0.1 % level."""
+    probs = torch.tensor([0.05, 0.4, 0.0, 0.15, 0.3, 0.1], dtype=torch.float64)
+    logits = probs.log().float().expand(rows, -1).contiguous()
+    tokens = ts.sample(logits.to(device), ts.scale_of(1.0), ts.Streams(KEY, 3)).cpu()
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    assert counts[2] == 0
+    keep = probs > 0
+    expected = probs[keep] * rows
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert chi2 < 18.47, (chi2, counts.tolist())  # 4 degrees of freedom, 0.1 %
+
+
 @triton.jit
-def _noise_of_words(words_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(out_ptr + i, ts._log2_exponential(tl.load(words_ptr + i).to(tl.uint32)))
+def _uniform_of_streams(out_ptr, a_ptr, key, b, N: tl.constexpr):
+    for j in range(N):
+        tl.store(out_ptr + j, ts._uniform(key, tl.load(a_ptr + j), b))
 
 
-def check_noise_at_extreme_words(device: str) -> None:
-    """The kernels' noise at the Philox words that give the smallest and largest uniforms (and a
-    few between): finite, and as the float64 formula says. A largest uniform that rounds to 1.0
-    gives ``-inf`` noise: that entry wins whatever its logit."""
-    words = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1, 12345678, 2**24,
-                          2**32 - 2**9 * 3, 7, 2**9 * 3, 2**30, 3 * 2**30, 2**32 - 2**10], dtype=torch.int64)  # 16
-    out = torch.empty(words.numel(), dtype=torch.float32, device=device)
-    _noise_of_words[(1,)](words.to(device), out, N=words.numel())
-    u = ((words >> 9).double() + 0.5) / 2**23
-    ref = torch.log2(-torch.log2(u))
-    assert torch.isfinite(out).all(), out
-    assert torch.allclose(out.cpu().double(), ref, rtol=0, atol=1e-5), (out, ref)
+@triton.jit
+def _token_in_chunk_test(logits_ptr, residual_ptr, out_ptr, vocab, top, N: tl.constexpr, CHUNK: tl.constexpr):
+    for j in range(N):
+        tl.store(out_ptr + j, ts._token_in_chunk(logits_ptr, 0, vocab, 1.0, top, tl.load(residual_ptr + j), CHUNK))
 
 
-def test_reference_noise_is_gumbel() -> None:
-    """The noise the kernels must draw, in natural units ``-G = log(-log U)``: ``G`` has the
-    Gumbel law (CDF ``exp(-exp(-g))``, Kolmogorov-Smirnov distance within 1.63 / sqrt(n), the
-    1 % level; mean Euler's gamma), and two streams differ."""
-    n = 40000
-    g = -(reference_noise(n, KEY, 0, 9) + math.log2(math.log(2))) * math.log(2)
-    x = g.sort().values
-    cdf = torch.exp(-torch.exp(-x))
-    grid = torch.arange(1, n + 1, dtype=torch.float64) / n
-    assert torch.maximum(grid - cdf, cdf - (grid - 1 / n)).max().item() < 1.63 / math.sqrt(n)
-    assert abs(g.mean().item() - 0.5772156649) < 5 * (math.pi / math.sqrt(6)) / math.sqrt(n)
-    assert not torch.equal(reference_noise(64, KEY, 0, 9), reference_noise(64, KEY, 1, 9))
+def check_uniform_and_chunk_edges(device: str) -> None:
+    """The kernels' uniform equals the reference's and lies in [0, 1). The scan of a chunk takes
+    the first entry of nonzero mass at residual 0, skips masked entries, and falls back to the
+    last entry of nonzero mass when rounding leaves the residual at or past the chunk's mass."""
+    a = torch.tensor([0, 1, 2, 3, 1000, 2**20, 2**31 - 1, 12345], dtype=torch.int64)
+    out = torch.empty(a.numel(), dtype=torch.float32, device=device)
+    _uniform_of_streams[(1,)](out, a.to(device), KEY, 9, N=a.numel())
+    ref = torch.tensor([reference_uniform(KEY, int(x), 9) for x in a], dtype=torch.float32)
+    assert torch.equal(out.cpu(), ref) and (ref >= 0).all() and (ref < 1).all()
+    logits = torch.tensor([float("-inf"), 0.0, 1.0, float("-inf"), 0.0, float("-inf")], device=device)
+    mass = 0.5 + 1.0 + 0.5  # 2 ** (logit - top), top 1.0
+    residual = torch.tensor([0.0, 0.49, 0.51, 1.51, mass - 1e-3, mass, 10.0], device=device)
+    got = torch.empty(residual.numel(), dtype=torch.int32, device=device)
+    _token_in_chunk_test[(1,)](logits, residual, got, 6, 1.0, N=residual.numel(), CHUNK=8)
+    assert got.cpu().tolist() == [1, 1, 2, 4, 4, 4, 4]
 
 
 def check_seeded_row_keeps_its_token(device: str) -> None:
@@ -196,8 +204,8 @@ def test_interpreted_fused_matches_reference(rows: int, vocab: int, dtype: torch
 
 
 @interpreted_only
-def test_interpreted_noise_at_extreme_words() -> None:
-    check_noise_at_extreme_words("cpu")
+def test_interpreted_uniform_and_chunk_edges() -> None:
+    check_uniform_and_chunk_edges("cpu")
 
 
 @interpreted_only
@@ -241,7 +249,7 @@ def test_interpreted_engine_on_the_kernels_reproduces_a_seeded_request():
 @pytest.mark.slow
 @compiled_only
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    kernels = record_launches(monkeypatch, ts, ("_sample_chunks_kernel", "_pick_chunk_kernel"))
+    kernels = record_launches(monkeypatch, ts, ("_chunk_mass_kernel", "_pick_kernel"))
     ts.compile_variants(151936, torch.bfloat16, torch.device("cpu"))
     assert [len(r.calls) for r in kernels.values()] == [4, 4]
     compile_recorded(kernels)
@@ -261,7 +269,8 @@ def test_gpu_fused_matches_reference(rows: int, vocab: int, dtype: torch.dtype, 
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_seeds_and_paths() -> None:
-    check_noise_at_extreme_words("cuda")
+    check_uniform_and_chunk_edges("cuda")
+    check_frequencies("cuda", 200000)
     check_seeded_row_keeps_its_token("cuda")
     check_reused_params_list("cuda")
     check_sampler_paths_agree("cuda")
@@ -273,7 +282,7 @@ def test_gpu_kernel_compiles_once_across_steps() -> None:
     """The step number and temperature change from call to call: neither may select a new
     compiled variant (a mid-run compile costs more than many steps)."""
     logits = torch.randn(8, 1000, device="cuda")
-    variants = lambda: sum(len(c[0]) for c in ts._sample_chunks_kernel.device_caches.values())
+    variants = lambda: sum(len(c[0]) for c in ts._pick_kernel.device_caches.values())
     ts.sample(logits, ts.scale_of(0.7), ts.Streams(KEY, 1))
     first = variants()
     for step, temp in ((16, 1.0), (17, 0.5), (2**20, 2.0), (2**31 - 1, 1.0)):

@@ -1,22 +1,21 @@
-"""Sampling on the GPU in one pass over the logits: temperature, noise and argmax fused.
+"""Sampling on the GPU in one read of the logits: temperature, softmax and the draw fused.
 
-A random row samples by the Gumbel-max trick: the token is ``argmax(logits / T + G)`` with
-``G = -log(-log U)`` drawn per vocabulary entry, which picks each token with probability
-``softmax(logits / T)``; a greedy row takes ``argmax(logits)``. The kernel works in base 2
-(``argmax(log2(e) * logits / T - log2(-log2 U))``, the same argmax), so the noise costs two
-fast ``log2``. Unfused, that is a cast, a division, a softmax, a noise draw, a division and an
-argmax, each a launch and a round trip through ``[rows, vocab]`` float32 memory; here it is one
-pass that reads the logits once, in their own dtype, and draws the noise in registers: each
-program takes one chunk of a row's vocabulary (so a small batch still fills the GPU), and a
-second launch picks each row's best chunk.
+A random row samples by inverting its CDF: with ``p = softmax(logits / T)`` and one uniform
+``U`` per row, the token is the first ``j`` whose running sum of ``p`` passes ``U``. The first
+launch reads each chunk of a row's vocabulary once, in the logits' own dtype, and keeps three
+numbers: the chunk's largest score (``log2(e) * logits / T``), that entry's index, and the
+chunk's mass ``sum(2 ** (score - largest))``. The second launch, one program per row, weighs
+the chunks' masses against the row's largest score, walks them to the chunk where ``U`` times
+the total lands, and scans that one chunk again for the token. A greedy row (``scale == 0``)
+takes the first largest logit instead. So the noise is one number per row, not one per
+vocabulary entry, and the pass over ``[rows, vocab]`` is a read and an ``exp2`` per entry.
 
-The noise is counter-based (Philox-4x32-10): the value at vocabulary entry ``j`` of a row is a
-pure function of the row's *stream*, ``(key, a, b)``, and ``j`` (one Philox call gives four
-words, for four entries ``_QUARTER`` apart in a chunk). The sampler gives an unseeded row the
-stream ``(sampler key, row, step)`` and a seeded row ``(seed, output index, SEEDED)``, so a
-seeded request draws the same noise whatever it is batched with. Rows with top-k or top-p go
-through the same kernel with the tokens outside their set masked to ``-inf``, so a row samples
-the same token whichever path its batch took.
+The uniform is counter-based (Philox-4x32-10): a pure function of the row's *stream*
+``(key, a, b)``. The sampler gives an unseeded row the stream ``(sampler key, row, step)`` and
+a seeded row ``(seed, output index, SEEDED)``, so a seeded request draws the same uniform
+whatever it is batched with. Rows with top-k or top-p go through the same kernels with the
+tokens outside their set masked to ``-inf`` (mass 0), so a row samples the same token whichever
+path its batch took.
 """
 from __future__ import annotations
 
@@ -26,92 +25,96 @@ import triton.language as tl
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
 LOG2E = 1.4426950408889634
-_CHUNK = 4096  # vocabulary entries per program
-_QUARTER = _CHUNK // 4
+_CHUNK = 4096  # vocabulary entries per program of the first launch
 
 
 @triton.jit
-def _log2_exponential(word):
-    """``log2(-log2 U)`` from one Philox word: ``log2 E`` for ``E ~ Exp(1)`` up to a constant
-    (which no argmax sees). The uniform takes the word's top 23 bits plus half a step: every such
-    value is a float32 strictly inside (0, 1), so the noise is finite and no entry wins or loses
-    whatever its logit (with 24 bits the top value rounds up to 1.0, and its entry always won)."""
-    u = ((word >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    return tl.log2(-tl.log2(u))
-
-
-@triton.jit
-def _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS: tl.constexpr, QUARTER: tl.constexpr):
-    """The noise for the four quarters of vocabulary chunk ``chunk`` of ``row``: entry
-    ``chunk * 4 * QUARTER + k * QUARTER + q`` takes word ``k`` of counter ``chunk * QUARTER + q``
-    of the row's stream ``(key, a, b)`` (``(step_key, row, step)`` unless streams are per row)."""
-    if PER_ROW_STREAMS:
-        own = streams_ptr + 3 * row
-        key, a, b = tl.load(own), tl.load(own + 1), tl.load(own + 2)
-    else:
-        key, a, b = step_key.to(tl.int64), row, step.to(tl.int64)
-    counter = (chunk * QUARTER + tl.arange(0, QUARTER)).to(tl.uint32)
-    zero = tl.zeros_like(counter)
-    w0, w1, w2, w3 = tl.philox(key, counter, zero + a.to(tl.uint32), zero + b.to(tl.uint32), zero)
-    return _log2_exponential(w0), _log2_exponential(w1), _log2_exponential(w2), _log2_exponential(w3)
-
-
-@triton.jit
-def _quarter_best(logits_ptr, start, vocab, scale, noise, QUARTER: tl.constexpr):
-    """(largest score, its first index) over entries ``[start, start + QUARTER)``: the score is
-    ``logits * scale - noise``, or the logit itself when ``scale == 0`` (greedy)."""
-    idx = start + tl.arange(0, QUARTER)
+def _scaled(logits_ptr, start, vocab, scale, CHUNK: tl.constexpr):
+    """Entries ``[start, start + CHUNK)`` of a row as scores: ``logits * scale`` (the logit
+    itself when ``scale == 0``, greedy), ``-inf`` past the vocabulary."""
+    idx = start + tl.arange(0, CHUNK)
     x = tl.load(logits_ptr + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
     if scale != 0:
-        x = x * scale - noise
-    return tl.max(x, axis=0), start + tl.argmax(x, axis=0, tie_break_left=True)
+        x = x * scale
+    return idx, x
 
 
-@triton.jit(do_not_specialize=["scale", "step_key", "step"])
-def _sample_chunks_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, step, best_ptr, vocab,
-                          num_chunks, PER_ROW_SCALE: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
-                          QUARTER: tl.constexpr):
-    """One chunk of one row: its best score and that entry's index, into ``best[row, chunk]``
-    (the score's bits and the index, as two int32). ``scale`` is ``log2(e) / T``, 0 for greedy."""
+@triton.jit(do_not_specialize=["scale"])
+def _chunk_mass_kernel(logits_ptr, stride, scale_ptr, scale, summary_ptr, vocab, num_chunks,
+                       PER_ROW_SCALE: tl.constexpr, CHUNK: tl.constexpr):
+    """One chunk of one row into ``summary[row, chunk]``: its largest score and that entry's
+    first index, and its mass ``sum(2 ** (score - largest))`` (0 for a chunk all ``-inf``),
+    stored as three int32 (the floats' bits). ``scale`` is ``log2(e) / T``, 0 for greedy."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if PER_ROW_SCALE:
         scale = tl.load(scale_ptr + row)
-    n0, n1, n2, n3 = _chunk_noise(row, chunk, streams_ptr, step_key, step, PER_ROW_STREAMS, QUARTER)
-    row_ptr = logits_ptr + row * stride
-    start = chunk * 4 * QUARTER
-    best, best_i = _quarter_best(row_ptr, start, vocab, scale, n0, QUARTER)
-    m, i = _quarter_best(row_ptr, start + QUARTER, vocab, scale, n1, QUARTER)
-    best_i = tl.where(m > best, i, best_i)  # (a later quarter wins only by more: first index on ties)
-    best = tl.maximum(m, best)
-    m, i = _quarter_best(row_ptr, start + 2 * QUARTER, vocab, scale, n2, QUARTER)
-    best_i = tl.where(m > best, i, best_i)
-    best = tl.maximum(m, best)
-    m, i = _quarter_best(row_ptr, start + 3 * QUARTER, vocab, scale, n3, QUARTER)
-    best_i = tl.where(m > best, i, best_i)
-    best = tl.maximum(m, best)
-    out = best_ptr + 2 * (row * num_chunks + chunk)
-    tl.store(out, best.to(tl.int32, bitcast=True))
-    tl.store(out + 1, best_i.to(tl.int32))
+    idx, x = _scaled(logits_ptr + row * stride, chunk * CHUNK, vocab, scale, CHUNK)
+    top, first = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+    mass = tl.sum(tl.exp2(x - tl.where(top == float("-inf"), 0.0, top)), 0)
+    out = summary_ptr + 3 * (row * num_chunks + chunk)
+    tl.store(out, top.to(tl.int32, bitcast=True))
+    tl.store(out + 1, (chunk * CHUNK + first).to(tl.int32))
+    tl.store(out + 2, mass.to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _pick_chunk_kernel(best_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr):
-    """One row: the index of its best chunk's best entry, the first one on ties, as ``torch.argmax``."""
+def _uniform(key, a, b):
+    """A float32 in [0, 1) on a 2**-24 grid: the top 24 bits of Philox word 0 of ``(key, a, b)``."""
+    zero = tl.zeros([], tl.uint32)
+    w0, _, _, _ = tl.philox(key, zero, zero + a.to(tl.uint32), zero + b.to(tl.uint32), zero)
+    return (w0 >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _token_in_chunk(logits_ptr, start, vocab, scale, top, residual, CHUNK: tl.constexpr):
+    """The first entry of the chunk at ``start`` whose running sum of ``2 ** (score - top)``
+    passes ``residual``; where rounding leaves none, the chunk's last entry of nonzero mass."""
+    idx, x = _scaled(logits_ptr, start, vocab, scale, CHUNK)
+    p = tl.exp2(x - top)
+    hit = (tl.cumsum(p, 0) > residual) & (p > 0)
+    token = tl.min(tl.where(hit, idx, vocab), 0)
+    last = tl.max(tl.where(p > 0, idx, -1), 0)
+    return tl.where(token == vocab, last, token)
+
+
+@triton.jit(do_not_specialize=["scale", "step_key", "step"])
+def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, step, summary_ptr, out_ptr,
+                 vocab, num_chunks, PER_ROW_SCALE: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
+                 BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+    """One row: greedy, the first largest logit; random, the token where the row's uniform
+    lands on its CDF (``(key, a, b)`` from ``streams[row]``, else ``(step_key, row, step)``)."""
     row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
-    mask = c < num_chunks
-    pairs = best_ptr + 2 * (row * num_chunks + c)
-    score = tl.load(pairs, mask=mask, other=0).to(tl.float32, bitcast=True)
-    score = tl.where(mask, score, float("-inf"))
-    index = tl.load(pairs + 1, mask=mask, other=0)
-    top = tl.max(score, axis=0)
-    first = tl.min(tl.where(mask & (score == top), index, vocab), axis=0)
-    tl.store(out_ptr + row, tl.minimum(first, vocab - 1).to(tl.int64))
+    if PER_ROW_SCALE:
+        scale = tl.load(scale_ptr + row)
+    c = tl.arange(0, BLOCK_C)
+    ok = c < num_chunks
+    base = summary_ptr + 3 * (row * num_chunks + c)
+    top = tl.load(base, mask=ok, other=0).to(tl.float32, bitcast=True)
+    top = tl.where(ok, top, float("-inf"))
+    best = tl.max(top, 0)
+    if scale == 0:
+        index = tl.load(base + 1, mask=ok, other=0)
+        token = tl.min(tl.where(ok & (top == best), index, vocab), 0)
+    else:
+        if PER_ROW_STREAMS:
+            own = streams_ptr + 3 * row
+            key, a, b = tl.load(own), tl.load(own + 1), tl.load(own + 2)
+        else:
+            key, a, b = step_key.to(tl.int64), row, step.to(tl.int64)
+        mass = tl.load(base + 2, mask=ok, other=0).to(tl.float32, bitcast=True)
+        weight = tl.where(ok, mass * tl.exp2(top - best), 0.0)
+        target = _uniform(key, a, b) * tl.sum(weight, 0)
+        passed = (tl.cumsum(weight, 0) > target) & (weight > 0)
+        chunk = tl.min(tl.where(passed, c, BLOCK_C), 0)
+        chunk = tl.where(chunk == BLOCK_C, tl.max(tl.where(weight > 0, c, -1), 0), chunk)
+        residual = target - tl.sum(tl.where(c < chunk, weight, 0.0), 0)
+        token = _token_in_chunk(logits_ptr + row * stride, chunk * CHUNK, vocab, scale, best, residual, CHUNK)
+    tl.store(out_ptr + row, tl.minimum(token, vocab - 1).to(tl.int64))
 
 
 class Streams:
-    """The noise streams of a batch's rows: one ``(key, step)`` for all (row ``i`` draws
+    """The uniforms' streams of a batch's rows: one ``(key, step)`` for all (row ``i`` draws
     ``(key, i, step)``), or each row's own ``(key, a, b)`` when some rows are seeded."""
 
     def __init__(self, key: int, step: int, per_row: torch.Tensor | None = None) -> None:
@@ -123,7 +126,7 @@ class Streams:
 
 
 def scale_of(temperature: float) -> float:
-    """The kernel's per-row ``scale`` for ``temperature``: ``log2(e) / T``, 0 for greedy."""
+    """The kernels' per-row ``scale`` for ``temperature``: ``log2(e) / T``, 0 for greedy."""
     return LOG2E / temperature if temperature > 0 else 0.0
 
 
@@ -136,14 +139,16 @@ def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) 
     if not rows:
         return out
     chunks = triton.cdiv(vocab, _CHUNK)
-    best = torch.empty(rows, chunks, 2, dtype=torch.int32, device=logits.device)
+    summary = torch.empty(rows, chunks, 3, dtype=torch.int32, device=logits.device)
     per_row = isinstance(scale, torch.Tensor)
-    _sample_chunks_kernel[(rows, chunks)](
-        logits, logits.stride(0), scale if per_row else out, 0.0 if per_row else float(scale),
-        *streams.args(out), best, vocab, chunks,
-        PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None, QUARTER=_QUARTER, num_warps=4,
-    )
-    _pick_chunk_kernel[(rows,)](best, out, chunks, vocab, BLOCK=triton.next_power_of_2(chunks), num_warps=1)
+    scale_args = (scale if per_row else out, 0.0 if per_row else float(scale))
+    _chunk_mass_kernel[(rows, chunks)](
+        logits, logits.stride(0), *scale_args, summary, vocab, chunks,
+        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4)
+    _pick_kernel[(rows,)](
+        logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks,
+        PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None,
+        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4)
     return out
 
 

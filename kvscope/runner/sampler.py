@@ -1,13 +1,13 @@
 """Token sampling for the rows that need a next token: greedy, temperature, top-k, top-p, seeds.
 
-Random rows use the exponential race in log space (``argmax(logits / T - log E)``,
-``E ~ Exp(1)``), which samples from ``softmax(logits / T)`` exactly and lets each seeded row draw
-its noise from its own stream. A seeded row's noise depends only on ``(seed, output index)``, so
-the same request gives the same tokens whatever it was batched with, and after a preemption.
-On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one launch, with
-counter-based noise drawn in registers (rows with top-k or top-p on logits masked outside their
-set; log-probs come from a ``log_softmax`` beside it); a temperature under ``GREEDY_BELOW`` is
-greedy.
+Random rows sample from ``softmax(logits / T)`` exactly, each seeded row from its own random
+stream. A seeded row's randomness depends only on ``(seed, output index)``, so the same request
+gives the same tokens whatever it was batched with, and after a preemption. On CPU that is the
+exponential race in log space (``argmax(logits / T - log E)``, ``E ~ Exp(1)``, from torch's
+generator). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one read of
+the logits, inverting each row's CDF at one counter-based uniform (rows with top-k or top-p on
+logits masked outside their set; log-probs come from a ``log_softmax`` beside it). A
+temperature under ``GREEDY_BELOW`` is greedy.
 
 Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
 :class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
@@ -204,7 +204,7 @@ class Sampler:
             self.kernels.compile_variants(vocab, dtype, self.device)
 
     def _streams(self, rows: "_Rows"):
-        """This call's noise streams (:class:`~kvscope.kernels.triton_sampling.Streams`): row ``i``
+        """This call's random streams (:class:`~kvscope.kernels.triton_sampling.Streams`): row ``i``
         draws ``(key, i, step)``; a seeded row ``(seed, output index, SEEDED)``."""
         self._step += 1
         if not rows.seeded:
@@ -273,8 +273,8 @@ class Sampler:
         return scaled
 
     def _sample_by_kernels(self, logits: torch.Tensor, as_float: torch.Tensor | None, rows: "_Rows") -> torch.Tensor:
-        """One fused launch on ``logits`` as they are; rows with top-k / top-p take the same
-        launch on logits whose tokens outside their set are ``-inf`` (found on ``as_float``, the
+        """The fused kernels on ``logits`` as they are; rows with top-k / top-p take the same
+        kernels on logits whose tokens outside their set are ``-inf`` (found on ``as_float``, the
         float32 cast), so every row draws the same as without a neighbour that masks."""
         if rows.scale is None:  # (on the device, read by this step's launch and the next ones')
             scale_of = self.kernels.scale_of
