@@ -438,15 +438,14 @@ def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.
                       block_n: int = DECODE_CONFIG.block_n) -> int:
     """Split decode histories when (sequences x KV heads) programs leave SMs idle.
 
-    With fewer programs than SMs, aim at about eight per SM (two waves of the ~4 decode programs
-    an SM holds; on an H200 this picked the fastest of the split counts measured for B=4 and
-    B=16 at 8 KV heads), keep at least two key tiles per split, and round down to a power of two
-    so few kernel variants get compiled. From one program per SM up, splitting costs more than
-    it gains (the merge, and partial results written and read back).
+    Below two programs per SM, aim at about eight (two waves of the ~4 decode programs an SM
+    holds; on an H200 this picked the fastest of the split counts measured for B=4 and B=16 at
+    8 KV heads), keep at least two key tiles per split, and round down to a power of two so few
+    kernel variants get compiled.
     """
     programs = meta.num_seqs * num_kv_heads
     sms = _sm_count(device)
-    if not meta.decode_only or programs == 0 or programs >= sms:
+    if not meta.decode_only or programs == 0 or programs >= 2 * sms:
         return 1
     most = max(1, meta.max_seqlen_k // (2 * block_n))
     want = min(MAX_SPLITS, triton.cdiv(8 * sms, programs), most)
