@@ -224,57 +224,6 @@ def test_interpreted_backend_empty_history_row() -> None:
     assert rel_err(out[:1], reference(case)[:1]) < 1e-5
 
 
-def packed_kv_views(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """The case's new K and V as the model hands them over: strided head views of one packed
-    ``[T, (Hq + 2 Hkv) * D]`` projection."""
-    qkv = torch.cat([case.q, case.k, case.v], dim=1)
-    hq, hkv = case.q.shape[1], case.k.shape[1]
-    return qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-
-
-DECODE = [(40, 1), (3, 1), (0, 1), (17, 1), (8, 1)]
-
-
-def check_decode_stores_its_own_kv(block_size: int, group: int, head_dim: int, dtype: torch.dtype,
-                                   num_splits: int | None, fp8: bool, device: str) -> None:
-    """A decode launch given ``new_kv`` writes the same pool bytes as ``store_kvcache`` (a padded
-    row's slot -1 skipped), whichever split owns a row's newest key, and attends over them: the
-    output equals the store-then-attend launch's."""
-    specs = DECODE if device == "cpu" else [(c, 1) for c in (0, 700, 2048, 63, 4100, 255, 256)]
-    case = make_case(specs, block_size, 2 * group, 2, head_dim, dtype, device, seed=block_size + group)
-    case.meta.context_lens[3] = 0  # a CUDA-graph padding row: no history, no slot
-    case.meta.slot_mapping[3] = -1
-    k_scale, v_scale = (torch.tensor(2.0 ** -6, device=device), torch.tensor(2.0 ** -5, device=device))
-    if fp8:
-        snap_to_fp8(case, k_scale, v_scale)
-        case.k_cache, case.v_cache = fp8_pools(case, k_scale, v_scale)
-    ref_k, ref_v = case.k_cache.clone(), case.v_cache.clone()
-    ta.store_kvcache(case.k, case.v, ref_k, ref_v, case.meta.slot_mapping, k_scale, v_scale)
-    expect = ta.paged_attention(case.q, ref_k, ref_v, case.meta, case.scale, k_scale, v_scale,
-                                num_splits=num_splits)
-    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, k_scale, v_scale,
-                             num_splits=num_splits, new_kv=packed_kv_views(case))
-    u8 = lambda t: t.view(torch.uint8)  # noqa: E731  (NaN != NaN: compare the bytes)
-    assert torch.equal(u8(case.k_cache), u8(ref_k)) and torch.equal(u8(case.v_cache), u8(ref_v))
-    assert torch.equal(out, expect) if device == "cpu" else rel_err(out, expect) <= 1e-3
-
-
-@interpreted_only
-@pytest.mark.parametrize("block_size,group,num_splits,fp8", [(4, 2, None, False), (4, 2, 4, False),
-                                                            (16, 7, 3, False), (8, 1, 2, True)])
-def test_interpreted_decode_stores_its_own_kv(block_size: int, group: int, num_splits: int | None,
-                                              fp8: bool) -> None:
-    check_decode_stores_its_own_kv(block_size, group, 32, torch.float32, num_splits, fp8, "cpu")
-
-
-@interpreted_only
-def test_interpreted_new_kv_refused_outside_decode() -> None:
-    case = make_case(MIXED, 4, 2, 2, 32, torch.float32, "cpu", seed=4)
-    with pytest.raises(ValueError, match="new_kv is for decode steps"):
-        ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
-                           new_kv=(case.k, case.v))
-
-
 def fp8_pools(case: PagedCase, k_scale: torch.Tensor,
               v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The case's pools as an fp8 engine would hold them (spare pages stay NaN)."""
@@ -383,19 +332,18 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.store_kvcache(mixed.k, mixed.v, mixed.k_cache, mixed.v_cache, mixed.meta.slot_mapping)
     ta.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
     ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale,
-                       num_splits=4, new_kv=packed_kv_views(decode))
+                       num_splits=4)
     scales = torch.tensor(0.5), torch.tensor(0.25)
     k8, v8 = fp8_pools(decode, *scales)
     ta.store_kvcache(decode.k, decode.v, k8, v8, decode.meta.slot_mapping, *scales)
     ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales)
-    ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales, new_kv=(decode.k, decode.v))
     ta.paged_attention(mixed.q, *fp8_pools(mixed, *scales), mixed.meta, mixed.scale, *scales)
     prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
     monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
                        config=ta.KernelConfig(128, 64, 8, 3, tma=True))
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 7, 1]
+    assert [len(r.calls) for r in kernels.values()] == [2, 6, 1]
     compile_recorded(kernels)
     # The default prefill tiles fit one H100/H200 block's shared memory (227 KiB).
     attention = kernels["_paged_attention_kernel"]
@@ -482,15 +430,6 @@ def test_gpu_decode_split_kv(block_size: int, group: int, head_dim: int,
     out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                              num_splits=num_splits)
     assert rel_err(out, reference(case, torch.float32)) <= 1e-2
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::3])
-@pytest.mark.parametrize("num_splits,fp8", [(None, False), (1, False), (16, False), (None, True), (1, True)])
-def test_gpu_decode_stores_its_own_kv(block_size: int, group: int, head_dim: int,
-                                      num_splits: int | None, fp8: bool) -> None:
-    check_decode_stores_its_own_kv(block_size, group, head_dim, torch.bfloat16, num_splits, fp8, "cuda")
 
 
 @pytest.mark.gpu

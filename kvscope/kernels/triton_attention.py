@@ -71,26 +71,6 @@ def _quantize(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
 
 
 @triton.jit
-def _store_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-                  r, tok, q_pos, row_ok, kv_head, t_begin, t_end, d, k_stride_t, k_stride_h,
-                  v_stride_t, v_stride_h, c_stride_slot, c_stride_h, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr):
-    """Write this tile's own K/V (KV head ``kv_head``; one row per token) into their slots, for
-    the tokens whose key tile this program walks, then wait for the whole block: the key loop's
-    loads may read them back. Decode only: there a token's one new key is its own."""
-    key_tile = q_pos // BLOCK_N
-    mine = row_ok & (r % GROUP == 0) & (key_tile >= t_begin) & (key_tile < t_end)
-    slot = tl.load(slot_ptr + tok, mask=mine, other=-1)
-    mine = (mine & (slot >= 0))[:, None] & (d < HEAD_DIM)[None, :]
-    dst = slot.to(tl.int64)[:, None] * c_stride_slot + kv_head * c_stride_h + d[None, :]
-    k = tl.load(k_ptr + tok[:, None] * k_stride_t + kv_head * k_stride_h + d[None, :], mask=mine)
-    tl.store(k_cache_ptr + dst, _quantize(k, k_scale_ptr, k_cache_ptr, FP8), mask=mine)
-    v = tl.load(v_ptr + tok[:, None] * v_stride_t + kv_head * v_stride_h + d[None, :], mask=mine)
-    tl.store(v_cache_ptr + dst, _quantize(v, v_scale_ptr, v_cache_ptr, FP8), mask=mine)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _tile_pages(table, t, t_end, kv_end, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Block-table entries of key tile ``t`` (zeros for a tile at or past ``t_end``). A tile
     inside one page (page size a multiple of BLOCK_N) needs one entry and its slots are
@@ -165,17 +145,14 @@ def _attend_query_tile(
     q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
     num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-    c_stride_slot, c_stride_h, new_k_ptr, new_v_ptr, slot_ptr,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    c_stride_slot, c_stride_h,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr,
 ):
     """Attention of query tokens [tok0, tok0 + BLOCK_Q) of one sequence (x GROUP query heads
-    of one KV head) over its history, or over one split's share of it. With STORE, the tile's own
-    keys and values (``new_k``, ``new_v`` at ``slot_mapping``) are written to the pool first
-    (decode)."""
+    of one KV head) over its history, or over one split's share of it."""
     first_pos = ctx - (q_end - q_begin)  # absolute position of the sequence's first query row
     r = tl.arange(0, BLOCK_M)
     tok = tok0 + r // GROUP
@@ -205,11 +182,6 @@ def _attend_query_tile(
         t_begin = 0
         t_end = num_tiles
 
-    if STORE:
-        _store_new_kv(new_k_ptr, new_v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr,
-                      v_scale_ptr, r, tok, q_pos, row_ok, kv_head, t_begin, t_end, d, k_stride_t,
-                      k_stride_h, v_stride_t, v_stride_h, c_stride_slot, c_stride_h, GROUP,
-                      HEAD_DIM, BLOCK_N, FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -267,12 +239,11 @@ def _paged_attention_kernel(
     num_seqs, num_splits, num_q_heads, scale_log2,
     q_stride_t, q_stride_h, o_stride_t, o_stride_h,
     c_stride_slot, c_stride_h, bt_stride,
-    new_k_ptr, new_v_ptr, slot_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr, STORE: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -286,10 +257,6 @@ def _paged_attention_kernel(
 
     SMALL_M > 0 (mixed steps): a sequence of at most SMALL_M query rows, such as a decode row,
     runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
-
-    STORE (decode steps): the kernel also writes the step's keys and values (``new_k``,
-    ``new_v`` at ``slot_mapping``), each by the program whose key tiles reach it, so a decode
-    layer needs no separate store launch.
     """
     tile = tl.program_id(0)
     if UNMASKED_FIRST:
@@ -315,19 +282,16 @@ def _paged_attention_kernel(
                 table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
                 num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h,
                 o_stride_t, o_stride_h, c_stride_slot, c_stride_h,
-                new_k_ptr, new_v_ptr, slot_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
                 PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False, STORE)
+                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False)
             return
     _attend_query_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
         part_acc_ptr, part_m_ptr, part_l_ptr,
         table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
         num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
-        c_stride_slot, c_stride_h,
-        new_k_ptr, new_v_ptr, slot_ptr, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-        PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE, TMA, STORE)
+        c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
+        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE, TMA)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -366,11 +330,6 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
         raise ValueError(f"cache must be [N, block_size, H_kv, D] with flat slots, got strides "
                          f"{tuple(k_cache.stride())}")
-
-
-def _check_new_rows(k: torch.Tensor, v: torch.Tensor) -> None:
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError("k and v must be contiguous in the head dimension")
 
 
 def _scale_arg(scale: torch.Tensor | float, cache: torch.Tensor) -> torch.Tensor:
@@ -415,7 +374,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_new_rows(k, v)
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v must be contiguous in the head dimension")
     _store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
@@ -455,25 +415,15 @@ def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float = 1.0,
                     v_scale: torch.Tensor | float = 1.0, *, config: KernelConfig | None = None,
-                    num_splits: int | None = None,
-                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    num_splits: int | None = None) -> torch.Tensor:
     """Causal attention of packed query rows ``q`` [T, Hq, D] over their paged histories;
     an fp8 cache is dequantized with ``k_scale`` / ``v_scale``.
-
-    ``new_kv`` (decode steps only): this step's ``(k, v)`` [T, Hkv, D], which the same launch
-    writes at ``meta.slot_mapping`` (as :func:`store_kvcache` would) before reading. Without
-    it the pool must already hold them.
 
     ``config`` defaults to :func:`default_config` (tuned per GPU and shape class where
     :func:`tune_paged_attention` ran) and ``num_splits`` to :func:`choose_num_splits`; tests
     and benchmarks pass them to reach every path.
     """
     _check_cache(k_cache, v_cache)
-    if new_kv is not None:
-        if not meta.decode_only:
-            raise ValueError("new_kv is for decode steps: a prefill reads keys other programs "
-                             "write, so store them first with store_kvcache")
-        _check_new_rows(*new_kv)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:
@@ -508,8 +458,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_acc = part_m = part_l = out  # unused: the SPLIT=False branch never touches them
     k_desc, v_desc = _tma_descriptors(k_cache, v_cache, config, meta.block_size, block_d)
-    # (without new_kv the store arguments are never read: q stands in for the pointers)
-    new_k, new_v = new_kv if new_kv is not None else (q, q)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, out,
         part_acc, part_m, part_l,
@@ -518,12 +466,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-        new_k, new_v, meta.slot_mapping, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
-        STORE=new_kv is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
@@ -573,8 +520,7 @@ def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 class TritonAttentionBackend:
-    """Store this step's K/V into the pool, then run the paged kernel over every row (on a
-    decode step the paged kernel stores them itself: one launch a layer)."""
+    """Store this step's K/V into the pool, then run the paged kernel over every row."""
 
     name = "triton"
 
@@ -582,7 +528,5 @@ class TritonAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
                 v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-        if meta.decode_only:
-            return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, new_kv=(k, v))
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
