@@ -7,7 +7,7 @@ numbers: the chunk's largest score (``log2(e) * logits / T``), that entry's inde
 chunk's mass ``sum(2 ** (score - largest))``. The second launch, one program per row, weighs
 the chunks' masses against the row's largest score, walks them to the chunk where ``U`` times
 the total lands, and scans that one chunk again for the token. A greedy row (``scale == 0``)
-takes the first largest logit instead. So the noise is one number per row, not one per
+takes the first largest logit instead. So the randomness is one number per row, not one per
 vocabulary entry, and the pass over ``[rows, vocab]`` is a read and an ``exp2`` per entry.
 
 The uniform is counter-based (Philox-4x32-10): a pure function of the row's *stream*
