@@ -106,6 +106,24 @@ def check_frequencies(device: str, rows: int) -> None:
     assert chi2 < 18.47, (chi2, counts.tolist())  # 4 degrees of freedom, 0.1 %
 
 
+def check_rows_without_a_distribution(device: str) -> None:
+    """A row of NaN logits (a broken model) or of only ``-inf`` has no distribution to sample:
+    its token is still a valid id (never a negative one, which the next step would embed), and
+    its neighbours sample as they would without it."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 5000, generator=gen)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    streams = ts.Streams(KEY, 2)
+    for scale in (ts.scale_of(0.9), 0.0):
+        tokens = ts.sample(logits.to(device), scale, streams).cpu()
+        assert ((tokens >= 0) & (tokens < 5000)).all(), tokens
+        alone = ts.sample(logits[[0, 3]].to(device), scale, ts.Streams(KEY, 2)).cpu()
+        if scale == 0:
+            assert tokens[[0, 3]].tolist() == alone.tolist()
+        check_tokens(logits[[0, 3]], torch.full((2,), scale), ts.Streams(KEY, 2), alone)
+
+
 @triton.jit
 def _uniform_of_streams(out_ptr, a_ptr, key, b, N: tl.constexpr):
     for j in range(N):
@@ -209,6 +227,11 @@ def test_interpreted_uniform_and_chunk_edges() -> None:
 
 
 @interpreted_only
+def test_interpreted_rows_without_a_distribution() -> None:
+    check_rows_without_a_distribution("cpu")
+
+
+@interpreted_only
 def test_interpreted_seeded_row_keeps_its_token() -> None:
     check_seeded_row_keeps_its_token("cpu")
 
@@ -270,6 +293,7 @@ def test_gpu_fused_matches_reference(rows: int, vocab: int, dtype: torch.dtype, 
 @needs_cuda
 def test_gpu_seeds_and_paths() -> None:
     check_uniform_and_chunk_edges("cuda")
+    check_rows_without_a_distribution("cuda")
     check_frequencies("cuda", 200000)
     check_seeded_row_keeps_its_token("cuda")
     check_reused_params_list("cuda")

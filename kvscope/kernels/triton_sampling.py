@@ -108,9 +108,10 @@ def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, st
         passed = (tl.cumsum(weight, 0) > target) & (weight > 0)
         chunk = tl.min(tl.where(passed, c, BLOCK_C), 0)
         chunk = tl.where(chunk == BLOCK_C, tl.max(tl.where(weight > 0, c, -1), 0), chunk)
+        chunk = tl.maximum(chunk, 0)  # a row with no mass (NaN or all -inf logits): read in bounds
         residual = target - tl.sum(tl.where(c < chunk, weight, 0.0), 0)
         token = _token_in_chunk(logits_ptr + row * stride, chunk * CHUNK, vocab, scale, best, residual, CHUNK)
-    tl.store(out_ptr + row, tl.minimum(token, vocab - 1).to(tl.int64))
+    tl.store(out_ptr + row, tl.minimum(tl.maximum(token, 0), vocab - 1).to(tl.int64))  # always a valid id
 
 
 class Streams:
