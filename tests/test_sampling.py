@@ -19,7 +19,7 @@ CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch
 
 
 def _draw(params: SamplingParams, n: int = 40000, seed: int = 0, device: str = "cpu") -> torch.Tensor:
-    """``n`` draws; on CUDA through the Triton kernels (fused, or their noise under top-k/top-p)."""
+    """``n`` draws; on CUDA through the Triton kernels (on masked logits under top-k/top-p)."""
     sampler = Sampler(seed, torch.device(device))
     logits = PROBS.log().repeat(n, 1).to(device)
     return torch.tensor(sampler.sample(logits, [params] * n, [0] * n).to_output().tokens)
@@ -126,7 +126,7 @@ def test_rows_sharing_one_params_object_sample_as_rows_with_equal_copies(params)
 def test_a_call_on_the_last_calls_params_list_samples_as_a_fresh_one(device):
     """Steady decode hands the sampler the very params list of the last step (one token
     further), and the sampler reuses what it read from it: the same tokens and log-probs as a
-    sampler given a fresh copy of the list every step, seeded rows (whose noise follows the
+    sampler given a fresh copy of the list every step, seeded rows (whose randomness follows the
     output index) included. (On CUDA the kernels' path; its CPU tier is in test_sampling_kernels.)"""
     kinds = [SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=0), SamplingParams(temperature=1.2),
              SamplingParams(temperature=0.8, seed=12, logprobs=2), SamplingParams(temperature=0.5, top_k=3)]

@@ -169,7 +169,7 @@ def check_seeded_row_keeps_its_token(device: str) -> None:
             assert tokens[2] == alone, (index, others)
     differs = [Sampler(3, torch.device(device), use_triton=True).sample(logits[2:3], [seeded], [i])
                .to_output().tokens[0] for i in range(8)]
-    assert len(set(differs)) > 1, "the output index does not reach the noise"
+    assert len(set(differs)) > 1, "the output index does not reach the random stream"
 
 
 def check_reused_params_list(device: str) -> None:
