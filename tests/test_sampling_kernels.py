@@ -114,14 +114,15 @@ def check_rows_without_a_distribution(device: str) -> None:
     logits = torch.randn(4, 5000, generator=gen)
     logits[1] = float("nan")
     logits[2] = float("-inf")
-    streams = ts.Streams(KEY, 2)
+    per_row = torch.tensor([[KEY, row, 2] for row in range(4)])
+    fine = [0, 3]
     for scale in (ts.scale_of(0.9), 0.0):
-        tokens = ts.sample(logits.to(device), scale, streams).cpu()
+        tokens = ts.sample(logits.to(device), scale, ts.Streams(KEY, 2, per_row.to(device))).cpu()
         assert ((tokens >= 0) & (tokens < 5000)).all(), tokens
-        alone = ts.sample(logits[[0, 3]].to(device), scale, ts.Streams(KEY, 2)).cpu()
-        if scale == 0:
-            assert tokens[[0, 3]].tolist() == alone.tolist()
-        check_tokens(logits[[0, 3]], torch.full((2,), scale), ts.Streams(KEY, 2), alone)
+        streams = ts.Streams(KEY, 2, per_row[fine].to(device))
+        alone = ts.sample(logits[fine].to(device), scale, streams).cpu()
+        assert tokens[fine].tolist() == alone.tolist()
+        check_tokens(logits[fine], torch.full((2,), scale), ts.Streams(KEY, 2, per_row[fine]), alone)
 
 
 @triton.jit
