@@ -261,15 +261,19 @@ class Sampler:
         return rows
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
-        """float32 ``logits / T`` per row (a greedy row by 1), top-k / top-p masked to ``-inf``."""
+        """float32 ``logits / T`` per row (a greedy row by 1), top-k / top-p masked to ``-inf``.
+        The per-row tensors go to the device once per ``_Rows`` (a steady batch reuses them)."""
         if rows.one_temp:
             scaled = logits / self._temperature(rows.temps[0] if rows.temps[0] > 0 else 1.0)
         else:
-            scaled = logits / self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
+            if rows.divisor is None:
+                rows.divisor = self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
+            scaled = logits / rows.divisor
         if rows.masked:
-            top_k = self._tensor([p.top_k for p in rows.params], torch.int64)
-            top_p = self._tensor([float(p.top_p) for p in rows.params], torch.float32)
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            if rows.top_k_p is None:
+                rows.top_k_p = (self._tensor([p.top_k for p in rows.params], torch.int64),
+                                self._tensor([float(p.top_p) for p in rows.params], torch.float32))
+            scaled = apply_top_k_top_p(scaled, *rows.top_k_p)
         return scaled
 
     def _sample_by_kernels(self, logits: torch.Tensor, as_float: torch.Tensor | None, rows: "_Rows") -> torch.Tensor:
@@ -317,6 +321,8 @@ class _Rows:
     masked: bool  # some row asks for top-k or top-p
     seeded: bool  # some row has a seed
     scale: float | torch.Tensor | None = None  # the kernels' scale, once computed
+    divisor: torch.Tensor | None = None  # float32 [rows, 1]: each row's temperature (1 for greedy)
+    top_k_p: tuple[torch.Tensor, torch.Tensor] | None = None  # per-row top-k and top-p, when masked
 
     @functools.cached_property
     def one_temp(self) -> bool:
