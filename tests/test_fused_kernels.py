@@ -1,6 +1,7 @@
 """Fused Triton kernels (``kvscope.kernels.triton_fused``) against the torch layer code they
 replace, which stays the reference: RMSNorm with and without the residual add, per-head q/k
-RMSNorm + RoPE (and RoPE alone), SiLU-and-mul.
+RMSNorm + RoPE (and RoPE alone, either one also writing the step's K/V into the paged pool),
+SiLU-and-mul.
 
 Tiers, as in test_triton_kernels.py (``triton_testing`` says why the interpreter runs in a
 subprocess):
@@ -19,13 +20,17 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kvscope.kernels import fused as fused_switch
+from kvscope.kernels import triton_attention as ta
 from kvscope.kernels import triton_fused as tf
+from kvscope.kernels.base import KVWrite
+from kvscope.kernels.kv_quant import FP8_DTYPE
+from kvscope.kernels.torch_attention import store_kv
 from kvscope.layers import norm as norm_module
 from kvscope.layers.activation import SiluAndMul
 from kvscope.layers.norm import RMSNorm
 from kvscope.layers.rotary import RopeConfig, RotaryEmbedding, rotate_qk
-from triton_testing import (compile_recorded, compiled_only, interpreted_only, record_launches,
-                            needs_cuda, rel_err, run_interpreted_tests)
+from triton_testing import (INTERPRETED, compile_recorded, compiled_only, interpreted_only,
+                            record_launches, needs_cuda, rel_err, run_interpreted_tests)
 
 EPS = 1e-6
 LLAMA3 = RopeConfig(theta=10000.0, rope_type="llama3",
@@ -97,6 +102,48 @@ def check_qk_norm_rope(tokens: int, num_q_heads: int, num_kv_heads: int, head_di
         assert rel_err(out.cpu(), ref) < tolerance(dtype)
 
 
+def check_qk_norm_rope_store(tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                             qk_norm: bool, dtype: torch.dtype, pool_dtype: torch.dtype,
+                             device: str) -> None:
+    """The RoPE kernel's pool write against the backends' own store of the k it rotated and of
+    v: the same qkv buffer and the same pool bytes, slot -1 skipped, untouched slots kept, an
+    fp8 pool quantized with its scales.
+
+    The truth is torch's ``store_kv``; for an fp8 pool in the interpreter it is the Triton
+    store kernel, because the interpreter's float -> fp8 cast rounds some values wrongly (see
+    test_triton_kernels.snap_to_fp8); on the GPU fp8 is checked against torch too.
+    """
+    gen = torch.Generator().manual_seed(tokens + num_q_heads * head_dim + qk_norm)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    cos, sin = RotaryEmbedding(head_dim, 512, DEFAULT_ROPE).cos_sin[positions].chunk(2, dim=-1)
+    qkv = (2 * torch.randn(tokens, (num_q_heads + 2 * num_kv_heads) * head_dim,
+                           generator=gen)).to(dtype)
+    weights = ([random_norm(head_dim, gen).weight.detach().to(device, dtype) for _ in range(2)]
+               if qk_norm else [None, None])
+    pages, block = triton.cdiv(2 * tokens, 4), 4
+    slots = torch.randperm(pages * block, generator=gen)[:tokens]
+    slots[::3] = -1
+    scales = [torch.tensor(x, device=device) for x in (0.5, 2.0)]
+    empty = torch.full((pages, block, num_kv_heads, head_dim), 3.0).to(pool_dtype)
+
+    def run(fused_store: bool) -> list[torch.Tensor]:
+        work = qkv.clone().to(device)
+        q, k, v = (x.view(tokens, -1, head_dim) for x in work.split(
+            [num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1))
+        pool = [empty.clone().to(device), empty.clone().to(device)]
+        slot_mapping = slots.to(device)
+        store = KVWrite(v, *pool, slot_mapping, *scales) if fused_store else None
+        tf.qk_norm_rope(q, k, cos.to(device), sin.to(device), *weights, EPS, store=store)
+        if not fused_store:
+            backend_store = (ta.store_kvcache if pool_dtype == FP8_DTYPE and INTERPRETED
+                             else store_kv)
+            backend_store(k, v, *pool, slot_mapping, *scales)
+        return [x.cpu().view(torch.uint8) for x in (work, *pool)]
+
+    for got, want in zip(run(True), run(False)):
+        assert torch.equal(got, want)
+
+
 def check_silu_and_mul(rows: int, width: int, dtype: torch.dtype, device: str) -> None:
     gen = torch.Generator().manual_seed(rows + width)
     x = (3 * torch.randn(rows, 2 * width, generator=gen)).to(dtype)
@@ -131,6 +178,18 @@ def test_interpreted_rms_norm(rows: int, hidden: int, residual: bool, dtype: tor
 def test_interpreted_qk_norm_rope(num_q_heads: int, num_kv_heads: int, head_dim: int,
                                   rope: RopeConfig, qk_norm: bool, dtype: torch.dtype) -> None:
     check_qk_norm_rope(5, num_q_heads, num_kv_heads, head_dim, qk_norm, rope, dtype, "cpu")
+
+
+@interpreted_only
+@pytest.mark.parametrize("pool_fp8", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("tokens,num_q_heads,num_kv_heads,head_dim", [(7, 4, 2, 32), (4, 6, 1, 64)])
+def test_interpreted_qk_norm_rope_store(tokens: int, num_q_heads: int, num_kv_heads: int,
+                                        head_dim: int, qk_norm: bool, dtype: torch.dtype,
+                                        pool_fp8: bool) -> None:
+    check_qk_norm_rope_store(tokens, num_q_heads, num_kv_heads, head_dim, qk_norm, dtype,
+                             FP8_DTYPE if pool_fp8 else dtype, "cpu")
 
 
 @interpreted_only
@@ -192,6 +251,52 @@ def test_interpreted_model_dispatch(arch: str, monkeypatch: pytest.MonkeyPatch) 
     assert rel_err(run_model(model, seqs), ref) < 1e-5
 
 
+def with_pools(model, pages: int = 8, block: int = 16):
+    """Give ``model``'s attention layers zeroed paged pools and the batched torch backend (it
+    reads the pools, wherever the step's K/V were written from)."""
+    from kvscope.kernels.torch_attention import TorchAttentionBackend
+
+    param = next(model.parameters())
+    for layer in model.model.layers:
+        attn = layer.self_attn.attn
+        attn.k_cache, attn.v_cache = torch.zeros(2, pages, block, attn.num_kv_heads,
+                                                 attn.head_dim, dtype=param.dtype,
+                                                 device=param.device)
+        attn.backend = TorchAttentionBackend()
+    return model
+
+
+def prefill_then_decode(model) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Hidden states of a paged prefill and then a decode step that reads it back, and every
+    layer's pool after them."""
+    steps = ([(0, 19, [0, 1]), (0, 5, [2])], [(19, 1, [0, 1]), (5, 1, [2])])
+    hidden = torch.cat([run_model(model, seqs) for seqs in steps])
+    return hidden, [torch.stack((layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache))
+                    for layer in model.model.layers]
+
+
+@interpreted_only
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_interpreted_model_stores_kv_in_rope(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers' dispatch forced onto the fused kernels with a paged pool: the RoPE kernel
+    writes each layer's K/V and the backend skips its store (no launch of its own is left to
+    do it), and the hidden states and the pools match the torch code's."""
+    from kvscope.layers import activation, attention, rotary
+
+    ref_hidden, ref_pools = prefill_then_decode(with_pools(tiny_model(arch, torch.float32, "cpu")))
+    for module in (norm_module, rotary, activation, attention):
+        monkeypatch.setattr(module, "fused_kernels", lambda x: tf)
+    stored = []
+    monkeypatch.setattr(ta, "store_kvcache", lambda *args: stored.append(args))
+    monkeypatch.setattr("kvscope.kernels.torch_attention.store_kv",
+                        lambda *args, **kwargs: stored.append(args))
+    hidden, pools = prefill_then_decode(with_pools(tiny_model(arch, torch.float32, "cpu")))
+    assert not stored
+    assert rel_err(hidden, ref_hidden) < 1e-5
+    for pool, ref in zip(pools, ref_pools):
+        assert rel_err(pool, ref) < 1e-5
+
+
 # --- CPU: compile the real launches for sm_90 ------------------------------------------------
 
 # (hidden, q heads, kv heads, head_dim, intermediate): Qwen3-0.6B and Llama-3-8B
@@ -214,6 +319,13 @@ def launch_all(tokens: int, hidden: int, num_q_heads: int, num_kv_heads: int, he
     cos, sin = torch.randn(tokens, head_dim, device=device).chunk(2, dim=-1)
     tf.qk_norm_rope(q, k, cos, sin, rand(head_dim), rand(head_dim), EPS)
     tf.qk_norm_rope(q, k, cos, sin)
+    v = qkv[:, (num_q_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    slots = torch.arange(tokens, device=device)
+    scale = torch.ones((), device=device)
+    for pool_dtype in (dtype, FP8_DTYPE):
+        pool = torch.zeros(2, 4, 16, num_kv_heads, head_dim, device=device).to(pool_dtype)
+        tf.qk_norm_rope(q, k, cos, sin, rand(head_dim), rand(head_dim), EPS,
+                        store=KVWrite(v, *pool, slots, scale, scale))
     tf.silu_and_mul(rand(tokens, 2 * intermediate))
 
 
@@ -223,7 +335,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = record_launches(monkeypatch, tf, ("_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_and_mul_kernel"))
     for shape in MODEL_SHAPES:
         launch_all(3, *shape, torch.bfloat16, "cpu")
-    assert [len(r.calls) for r in kernels.values()] == [4, 4, 2]
+    assert [len(r.calls) for r in kernels.values()] == [4, 8, 2]
     compile_recorded(kernels)
 
 
@@ -241,6 +353,9 @@ def test_gpu_kernels_bf16(tokens: int, hidden: int, num_q_heads: int, num_kv_hea
     for qk_norm, rope in ((True, DEFAULT_ROPE), (False, LLAMA3)):
         check_qk_norm_rope(tokens, num_q_heads, num_kv_heads, head_dim, qk_norm, rope, bf16,
                            "cuda")
+        for pool_dtype in (bf16, FP8_DTYPE):
+            check_qk_norm_rope_store(tokens, num_q_heads, num_kv_heads, head_dim, qk_norm, bf16,
+                                     pool_dtype, "cuda")
     check_silu_and_mul(tokens, intermediate, bf16, "cuda")
 
 
@@ -349,4 +464,5 @@ def test_gpu_kernels_per_decoder_layer(arch: str, monkeypatch: pytest.MonkeyPatc
     # 3 layers of 2 norms (the first layer's input norm has no residual), then the final norm
     assert launches("_rms_norm_kernel") == 7
     assert launches("_qk_norm_rope_kernel") == launches("_silu_and_mul_kernel") == 3
+    assert launches("_store_kvcache_kernel") == 0  # the RoPE kernel wrote the pool
     assert per_layer[True] + 20 <= per_layer[False]

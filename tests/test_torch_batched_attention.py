@@ -125,14 +125,15 @@ class LayoutSpy(TorchAttentionBackend):
         super().__init__()
         self.kinds: set[str] = set()
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, *scales) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, *scales,
+                **options) -> torch.Tensor:
         q_lens = meta.cu_seqlens_q.diff()
         longer = q_lens > 1
         if bool((q_lens == 1).any()) and bool(longer.any()):
             self.kinds.add("mixed")
         if bool((longer & (meta.context_lens > q_lens)).any()):
             self.kinds.add("chunk after a cached prefix")
-        return super().forward(q, k, v, k_cache, v_cache, meta, scale, *scales)
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale, *scales, **options)
 
 
 PREFIX = 260  # more than one 256-slot block, so every block size can hit the prefix cache

@@ -34,6 +34,20 @@ class AttentionMetadata:
     no_prefix: bool = False         # every sequence computes its whole history this step
 
 
+@dataclass
+class KVWrite:
+    """Where one layer's step K/V go in the pool: handed to a kernel that holds k and v anyway
+    (the fused RoPE kernel), which writes them as the backend's store would; the backend is
+    then called with ``kv_stored=True``."""
+
+    v: torch.Tensor             # [T, Hkv, D] (a strided view of the qkv projection is fine)
+    k_cache: torch.Tensor       # [N, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # the step's meta.slot_mapping
+    k_scale: torch.Tensor       # 0-d fp32, read only by an fp8 pool
+    v_scale: torch.Tensor
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -48,8 +62,10 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor | float = 1.0,  # fp32 scalar tensor in the engine (see below)
         v_scale: torch.Tensor | float = 1.0,
+        kv_stored: bool = False,  # this step's k/v are in the pool already (see KVWrite)
     ) -> torch.Tensor:          # [T, Hq, D]
-        """Store k/v at ``meta.slot_mapping`` then return causal paged attention output.
+        """Store k/v at ``meta.slot_mapping`` (unless ``kv_stored``) then return causal paged
+        attention output.
 
         A pool of dtype ``float8_e4m3fn`` (``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and
         ``v / v_scale``, clamped to +-448; a backend dequantizes as it reads. The scales are

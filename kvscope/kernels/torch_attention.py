@@ -120,12 +120,14 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
-                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+                v_scale: torch.Tensor | float = 1.0, kv_stored: bool = False) -> torch.Tensor:
         shape = (q.shape[0], k_cache.shape[1], q.shape[1], k_cache.shape[2])
         if self._planned is None or self._planned[0] is not meta or self._planned[1] != shape:
             self._planned = (meta, shape, plan_batches(meta, *shape), bool((meta.slot_mapping >= 0).all()))
         _, _, plan, all_written = self._planned
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale, all_written=all_written)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale,
+                     all_written=all_written)
         return attend_planned(q, k_cache, v_cache, plan, scale, k, v, k_scale, v_scale)
 
 
@@ -138,6 +140,7 @@ class TorchReferenceBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
-                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                v_scale: torch.Tensor | float = 1.0, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

@@ -56,14 +56,15 @@ def _store_kvcache_kernel(
     mask = (h < NUM_KV_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
     cache_off = slot * c_stride_slot + h[:, None] * c_stride_h + d[None, :]
     k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_off, _quantize(k, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
+    tl.store(k_cache_ptr + cache_off, quantize_for_pool(k, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
     v = tl.load(v_ptr + t * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=mask)
-    tl.store(v_cache_ptr + cache_off, _quantize(v, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
+    tl.store(v_cache_ptr + cache_off, quantize_for_pool(v, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
 
 
 @triton.jit
-def _quantize(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
-    """``x`` as the cache stores it (see ``kv_quant.quantize_kv``)."""
+def quantize_for_pool(x, scale_ptr, cache_ptr, FP8: tl.constexpr):
+    """``x`` as the cache stores it (see ``kv_quant.quantize_kv``); every kernel that writes the
+    pool goes through here."""
     if FP8:
         x = x.to(tl.float32) / tl.load(scale_ptr)
         x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
@@ -520,13 +521,15 @@ def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 class TritonAttentionBackend:
-    """Store this step's K/V into the pool, then run the paged kernel over every row."""
+    """Store this step's K/V into the pool (unless the fused RoPE kernel did), then run the
+    paged kernel over every row."""
 
     name = "triton"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, k_scale: torch.Tensor | float = 1.0,
-                v_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+                v_scale: torch.Tensor | float = 1.0, kv_stored: bool = False) -> torch.Tensor:
+        if not kv_stored:
+            store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)

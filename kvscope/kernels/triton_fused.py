@@ -1,5 +1,6 @@
 """Fused Triton kernels for the decoder's elementwise work: RMSNorm (optionally with the residual
-add), Qwen3's per-head q/k RMSNorm with RoPE, RoPE alone, and SiLU-and-mul.
+add), Qwen3's per-head q/k RMSNorm with RoPE, RoPE alone (either optionally writing the step's
+K/V into the paged pool), and SiLU-and-mul.
 
 Unfused, each of these is a chain of tiny torch kernels (RMSNorm alone is cast, pow, mean, add,
 rsqrt, mul, cast, mul); at decode batch sizes every one of them costs a launch and a round trip
@@ -16,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvscope.kernels.base import KVWrite
+from kvscope.kernels.triton_attention import quantize_for_pool
 
 _SILU_BLOCK = 1024  # columns per silu_and_mul program: a 2-D grid keeps small batches busy
 
@@ -51,7 +55,8 @@ def _norm_rope_heads(ptr, head_stride, w_ptr, cos, sin, eps,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
     """In place on one token's ``NUM_HEADS`` heads at ``ptr``: optional per-head RMSNorm, then
-    rotate-half RoPE with this token's ``cos``/``sin`` (``[BLOCK_HALF]``, fp32)."""
+    rotate-half RoPE with this token's ``cos``/``sin`` (``[BLOCK_HALF]``, fp32). Returns the two
+    rotated halves as stored (``[BLOCK_H, BLOCK_HALF]`` in the tensor's dtype)."""
     half = HEAD_DIM // 2
     h = tl.arange(0, BLOCK_H)[:, None]
     j = tl.arange(0, BLOCK_HALF)[None, :]
@@ -66,19 +71,26 @@ def _norm_rope_heads(ptr, head_stride, w_ptr, cos, sin, eps,
         x1 = x1 * rrms[:, None] * w1
         x2 = x2 * rrms[:, None] * w2
     dtype = ptr.dtype.element_ty
-    tl.store(lo, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(lo + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    r1 = (x1 * cos - x2 * sin).to(dtype)
+    r2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(lo, r1, mask=mask)
+    tl.store(lo + half, r2, mask=mask)
+    return r1, r2
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr,
-    q_stride, q_head_stride, k_stride, k_head_stride, cs_stride, eps,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    q_stride, q_head_stride, k_stride, k_head_stride, v_stride, v_head_stride, cs_stride,
+    c_stride_slot, c_stride_h, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One token: q and k heads normalised (if ``NORM``) and rotated in place."""
+    """One token: q and k heads normalised (if ``NORM``) and rotated in place; with ``STORE``
+    its rotated k and its v also go to pool slot ``slot_ptr[t]`` (none when it is negative),
+    exactly as the attention backend's store would write them."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     cs_mask = j < HEAD_DIM // 2
@@ -86,8 +98,24 @@ def _qk_norm_rope_kernel(
     sin = tl.load(sin_ptr + t * cs_stride + j, mask=cs_mask, other=0.0).to(tl.float32)[None, :]
     _norm_rope_heads(q_ptr + t * q_stride, q_head_stride, qw_ptr, cos, sin, eps,
                      NUM_Q_HEADS, HEAD_DIM, BLOCK_QH, BLOCK_HALF, NORM)
-    _norm_rope_heads(k_ptr + t * k_stride, k_head_stride, kw_ptr, cos, sin, eps,
-                     NUM_K_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_HALF, NORM)
+    k1, k2 = _norm_rope_heads(k_ptr + t * k_stride, k_head_stride, kw_ptr, cos, sin, eps,
+                              NUM_K_HEADS, HEAD_DIM, BLOCK_KH, BLOCK_HALF, NORM)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            half = HEAD_DIM // 2
+            h = tl.arange(0, BLOCK_KH)[:, None]
+            mask = (h < NUM_K_HEADS) & cs_mask[None, :]
+            pool = slot * c_stride_slot + h * c_stride_h + j[None, :]
+            tl.store(k_cache_ptr + pool, quantize_for_pool(k1, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
+            tl.store(k_cache_ptr + pool + half,
+                     quantize_for_pool(k2, k_scale_ptr, k_cache_ptr, FP8), mask=mask)
+            v = v_ptr + t * v_stride + h * v_head_stride + j[None, :]
+            v1 = tl.load(v, mask=mask, other=0.0)
+            v2 = tl.load(v + half, mask=mask, other=0.0)
+            tl.store(v_cache_ptr + pool, quantize_for_pool(v1, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
+            tl.store(v_cache_ptr + pool + half,
+                     quantize_for_pool(v2, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
 
 
 @triton.jit
@@ -151,13 +179,15 @@ def _check_heads(x: torch.Tensor) -> None:
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 0.0, store: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` in place by RoPE, after a per-head
     RMSNorm with ``q_weight``/``k_weight`` when given (Qwen3); one launch for both.
 
     ``cos``/``sin``: ``[T, D/2]`` rows of the rotary table for this step's positions (any
     row stride, e.g. the two halves of ``RotaryEmbedding.cos_sin[positions]``). ``q`` and ``k``
     may be strided views (heads of the packed qkv projection); they are returned for chaining.
+    With ``store``, the same launch writes the rotated k and ``store.v`` into the pool, so the
+    attention backend is told to skip its own store (one launch less per layer and step).
     """
     for x in (q, k):
         _check_heads(x)
@@ -168,13 +198,25 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
         cos, sin = cos.contiguous(), sin.contiguous()
     norm = q_weight is not None
+    if store is not None:
+        _check_heads(store.v)
+        if store.v.shape != k.shape or store.k_cache.shape[2:] != k.shape[1:]:
+            raise ValueError(f"store: v {tuple(store.v.shape)} and pool pages "
+                             f"{tuple(store.k_cache.shape)} do not match k {tuple(k.shape)}")
+        v, k_cache, v_cache = store.v, store.k_cache, store.v_cache
+        slots, k_scale, v_scale = store.slot_mapping, store.k_scale, store.v_scale
+    else:  # the STORE=False kernel never touches these: pass any tensor of the right kind
+        v, k_cache, v_cache, slots, k_scale, v_scale = k, k, k, cos, cos, cos
     if t:
         _qk_norm_rope_kernel[(t,)](
             q, k, cos, sin, q_weight if norm else cos, k_weight if norm else cos,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), eps,
+            v, k_cache, v_cache, slots, k_scale, v_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
             NUM_Q_HEADS=hq, NUM_K_HEADS=hk, HEAD_DIM=d,
             BLOCK_QH=triton.next_power_of_2(hq), BLOCK_KH=triton.next_power_of_2(hk),
-            BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm,
+            BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, STORE=store is not None,
+            FP8=k_cache.dtype == torch.float8_e4m3fn,
             num_warps=4 if hq * d >= 2048 else 2)
     return q, k
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvscope.kernels.base import AttentionBackend
+from kvscope.kernels.base import AttentionBackend, KVWrite
+from kvscope.kernels.fused import fused_kernels
 from kvscope.kernels.kv_quant import FP8_MAX
 from kvscope.kernels.torch_attention import TorchAttentionBackend, varlen_attention_no_cache
 from kvscope.forward_context import get_forward_context
@@ -41,9 +42,22 @@ class Attention(nn.Module):
         self.v_scale = torch.ones((), dtype=torch.float32)
         self.calculate_kv_scales = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_write(self, v: torch.Tensor) -> KVWrite | None:
+        """This step's pool write for the fused RoPE kernel to do, where it runs (CUDA, Triton)
+        and the pool is allocated; ``None`` leaves the store to :meth:`forward`. Also ``None``
+        on a step that sets the fp8 scales, which must see k and v before anything is stored."""
+        meta = get_forward_context().attn
+        if (meta is None or self.k_cache.numel() == 0 or fused_kernels(v) is None
+                or (self.calculate_kv_scales and not meta.decode_only)):
+            return None
+        return KVWrite(v.view(v.shape[0], self.num_kv_heads, self.head_dim), self.k_cache,
+                       self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_stored: bool = False) -> torch.Tensor:
         """``q`` ``[T, Hq*D]`` or ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv*D]`` or ``[T, Hkv, D]``
-        (after RoPE; strided head views of the packed projection are fine) -> ``[T, Hq*D]``."""
+        (after RoPE; strided head views of the packed projection are fine) -> ``[T, Hq*D]``.
+        ``kv_stored``: the write :meth:`kv_write` handed out was done."""
         meta = get_forward_context().attn
         if meta is None:
             raise RuntimeError("Attention called outside kvscope.forward_context(...)")
@@ -62,7 +76,7 @@ class Attention(nn.Module):
             if self.calculate_kv_scales and not meta.decode_only:
                 self._calculate_kv_scales(k, v)
             out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale,
-                                       self.k_scale, self.v_scale)
+                                       self.k_scale, self.v_scale, kv_stored=kv_stored)
         return out.reshape(t, self.num_heads * self.head_dim)
 
     def _calculate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvscope.kernels.base import KVWrite
 from kvscope.kernels.fused import fused_kernels
 from kvscope.layers.norm import RMSNorm, rms_norm
 
@@ -102,8 +103,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotate_qk(qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-              q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None,
+              store: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the query and key heads ``qk`` ``[T, Hq + Hkv, D]`` (the first ``num_q_heads``
     are q), each head first normalised when the norms are given (Qwen3: both, with one ``eps``).
     ``cos``, ``sin``: the step's tables from :class:`RotaryEmbedding` (made for ``qk``'s device).
@@ -111,14 +112,19 @@ def rotate_qk(qk: torch.Tensor, num_q_heads: int, cos: torch.Tensor, sin: torch.
 
     q and k sit side by side in the packed qkv projection, so the torch path normalises and
     rotates them together (one weight row per head), half the small ops of doing each apart.
-    On CUDA this is one kernel that works in place on the q and k views of ``qk``.
+    On CUDA this is one kernel that works in place on the q and k views of ``qk``, and that
+    also writes k and v into the KV pool when given the layer's ``store``
+    (:meth:`~kvscope.layers.attention.Attention.kv_write`, which hands one out only there).
     """
     fused = fused_kernels(qk)
     if fused is not None:
         q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
         if q_norm is None:
-            return fused.qk_norm_rope(q, k, cos, sin)
-        return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+            return fused.qk_norm_rope(q, k, cos, sin, store=store)
+        return fused.qk_norm_rope(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps,
+                                  store=store)
+    if store is not None:
+        raise ValueError("a KV store rides on the fused RoPE kernel, which does not run here")
     if q_norm is not None:
         d, num_k_heads = qk.shape[-1], qk.shape[1] - num_q_heads
         weight = torch.cat((q_norm.weight.expand(num_q_heads, d), k_norm.weight.expand(num_k_heads, d)))

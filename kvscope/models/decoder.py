@@ -76,8 +76,9 @@ class DecoderAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qk, v = self.qkv_proj.split_qk_v(self.qkv_proj(hidden))
-        q, k = rotate_qk(qk, self.num_heads, cos, sin, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v))
+        store = self.attn.kv_write(v)
+        q, k = rotate_qk(qk, self.num_heads, cos, sin, self.q_norm, self.k_norm, store)
+        return self.o_proj(self.attn(q, k, v, kv_stored=store is not None))
 
 
 class DecoderMLP(nn.Module):
