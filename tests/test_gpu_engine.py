@@ -94,6 +94,20 @@ def test_cuda_graphs_match_eager(checkpoint):
     assert graphs == eager
 
 
+def test_programmatic_dependent_launch_changes_no_token(checkpoint, monkeypatch):
+    """With PDL a kernel may start while the one before it finishes; each waits before it
+    reads, so graphs under async scheduling give the same tokens with it off."""
+    from kvscope.kernels import pdl
+
+    prompts = _prompts()
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "USE_PDL", on)
+        runs.append(_generate(checkpoint, prompts, async_scheduling=True, block_size=16))
+    assert pdl.pdl_options(torch.device("cuda"))["PDL"] == (torch.cuda.get_device_capability()[0] >= 9)
+    assert runs[1] == runs[0]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduling):
     """A graph reads the packed upload in place: the bucket's padding, the placeholder ids filled

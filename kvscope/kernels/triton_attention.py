@@ -31,6 +31,7 @@ from kvscope.kernels import attention_configs
 from kvscope.kernels.attention_configs import (DECODE_CONFIG, MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.pdl import gdc_wait, pdl_options
 
 _LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
@@ -43,10 +44,12 @@ def _store_kvcache_kernel(
     k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     c_stride_slot, c_stride_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token: copy its K and V (all KV heads) into its slot, unless slot < 0.
     FP8: store ``x / scale`` clamped to the e4m3 range."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -244,7 +247,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
 
@@ -259,6 +262,8 @@ def _paged_attention_kernel(
     SMALL_M > 0 (mixed steps): a sequence of at most SMALL_M query rows, such as a decode row,
     runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
     """
+    if PDL:
+        gdc_wait()
     tile = tl.program_id(0)
     if UNMASKED_FIRST:
         # Causal prefill: the last tiles of a sequence see the most keys, so start them first
@@ -299,9 +304,11 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr,
     num_splits, o_stride_t, o_stride_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (tokens, query heads): merge the per-split softmax states of one output row."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
     row0 = (t * tl.num_programs(1) + h) * num_splits
@@ -384,7 +391,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, **pdl_options(k.device),
     )
 
 
@@ -471,13 +478,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q.device),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_acc, part_m, part_l, out,
             num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            **pdl_options(q.device),
         )
     return out
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvscope.kernels.base import KVWrite
+from kvscope.kernels.pdl import gdc_wait, pdl_options
 from kvscope.kernels.triton_attention import quantize_for_pool
 
 _SILU_BLOCK = 1024  # columns per silu_and_mul program: a 2-D grid keeps small batches busy
@@ -28,13 +29,15 @@ _SILU_BLOCK = 1024  # columns per silu_and_mul program: a 2-D grid keeps small b
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     x_stride, res_stride, out_stride, res_out_stride, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: ``out = rmsnorm(x [+ res]) * w``; with a residual also ``res_out = x + res``.
 
     The sum is rounded to the residual's dtype before it is normalised, as the torch path does,
     so the stored residual stream and the normalised value agree.
     """
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -86,11 +89,13 @@ def _qk_norm_rope_kernel(
     c_stride_slot, c_stride_h, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token: q and k heads normalised (if ``NORM``) and rotated in place; with ``STORE``
     its rotated k and its v also go to pool slot ``slot_ptr[t]`` (none when it is negative),
     exactly as the attention backend's store would write them."""
+    if PDL:
+        gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     cs_mask = j < HEAD_DIM // 2
@@ -120,8 +125,10 @@ def _qk_norm_rope_kernel(
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride,
-                         N: tl.constexpr, BLOCK: tl.constexpr):
+                         N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out[row, cols] = silu(x[row, cols]) * x[row, N + cols]`` for one block of columns."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -156,7 +163,8 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, res_out,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps,
-            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block))
+            N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block),
+            **pdl_options(x.device))
     return out.view(x.shape), None if residual is None else res_out.view(x.shape)
 
 
@@ -217,7 +225,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             BLOCK_QH=triton.next_power_of_2(hq), BLOCK_KH=triton.next_power_of_2(hk),
             BLOCK_HALF=triton.next_power_of_2(d // 2), NORM=norm, STORE=store is not None,
             FP8=k_cache.dtype == torch.float8_e4m3fn,
-            num_warps=4 if hq * d >= 2048 else 2)
+            num_warps=4 if hq * d >= 2048 else 2, **pdl_options(q.device))
     return q, k
 
 
@@ -228,5 +236,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, _SILU_BLOCK))](
-            x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=_SILU_BLOCK, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=_SILU_BLOCK, num_warps=4,
+            **pdl_options(x.device))
     return out.view(*x.shape[:-1], n)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels.pdl import gdc_wait, pdl_options
+
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
 LOG2E = 1.4426950408889634
 _CHUNK = 4096  # vocabulary entries per program of the first launch
@@ -41,10 +43,12 @@ def _scaled(logits_ptr, start, vocab, scale, CHUNK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["scale"])
 def _chunk_mass_kernel(logits_ptr, stride, scale_ptr, scale, summary_ptr, vocab, num_chunks,
-                       PER_ROW_SCALE: tl.constexpr, CHUNK: tl.constexpr):
+                       PER_ROW_SCALE: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One chunk of one row into ``summary[row, chunk]``: its largest score and that entry's
     first index, and its mass ``sum(2 ** (score - largest))`` (0 for a chunk all ``-inf``),
     stored as three int32 (the floats' bits). ``scale`` is ``log2(e) / T``, 0 for greedy."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     if PER_ROW_SCALE:
@@ -81,9 +85,11 @@ def _token_in_chunk(logits_ptr, start, vocab, scale, top, residual, CHUNK: tl.co
 @triton.jit(do_not_specialize=["scale", "step_key", "step"])
 def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, step, summary_ptr, out_ptr,
                  vocab, num_chunks, PER_ROW_SCALE: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
-                 BLOCK_C: tl.constexpr, CHUNK: tl.constexpr):
+                 BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One row: greedy, the first largest logit; random, the token where the row's uniform
     lands on its CDF (``(key, a, b)`` from ``streams[row]``, else ``(step_key, row, step)``)."""
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW_SCALE:
         scale = tl.load(scale_ptr + row)
@@ -145,11 +151,12 @@ def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) 
     scale_args = (scale if per_row else out, 0.0 if per_row else float(scale))
     _chunk_mass_kernel[(rows, chunks)](
         logits, logits.stride(0), *scale_args, summary, vocab, chunks,
-        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4)
+        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4, **pdl_options(logits.device))
     _pick_kernel[(rows,)](
         logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks,
         PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None,
-        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4)
+        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4,
+        **pdl_options(logits.device))
     return out
 
 
