@@ -466,6 +466,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         part_acc = part_m = part_l = out  # unused: the SPLIT=False branch never touches them
     k_desc, v_desc = _tma_descriptors(k_cache, v_cache, config, meta.block_size, block_d)
+    pdl = pdl_options(q.device)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_desc, v_desc, out,
         part_acc, part_m, part_l,
@@ -478,14 +479,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
         UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             part_acc, part_m, part_l, out,
             num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
-            **pdl_options(q.device),
+            **pdl,
         )
     return out
 

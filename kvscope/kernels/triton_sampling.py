@@ -149,14 +149,14 @@ def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) 
     summary = torch.empty(rows, chunks, 3, dtype=torch.int32, device=logits.device)
     per_row = isinstance(scale, torch.Tensor)
     scale_args = (scale if per_row else out, 0.0 if per_row else float(scale))
+    pdl = pdl_options(logits.device)
     _chunk_mass_kernel[(rows, chunks)](
         logits, logits.stride(0), *scale_args, summary, vocab, chunks,
-        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4, **pdl_options(logits.device))
+        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4, **pdl)
     _pick_kernel[(rows,)](
         logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks,
         PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None,
-        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4,
-        **pdl_options(logits.device))
+        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4, **pdl)
     return out
 
 
