@@ -2,13 +2,18 @@
 
 A decode step is a few hundred small kernels back to back, and between two of them the GPU
 idles while the first finishes and the second is launched. A kernel launched with PDL may be
-scheduled as soon as the kernel before it in the stream has let its blocks go, and waits
-(``griddepcontrol.wait``) before it touches memory, so it computes exactly what it would have
+scheduled as soon as every block of the kernel before it in the stream has let it go
+(``griddepcontrol.launch_dependents``, or its exit), and waits (``griddepcontrol.wait``) for
+that kernel to finish before it reads what it wrote, so it computes exactly what it would have
 without PDL. Captured CUDA graphs keep the launch attribute as a programmatic edge.
 
-Every kernel here that takes a ``PDL`` constexpr calls that wait first thing when it is set; a
-launch passes :func:`pdl_options` so the constexpr and the launch attribute always go together.
-Off CUDA (the Triton interpreter) both stay off.
+Every kernel here that takes a ``PDL`` constexpr lets its dependents go first thing
+(:func:`gdc_launch_dependents`), and waits before its first read of anything a kernel of the
+same forward pass writes. What it reads before the wait is only what the host uploaded for the
+step or what no kernel writes (weights, tables): every chain of PDL launches starts after a
+kernel launched without PDL (a cuBLAS GEMM, a torch op), which starts only once all earlier
+work is done. A launch passes :func:`pdl_options` so the constexpr and the launch attribute
+always go together. Off CUDA (the Triton interpreter) both stay off.
 """
 from __future__ import annotations
 
@@ -16,10 +21,10 @@ import functools
 
 import torch
 
-try:  # the wait the kernels call; Triton < 3.3 has none, and then PDL stays off
-    from triton.language.extra.cuda import gdc_wait
+try:  # the two instructions the kernels call; Triton < 3.3 has none, and then PDL stays off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
-    gdc_wait = None
+    gdc_launch_dependents = gdc_wait = None
 
 # Set False to launch without PDL (A/B comparisons; the measured difference is in
 # benchmarks/RESULTS.md).

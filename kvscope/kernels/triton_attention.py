@@ -31,7 +31,7 @@ from kvscope.kernels import attention_configs
 from kvscope.kernels.attention_configs import (DECODE_CONFIG, MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
-from kvscope.kernels.pdl import gdc_wait, pdl_options
+from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 _LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
@@ -49,6 +49,7 @@ def _store_kvcache_kernel(
     """One program per token: copy its K and V (all KV heads) into its slot, unless slot < 0.
     FP8: store ``x / scale`` clamped to the e4m3 range."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -153,10 +154,12 @@ def _attend_query_tile(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
-    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """Attention of query tokens [tok0, tok0 + BLOCK_Q) of one sequence (x GROUP query heads
-    of one KV head) over its history, or over one split's share of it."""
+    of one KV head) over its history, or over one split's share of it. With PDL, everything up
+    to q's load (the step's uploaded metadata) overlaps the kernel before, which writes q and
+    this step's K/V."""
     first_pos = ctx - (q_end - q_begin)  # absolute position of the sequence's first query row
     r = tl.arange(0, BLOCK_M)
     tok = tok0 + r // GROUP
@@ -165,6 +168,8 @@ def _attend_query_tile(
     q_pos = first_pos + (tok - q_begin)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    if PDL:
+        gdc_wait()
     q = tl.load(q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     if FP8:
@@ -246,7 +251,7 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, UNMASKED_FIRST: tl.constexpr, FP8: tl.constexpr,
+    SPLIT: tl.constexpr, DECODE: tl.constexpr, FP8: tl.constexpr,
     FOLD_SCALE: tl.constexpr, SMALL_M: tl.constexpr, TMA: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). A tile is BLOCK_Q query tokens x GROUP query heads.
@@ -259,20 +264,23 @@ def _paged_attention_kernel(
     index is monotone and leaves room for ``ceil(q_len / BLOCK_Q)`` tiles per sequence, so the
     grid needs only host ints (T, B) and a program finds its sequence by counting.
 
+    DECODE (every sequence has one query row): sequence s owns tile s, with no counting.
+
     SMALL_M > 0 (mixed steps): a sequence of at most SMALL_M query rows, such as a decode row,
     runs a tile of SMALL_M rows instead of BLOCK_M, so it does not pay for a prefill-sized dot.
     """
     if PDL:
-        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
-    if UNMASKED_FIRST:
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:
+        seq = tile
+    else:
         # Causal prefill: the last tiles of a sequence see the most keys, so start them first
         # and let the short ones fill the tail of the grid.
         tile = tl.num_programs(0) - 1 - tile
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    seq = _owning_sequence(cu_q_ptr, num_seqs, tile, BLOCK_Q)
+        seq = _owning_sequence(cu_q_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(cu_q_ptr + seq)
     q_end = tl.load(cu_q_ptr + seq + 1)
     tok0 = q_begin + (tile - (q_begin + seq * (BLOCK_Q - 1)) // BLOCK_Q) * BLOCK_Q
@@ -289,7 +297,7 @@ def _paged_attention_kernel(
                 num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h,
                 o_stride_t, o_stride_h, c_stride_slot, c_stride_h,
                 PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False)
+                SMALL_M, SMALL_M // GROUP, BLOCK_N, SPLIT, False, FP8, FOLD_SCALE, False, PDL)
             return
     _attend_query_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, k_desc, v_desc, out_ptr,
@@ -297,7 +305,7 @@ def _paged_attention_kernel(
         table, k_scale_ptr, v_scale_ptr, tok0, q_begin, q_end, ctx, kv_head, split,
         num_splits, num_q_heads, scale_log2, q_stride_t, q_stride_h, o_stride_t, o_stride_h,
         c_stride_slot, c_stride_h, PAGE_SIZE, GROUP, HEAD_DIM, BLOCK_D,
-        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, UNMASKED_FIRST, FP8, FOLD_SCALE, TMA)
+        BLOCK_M, BLOCK_Q, BLOCK_N, SPLIT, not DECODE, FP8, FOLD_SCALE, TMA, PDL)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -308,6 +316,7 @@ def _merge_splits_kernel(
 ):
     """Grid (tokens, query heads): merge the per-split softmax states of one output row."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -477,7 +486,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
-        UNMASKED_FIRST=not meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        DECODE=meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
     )

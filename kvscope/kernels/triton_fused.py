@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kvscope.kernels.base import KVWrite
-from kvscope.kernels.pdl import gdc_wait, pdl_options
+from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 from kvscope.kernels.triton_attention import quantize_for_pool
 
 _SILU_BLOCK = 1024  # columns per silu_and_mul program: a 2-D grid keeps small batches busy
@@ -37,6 +37,7 @@ def _rms_norm_kernel(
     so the stored residual stream and the normalised value agree.
     """
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -95,6 +96,7 @@ def _qk_norm_rope_kernel(
     its rotated k and its v also go to pool slot ``slot_ptr[t]`` (none when it is negative),
     exactly as the attention backend's store would write them."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -128,6 +130,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride,
                          N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``out[row, cols] = silu(x[row, cols]) * x[row, N + cols]`` for one block of columns."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscope.kernels.pdl import gdc_wait, pdl_options
+from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
 LOG2E = 1.4426950408889634
@@ -48,6 +48,7 @@ def _chunk_mass_kernel(logits_ptr, stride, scale_ptr, scale, summary_ptr, vocab,
     first index, and its mass ``sum(2 ** (score - largest))`` (0 for a chunk all ``-inf``),
     stored as three int32 (the floats' bits). ``scale`` is ``log2(e) / T``, 0 for greedy."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -89,6 +90,7 @@ def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, st
     """One row: greedy, the first largest logit; random, the token where the row's uniform
     lands on its CDF (``(key, a, b)`` from ``streams[row]``, else ``(step_key, row, step)``)."""
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     if PER_ROW_SCALE:
