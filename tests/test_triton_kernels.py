@@ -166,6 +166,7 @@ INTERP_CASES = [
     (LONG, 16, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, fold_scale=False), None),  # scale in exp2
     (LONG, 32, 2, 32, F32, ta.KernelConfig(32, 16, 4, 1, tma=True), None),   # TMA, 2 tiles a page
     (LONG256, 256, 4, 32, F16, ta.KernelConfig(128, 64, 8, 3, tma=True), None),
+    (LONG, 16, 2, 32, F16, ta.KernelConfig(32, 16, 4, 2, maxnreg=128), None),  # register cap
 ]
 
 
@@ -342,11 +343,15 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
                        config=ta.KernelConfig(128, 64, 8, 3, tma=True))
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
+                       config=ta.KernelConfig(128, 64, 8, 2, maxnreg=128))
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 6, 1]
+    assert [len(r.calls) for r in kernels.values()] == [2, 7, 1]
     compile_recorded(kernels)
-    # The default prefill tiles fit one H100/H200 block's shared memory (227 KiB).
     attention = kernels["_paged_attention_kernel"]
+    # A config's register cap reaches the compiler; the default prefill tiles fit one H100/H200
+    # block's shared memory (227 KiB).
+    assert ".maxnreg 128" in compile_sm90(attention.fn, attention.calls[-2]).asm["ptx"]
     assert compile_sm90(attention.fn, attention.calls[-1]).metadata.shared <= 227 * 1024
 
 
@@ -372,7 +377,8 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
 
 
 GPU_CONFIGS = [ta.PREFILL_CONFIG, ta.KernelConfig(128, 64, 8, 3, fold_scale=False),
-               ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True)]
+               ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True),
+               ta.KernelConfig(128, 64, 8, 2, maxnreg=128)]
 
 
 @pytest.mark.gpu

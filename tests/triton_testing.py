@@ -80,7 +80,7 @@ def compile_sm90(fn, call: dict):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     call = dict(call)
-    options = {k: call.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in call}
+    options = {k: call.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in call}
     if "PDL" in call:  # recorded on CPU tensors, where it is off; on sm_90 it is on
         call["PDL"] = options["launch_pdl"] = True
     signature, constexprs, attrs = {}, {}, {}

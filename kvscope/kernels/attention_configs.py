@@ -36,6 +36,10 @@ class KernelConfig:
     # Load the key tiles below the causal diagonal with TMA bulk copies (Hopper+), where a tile
     # sits in one page and the head dim is a power of two; elsewhere plain loads.
     tma: bool = False
+    # Cap on registers per thread (Triton's ``maxnreg``; None: the compiler's choice). A
+    # 128-row prefill tile of 8 warps otherwise takes a whole SM's registers; capped at 128,
+    # in 2 stages of shared memory, two programs share an SM, at the price of some spills.
+    maxnreg: int | None = None
 
 
 # Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
@@ -56,6 +60,7 @@ TUNE_CANDIDATES = (
     KernelConfig(128, 128, 8, 3, fold_scale=False),
     KernelConfig(128, 128, 8, 3, fold_scale=False, tma=True),
     KernelConfig(64, 64, 4, 3, fold_scale=False),
+    KernelConfig(128, 64, 8, 2, maxnreg=128),
 )
 
 _choices: dict[str, KernelConfig] | None = None

@@ -489,6 +489,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         DECODE=meta.decode_only, FP8=k_cache.dtype == torch.float8_e4m3fn,
         FOLD_SCALE=config.fold_scale, SMALL_M=small_m, TMA=k_desc is not k_cache,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl,
+        **({} if config.maxnreg is None else {"maxnreg": config.maxnreg}),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
