@@ -9,10 +9,10 @@ without PDL. Captured CUDA graphs keep the launch attribute as a programmatic ed
 
 Every kernel here that takes a ``PDL`` constexpr lets its dependents go first thing
 (:func:`gdc_launch_dependents`), and waits before its first read of anything a kernel of the
-same forward pass writes. What it reads before the wait is only what the host uploaded for the
-step or what no kernel writes (weights, tables): every chain of PDL launches starts after a
-kernel launched without PDL (a cuBLAS GEMM, a torch op), which starts only once all earlier
-work is done. A launch passes :func:`pdl_options` so the constexpr and the launch attribute
+same forward pass writes. What it reads before the wait is only the step's inputs (uploaded,
+and copied into place before the forward pass starts) or what no kernel writes (weights): every
+chain of PDL launches starts after a kernel launched without PDL (a cuBLAS GEMM, a torch op),
+which starts only once all earlier work is done. A launch passes :func:`pdl_options` so the constexpr and the launch attribute
 always go together. Off CUDA (the Triton interpreter) both stay off.
 """
 from __future__ import annotations
