@@ -171,6 +171,7 @@ def load_before(rev: str) -> ModuleType | None:
 def label_of(config: ta.KernelConfig) -> str:
     name = f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"
     name += ("" if config.fold_scale else " scale-in-exp2") + (" tma" if config.tma else "")
+    name += "" if config.maxnreg is None else f" maxnreg={config.maxnreg}"
     return name + (" (old default)" if config == OLD_PREFILL_CONFIG else "")
 
 
