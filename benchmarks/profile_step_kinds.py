@@ -1,0 +1,108 @@
+"""Where nano-vLLM's benchmark workload spends its time, by kind of step.
+
+The workload of ``bench_throughput.py`` (256 requests, lengths uniform in [100, 1024]) on a
+random-weight checkpoint, after the same warm-up. Each ``engine.step()`` is timed and filed under
+the kind of step the device was running: the one it launched itself when stepping
+synchronously, the one launched a step earlier under ``--async-scheduling`` (a step's wall time
+is then mostly the wait for that one). Kinds: ``prefill`` (every row a prompt chunk), ``mixed``
+(prompt chunks beside decode rows) and ``decode``; decode steps are also split by their number
+of rows, as medians.
+
+``--no-pdl`` launches the Triton kernels without programmatic dependent launch, for A/B runs in
+one call (``kvscope.kernels.pdl.USE_PDL``).
+
+    python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
+    python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_throughput import workload, write_random_checkpoint  # noqa: E402
+
+ROW_BUCKETS = ((200, 1 << 30), (128, 199), (64, 127), (32, 63), (8, 31), (1, 7))
+
+
+class StepKinds:
+    """Wraps a live engine's ``schedule`` and ``step`` to file each step's wall time under the
+    kind of step the device ran meanwhile."""
+
+    def __init__(self, engine, async_scheduling: bool) -> None:
+        self.kinds: list[tuple[str, int]] = []
+        self.times: list[tuple[tuple[str, int], float]] = []
+        lag = 2 if async_scheduling else 1  # how many schedules back the step being waited for is
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def timed_schedule():
+            out = schedule()
+            prefill = sum(r.is_prefill for r in out.requests)
+            kind = "decode" if not prefill else ("prefill" if prefill == len(out.requests) else "mixed")
+            self.kinds.append((kind, len(out.requests)))
+            return out
+
+        def timed_step():
+            t = time.perf_counter()
+            result = step()
+            if self.kinds:
+                self.times.append((self.kinds[max(0, len(self.kinds) - lag)], time.perf_counter() - t))
+            return result
+
+        engine.scheduler.schedule, engine.step = timed_schedule, timed_step
+
+    def report(self) -> str:
+        by_kind: dict[str, list[float]] = {}
+        by_rows: dict[tuple[int, int], list[float]] = {}
+        for (kind, rows), dt in self.times:
+            by_kind.setdefault(kind, []).append(dt)
+            if kind == "decode":
+                bucket = next(b for b in ROW_BUCKETS if b[0] <= rows <= b[1])
+                by_rows.setdefault(bucket, []).append(dt)
+        kinds = ", ".join(f"{k} {len(v)} steps {sum(v):.3f} s" for k, v in by_kind.items())
+        rows = ", ".join(f"{lo}{'+' if hi >= 1 << 30 else f'-{hi}'} rows {statistics.median(v) * 1e3:.2f} ms"
+                         for (lo, hi), v in sorted(by_rows.items(), reverse=True))
+        return f"{kinds}\ndecode step medians: {rows}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
+    args = ap.parse_args()
+    if args.no_pdl:
+        from kvscope.kernels import pdl
+        pdl.USE_PDL = False
+    from kvscope import LLM, SamplingParams
+
+    prompts, outs = workload()
+    warm, _ = workload(num_seqs=32, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_random_checkpoint(args.config, Path(tmp))
+        llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256,
+                  max_num_batched_tokens=16384, async_scheduling=args.async_scheduling)
+        llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
+        kinds = StepKinds(llm.llm_engine, args.async_scheduling)
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        assert sum(len(r.outputs[0].token_ids) for r in results) == sum(outs)
+        mode = "async scheduling" if args.async_scheduling else "synchronous"
+        print(f"{args.config}, {mode}{', no PDL' if args.no_pdl else ''}: {sum(outs) / seconds:,.0f} output tok/s, "
+              f"{seconds:.3f} s, {len(kinds.times)} steps")
+        print(kinds.report())
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
