@@ -86,6 +86,21 @@ def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float, kv_bytes: int = 2)
     return sum(outs) / seconds
 
 
+def timed_generate(llm, prompts, outs) -> float:
+    """Seconds for ``llm`` to generate the workload (``outs[i]`` tokens for prompt ``i``, no
+    early stop), device work included; checks every token came."""
+    from kvscope import SamplingParams
+
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    assert sum(len(r.outputs[0].token_ids) for r in res) == sum(outs)
+    return dt
+
+
 def run_kvscope(model_dir: str, prompts, outs, args, tp: int,
                 kv_cache_dtype: str = "auto") -> tuple[float, int]:
     from kvscope import LLM, SamplingParams
@@ -99,14 +114,8 @@ def run_kvscope(model_dir: str, prompts, outs, args, tp: int,
     # Triton compiles its kernel variants here, not inside the timed run.
     llm.generate(prompts[:32], SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
     llm.reset_prefix_cache()  # the timed run must not hit the warm-up's blocks
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
     steps0 = llm.llm_engine.scheduler.step_count
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    assert sum(len(r.outputs[0].token_ids) for r in res) == sum(outs)
+    dt = timed_generate(llm, prompts, outs)
     steps = llm.llm_engine.scheduler.step_count - steps0
     llm.shutdown()
     del llm

@@ -23,10 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_throughput import workload, write_random_checkpoint  # noqa: E402
+from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
 
 ROW_BUCKETS = ((200, 1 << 30), (128, 199), (64, 127), (32, 63), (8, 31), (1, 7))
 
@@ -90,13 +88,7 @@ def main() -> None:
                   max_num_batched_tokens=16384, async_scheduling=args.async_scheduling)
         llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
         kinds = StepKinds(llm.llm_engine, args.async_scheduling)
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=o) for o in outs]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        results = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
-        assert sum(len(r.outputs[0].token_ids) for r in results) == sum(outs)
+        seconds = timed_generate(llm, prompts, outs)
         mode = "async scheduling" if args.async_scheduling else "synchronous"
         print(f"{args.config}, {mode}{', no PDL' if args.no_pdl else ''}: {sum(outs) / seconds:,.0f} output tok/s, "
               f"{seconds:.3f} s, {len(kinds.times)} steps")
