@@ -3,8 +3,8 @@
 Random rows sample from ``softmax(logits / T)`` exactly, each seeded row from its own random
 stream. A seeded row's randomness depends only on ``(seed, output index)``, so the same request
 gives the same tokens whatever it was batched with, and after a preemption. On CPU that is the
-exponential race in log space (``argmax(logits / T - log E)``, ``E ~ Exp(1)``, from torch's
-generator). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one read of
+exponential race in log space (``argmax(logits / T - log E)``, ``E = -log U ~ Exp(1)`` from
+torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one read of
 the logits, inverting each row's CDF at one counter-based uniform (rows with top-k or top-p on
 logits masked outside their set; log-probs come from a ``log_softmax`` beside it). A
 temperature under ``GREEDY_BELOW`` is greedy.
@@ -152,10 +152,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def exponential_(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``x`` in place with Exp(1) draws, as ``-log U`` of ``generator``'s uniforms on
+    [0, 1): the law of ``Tensor.exponential_``, several times faster on CPU at vocabulary sizes
+    (benchmarks/RESULTS.md). A draw is never 0, so ``log E`` is never ``-inf`` and no token wins
+    the race by a zero draw; ``U = 0`` gives ``E = inf``, which only loses it."""
+    return x.uniform_(generator=generator).log_().neg_()
+
+
 def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + index) & ((1 << 63) - 1))
-    return torch.empty(vocab, device=device).exponential_(generator=gen)
+    return exponential_(torch.empty(vocab, device=device), gen)
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS): 1 / T would overflow
@@ -299,7 +307,7 @@ class Sampler:
         scaled = self._scaled(logits, rows)
         if self._noise is None or self._noise.shape != scaled.shape:
             self._noise = torch.empty(scaled.shape, device=self.device)
-        noise = self._noise.exponential_(generator=self.generator)
+        noise = exponential_(self._noise, self.generator)
         if rows.seeded:
             for i, p in enumerate(rows.params):
                 if p.seed is not None:
