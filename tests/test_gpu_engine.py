@@ -128,6 +128,38 @@ def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduli
     assert sum(used) > 20
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypatch, async_scheduling):
+    """Decode graphs end in the LM head and the draw: random rows at several temperatures, greedy
+    rows among them, get the tokens of an eager engine's draws, and the steps that replayed a
+    graph launched no sampling kernel of their own. A log-probs request in the batch sends its
+    steps to the eager draw (which the graphs' step number then catches up with): the same
+    tokens again."""
+    from kvscope.kernels import triton_sampling as ts
+
+    prompts = _prompts()
+    temps = [0.7, 0, 1.3, 0.9]
+    plain = [SamplingParams(temperature=temps[i % 4], max_tokens=40, ignore_eos=True) for i in range(len(prompts))]
+    with_logprobs = plain[:-1] + [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, logprobs=2)]
+    launches = []
+    sample = ts.sample
+    monkeypatch.setattr(ts, "sample", lambda *a, **k: launches.append(1) or sample(*a, **k))
+    for params in (plain, with_logprobs):
+        runs = []
+        for eager in (True, False):
+            llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", enforce_eager=eager,
+                      async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+            graph_steps = []
+            llm.hooks.add("step.end", lambda info: graph_steps.append(info.cuda_graph))
+            launches.clear()
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            llm.shutdown()
+        assert runs[1] == runs[0]
+        assert sum(graph_steps) > 20
+        if params is plain:
+            assert len(launches) <= graph_steps.count(False), (len(launches), graph_steps)
+
+
 def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
     llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
     used = []

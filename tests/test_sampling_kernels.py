@@ -207,6 +207,37 @@ def check_sampler_paths_agree(device: str) -> None:
         == logits.argmax(-1).tolist()
 
 
+def check_captured_draws_match_eager(device: str) -> None:
+    """The draw a decode graph captures (scales and step number read from device memory, the
+    step bumped by the draw itself) against the sampler's eager calls, step by step: the same
+    tokens through a change of rows (new scales), eager calls in between (the step in memory
+    catches up), and rows the captured draw refuses (log-probs, top-k, seeds), which change
+    nothing. The step number read from memory draws as the number passed by value."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (2 * torch.randn(3, 300, generator=gen)).to(device)
+    scale = torch.tensor([ts.scale_of(0.7), 0.0, ts.scale_of(1.4)], device=device)
+    assert torch.equal(ts.sample(logits, scale, ts.Streams(KEY, 9)),
+                       ts.sample(logits, scale, ts.Streams(KEY, torch.tensor([9], device=device))))
+    one = [SamplingParams(temperature=0.8)] * 3
+    mixed = [SamplingParams(temperature=t) for t in (0.5, 0, 1.7)]
+    refused = ([SamplingParams(temperature=0.8, logprobs=1)] * 3, [SamplingParams(temperature=0.8, top_k=5)] * 3,
+               [SamplingParams(temperature=0.8, seed=1)] * 3)
+    captured, eager = Sampler(6, torch.device(device), use_triton=True), Sampler(6, torch.device(device), use_triton=True)
+    captured.enable_captured_draws(4)
+    replay = lambda: captured.draw_captured(logits)
+    for step, (params, how) in enumerate([(one, "graph"), (one, "graph"), (mixed, "graph"), (mixed, "eager"),
+                                          (one, "graph"), (refused[0], "refused"), (refused[1], "refused"),
+                                          (refused[2], "refused"), (mixed, "graph"), (mixed, "graph")]):
+        index = [step, step + 1, 2 * step]
+        if how == "refused":
+            assert captured.sample_captured(params, index, replay) is None
+            continue
+        want = eager.sample(logits, params, index).to_output().tokens
+        got = (captured.sample_captured(params, index, replay) if how == "graph"
+               else captured.sample(logits, params, index))
+        assert got.to_output().tokens == want, (step, how)
+
+
 # --- CPU: Triton interpreter -----------------------------------------------------------------
 
 @compiled_only
@@ -243,6 +274,11 @@ def test_interpreted_sampler_paths_agree() -> None:
     check_reused_params_list("cpu")
 
 
+@interpreted_only
+def test_interpreted_captured_draws_match_eager() -> None:
+    check_captured_draws_match_eager("cpu")
+
+
 def _engine_on_the_kernels(**config) -> LLM:
     """A CPU engine whose runner samples through the Triton kernels (interpreted), as on CUDA."""
     llm = make_llm(block_size=4, **config)
@@ -275,7 +311,7 @@ def test_interpreted_engine_on_the_kernels_reproduces_a_seeded_request():
 def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     kernels = record_launches(monkeypatch, ts, ("_chunk_mass_kernel", "_pick_kernel"))
     ts.compile_variants(151936, torch.bfloat16, torch.device("cpu"))
-    assert [len(r.calls) for r in kernels.values()] == [4, 4]
+    assert [len(r.calls) for r in kernels.values()] == [6, 6]
     compile_recorded(kernels)
 
 
@@ -299,6 +335,7 @@ def test_gpu_seeds_and_paths() -> None:
     check_seeded_row_keeps_its_token("cuda")
     check_reused_params_list("cuda")
     check_sampler_paths_agree("cuda")
+    check_captured_draws_match_eager("cuda")
 
 
 @pytest.mark.gpu

@@ -13,7 +13,8 @@ vocabulary entry, and the pass over ``[rows, vocab]`` is a read and an ``exp2`` 
 The uniform is counter-based (Philox-4x32-10): a pure function of the row's *stream*
 ``(key, a, b)``. The sampler gives an unseeded row the stream ``(sampler key, row, step)`` and
 a seeded row ``(seed, output index, SEEDED)``, so a seeded request draws the same uniform
-whatever it is batched with. Rows with top-k or top-p go through the same kernels with the
+whatever it is batched with. The step number may live in device memory (one int64), so that a
+CUDA graph that samples reads the current step at each replay. Rows with top-k or top-p go through the same kernels with the
 tokens outside their set masked to ``-inf`` (mass 0), so a row samples the same token whichever
 path its batch took.
 """
@@ -86,9 +87,10 @@ def _token_in_chunk(logits_ptr, start, vocab, scale, top, residual, CHUNK: tl.co
 @triton.jit(do_not_specialize=["scale", "step_key", "step"])
 def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, step, summary_ptr, out_ptr,
                  vocab, num_chunks, PER_ROW_SCALE: tl.constexpr, PER_ROW_STREAMS: tl.constexpr,
-                 BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                 STEP_IN_MEMORY: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One row: greedy, the first largest logit; random, the token where the row's uniform
-    lands on its CDF (``(key, a, b)`` from ``streams[row]``, else ``(step_key, row, step)``)."""
+    lands on its CDF (``(key, a, b)`` from ``streams[row]``, else ``(step_key, row, step)``,
+    ``step`` read from ``streams_ptr[0]`` when ``STEP_IN_MEMORY``)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -108,6 +110,8 @@ def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, st
         if PER_ROW_STREAMS:
             own = streams_ptr + 3 * row
             key, a, b = tl.load(own), tl.load(own + 1), tl.load(own + 2)
+        elif STEP_IN_MEMORY:
+            key, a, b = step_key.to(tl.int64), row, tl.load(streams_ptr)
         else:
             key, a, b = step_key.to(tl.int64), row, step.to(tl.int64)
         mass = tl.load(base + 2, mask=ok, other=0).to(tl.float32, bitcast=True)
@@ -124,14 +128,23 @@ def _pick_kernel(logits_ptr, stride, scale_ptr, scale, streams_ptr, step_key, st
 
 class Streams:
     """The uniforms' streams of a batch's rows: one ``(key, step)`` for all (row ``i`` draws
-    ``(key, i, step)``), or each row's own ``(key, a, b)`` when some rows are seeded."""
+    ``(key, i, step)``; ``step`` a number, or an int64 ``[1]`` tensor on the logits' device that
+    the kernel reads when it runs), or each row's own ``(key, a, b)`` when some rows are seeded."""
 
-    def __init__(self, key: int, step: int, per_row: torch.Tensor | None = None) -> None:
+    def __init__(self, key: int, step: int | torch.Tensor, per_row: torch.Tensor | None = None) -> None:
         self.key, self.step = key, step
         self.per_row = per_row  # int64 [rows, 3] on the logits' device, contiguous, or None
 
+    @property
+    def step_in_memory(self) -> bool:
+        return self.per_row is None and isinstance(self.step, torch.Tensor)
+
     def args(self, like: torch.Tensor) -> tuple:
-        return (like if self.per_row is None else self.per_row), self.key, self.step
+        if self.per_row is not None:
+            return self.per_row, self.key, 0
+        if self.step_in_memory:
+            return self.step, self.key, 0
+        return like, self.key, self.step
 
 
 def scale_of(temperature: float) -> float:
@@ -158,14 +171,15 @@ def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) 
     _pick_kernel[(rows,)](
         logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks,
         PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None,
-        BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4, **pdl)
+        STEP_IN_MEMORY=streams.step_in_memory, BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK, num_warps=4, **pdl)
     return out
 
 
 def compile_variants(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Launch every kernel variant a run can take (one or per-row scales, shared or per-row
-    streams) once, so none compiles inside the first steps that use it."""
+    """Launch every kernel variant a run can take (one or per-row scales; shared streams, the
+    step in memory, or per-row streams) once, so none compiles inside the first steps that use it."""
     logits = torch.zeros(2, vocab, dtype=dtype, device=device)
-    for streams in (Streams(1 << 62, 0), Streams(1 << 62, 0, torch.zeros(2, 3, dtype=torch.int64, device=device))):
+    for streams in (Streams(1 << 62, 0), Streams(1 << 62, torch.zeros(1, dtype=torch.int64, device=device)),
+                    Streams(1 << 62, 0, torch.zeros(2, 3, dtype=torch.int64, device=device))):
         sample(logits, 1.0, streams)
         sample(logits, torch.ones(2, device=device), streams)

@@ -8,6 +8,11 @@ the replay before it: a step's upload never overwrites inputs a running graph st
 
 Only decode-only steps whose batch fits a bucket and whose block tables fit the captured
 width replay a graph; anything else runs eagerly (never a crash).
+
+With a ``head`` (the LM head and the sampler's captured draw), each bucket also has a second
+graph from the hidden rows to the sampled tokens, replayed after the first when the step's
+rows can draw there (:meth:`kvscope.runner.sampler.Sampler.sample_captured`): a steady decode
+step then launches two graphs and no kernel of its own.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class DecodeGraphs:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.buckets = [b for b in BUCKETS if b <= max_batch] or [1]
         self.width = max_blocks_per_seq
@@ -48,9 +54,14 @@ class DecodeGraphs:
         self.tables = StaticTables(self.inputs, n, self.width)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The head's graphs, by bucket, and their tokens (int64 [rows]); none without a head.
+        self.heads: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device) if head is not None else None
         self._bucket_views: dict[int, DecodeViews] = {g: decode_views(self.inputs, g) for g in self.buckets}
         self._batch: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self._token_views: dict[int, torch.Tensor] = {}
         self._forward = forward
+        self._head = head
         self._capture_all()
 
     def _meta(self, g: int) -> AttentionMetadata:
@@ -68,14 +79,10 @@ class DecodeGraphs:
             v = self._bucket_views[g]
             self.inputs.zero_()
             v.slot_mapping.fill_(-1)  # (the buckets' layouts overlap: each starts from padding)
-            graph = torch.cuda.CUDAGraph()
             with forward_context(self._meta(g)):
-                self.hidden[:g] = self._forward(v.input_ids, v.positions)  # warm-up
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.hidden[:g] = self._forward(v.input_ids, v.positions)
-            pool = graph.pool()
-            self.graphs[g] = graph
+                self.graphs[g], pool = _capture(self.hidden[:g], self._forward, (v.input_ids, v.positions), pool)
+            if self._head is not None:
+                self.heads[g], pool = _capture(self.tokens[:g], self._head, (self.hidden[:g],), pool)
         torch.cuda.synchronize()
 
     def can_run(self, inputs: StepInputs) -> bool:
@@ -107,6 +114,30 @@ class DecodeGraphs:
         self.tables.write(layout)
         self.graphs[g].replay()
         return hidden
+
+    def sample(self, b: int) -> torch.Tensor:
+        """Replay the head's graph on the hidden rows :meth:`run` left: the tokens of a batch of ``b``."""
+        g = self.bucket(b)
+        self.heads[g].replay()
+        return self._tokens(b)
+
+    def _tokens(self, b: int) -> torch.Tensor:
+        v = self._token_views.get(b)
+        if v is None:
+            v = self._token_views[b] = self.tokens[:b]
+        return v
+
+
+def _capture(out: torch.Tensor, fn: Callable[..., torch.Tensor], args: tuple, pool
+             ) -> tuple[torch.cuda.CUDAGraph, tuple]:
+    """A graph of ``out[:] = fn(*args)`` in ``pool``, after one warm-up run (which compiles
+    what the graph's kernels need); returns it and the pool for the next capture."""
+    out[:] = fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out[:] = fn(*args)
+    return graph, graph.pool()
 
 
 class StaticTables:

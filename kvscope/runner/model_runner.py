@@ -155,11 +155,16 @@ class ModelRunner:
         # on the device, so every rank fills the next step's placeholders without a readback.
         self.share_sampled = config.async_scheduling and tp_size > 1
         if self.device.type == "cuda" and not config.enforce_eager:
+            # One rank samples: with tensor parallelism the draw stays out of the graphs.
+            head = None
+            if tp_size == 1 and self.sampler.kernels is not None:
+                self.sampler.enable_captured_draws(config.max_num_seqs)
+                head = self._head
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
                     self._forward, hf_config.hidden_size, config.max_num_seqs,
                     -(-max_model_len // self.block_size), max_model_len, self.block_size,
-                    self.dtype, self.device,
+                    self.dtype, self.device, head,
                 )
 
     # ------------------------------------------------------------- KV pool
@@ -337,6 +342,10 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The decode graphs' second part: the LM head and the sampler's draw."""
+        return self.sampler.draw_captured(self.model.compute_logits(hidden))
+
     @torch.inference_mode()
     def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
         """Run the model on one step; returns the hidden rows to sample (or None), and timings.
@@ -385,9 +394,12 @@ class ModelRunner:
             sample = out.columns.sample
             sampled = [r for r in out.requests if r.sample]
             table_rows, seq_ids = x.table_rows[sample], out.columns.seq_id[sample]
-        # The same sequences as the last step sampled, in order (BlockTables hands the very same
-        # rows array back): their params list is the last step's, which the sampler has read.
-        same_rows = table_rows is self._sampled_rows
+        params = self._params_of(sampled, table_rows is self._sampled_rows)
+        if use_graph and rows is not None and self.graphs.tokens is not None and x.logits_indices.size == x.num_seqs:
+            s = self.sampler.sample_captured(params, [r.output_index for r in sampled],
+                                             lambda: self.graphs.sample(x.num_seqs))
+            if s is not None:
+                return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, {})
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
@@ -397,25 +409,35 @@ class ModelRunner:
                     self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
-            s, errors = self._sample(logits, sampled, same_rows)
+            s, errors = self._sample(logits, sampled, params)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
+        return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, errors)
+
+    def _launched(self, s: DeviceSample, table_rows: np.ndarray, seq_ids: np.ndarray, prepare_s: float,
+                  forward_s: float, t0: float, use_graph: bool, errors: dict[int, str]) -> StepHandle:
         self._remember_sampled(s.tokens, table_rows)
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
         step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], same_rows: bool
+    def _params_of(self, rows: list[ScheduledRequest], same_rows: bool) -> list[SamplingParams]:
+        """The sampled rows' params list. When they are the same sequences as the last step
+        sampled, in order (``same_rows``: BlockTables handed the very same rows array back), it
+        is the last step's very list, which the sampler has read already."""
+        params = self._sampled_params if same_rows and self._sampled_params is not None else [r.params for r in rows]
+        self._sampled_params = params
+        return params
+
+    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], params: list[SamplingParams]
                 ) -> tuple[DeviceSample, dict[int, str]]:
-        """Sample every row; a row whose own parameters make sampling fail fails alone.
+        """Sample every row (``params``: theirs, from :meth:`_params_of`); a row whose own
+        parameters make sampling fail fails alone.
 
         Such a row is found by sampling each row by itself, then sampled greedily in the batch
         so the other rows keep their places; its error goes back to the scheduler, which ends
-        the request with ``finish_reason="abort"``. ``same_rows``: the rows are the last
-        step's, so their params list is too.
+        the request with ``finish_reason="abort"``.
         """
-        params = self._sampled_params if same_rows and self._sampled_params is not None else [r.params for r in rows]
-        self._sampled_params = params
         index = [r.output_index for r in rows]
         try:
             return self.sampler.sample(logits, params, index), {}

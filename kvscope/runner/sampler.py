@@ -4,10 +4,14 @@ Random rows sample from ``softmax(logits / T)`` exactly, each seeded row from it
 stream. A seeded row's randomness depends only on ``(seed, output index)``, so the same request
 gives the same tokens whatever it was batched with, and after a preemption. On CPU that is the
 exponential race in log space (``argmax(logits / T - log E)``, ``E = -log U ~ Exp(1)`` from
-torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every batch in one read of
-the logits, inverting each row's CDF at one counter-based uniform (rows with top-k or top-p on
-logits masked outside their set; log-probs come from a ``log_softmax`` beside it). A
-temperature under ``GREEDY_BELOW`` is greedy.
+torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every
+batch in one read of the logits, inverting each row's CDF at one counter-based uniform (rows
+with top-k or top-p on logits masked outside their set; log-probs come from a ``log_softmax``
+beside it). A temperature under ``GREEDY_BELOW`` is greedy.
+
+A decode CUDA graph can end in the LM head and the draw (:meth:`Sampler.draw_captured`), so a
+steady decode step launches one graph and no sampling kernel: the rows' scales and the step
+number are read from device memory, and the tokens equal those of an eager draw.
 
 Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
 :class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
@@ -18,6 +22,7 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -187,6 +192,7 @@ class Sampler:
         # The torch path's exponential race noise, redrawn in place each step (a later step's draw
         # is queued after the last step's use of it on the device's one stream).
         self._noise: torch.Tensor | None = None
+        self._captured: _CapturedDraws | None = None  # made by enable_captured_draws
         # On CUDA the tokens come back through reused pinned memory; on CPU they are already there.
         self.readback = HostReadback(pin=True) if device.type == "cuda" else None
 
@@ -249,6 +255,43 @@ class Sampler:
         top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
         return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
 
+    def enable_captured_draws(self, max_rows: int) -> None:
+        """Make the device state a CUDA graph's draw reads (:meth:`draw_captured`): the rows'
+        scales and the step number. Only where the kernels run."""
+        self._captured = _CapturedDraws(
+            scale=torch.zeros(max_rows, dtype=torch.float32, device=self.device),
+            step=torch.zeros(1, dtype=torch.int64, device=self.device))
+
+    def draw_captured(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draw a decode graph captures after the LM head: the kernels at each row's scale
+        and the next step number, both read from device memory at replay (the graph bumps the
+        step itself), so a replay draws what :meth:`sample` would for the same rows and step."""
+        c = self._captured
+        c.step.add_(1)
+        return self.kernels.sample(logits, c.scale[: logits.shape[0]], self.kernels.Streams(self._key, c.step))
+
+    def sample_captured(self, params: list[SamplingParams], output_index: list[int],
+                        replay: Callable[[], torch.Tensor]) -> DeviceSample | None:
+        """Sample these rows by ``replay`` (a decode graph ending in :meth:`draw_captured`;
+        returns its tokens), as :meth:`sample` would; ``None``, having changed nothing, for rows
+        that need what only :meth:`sample` does: log-probs, top-k / top-p masks, seeds."""
+        rows = self._rows_of(params, output_index)
+        if rows.want_logprobs >= 0 or rows.masked or rows.seeded:
+            return None
+        c = self._captured
+        if c.rows is not rows:  # (a steady batch keeps its rows: its scales are in place)
+            scale = self._kernel_scale(rows)
+            if isinstance(scale, torch.Tensor):
+                c.scale[: scale.numel()].copy_(scale)
+            else:
+                c.scale.fill_(scale)
+            c.rows = rows
+        self._step += 1
+        if c.step_value != self._step - 1:  # eager draws ran since the last replay (or none did yet)
+            c.step.fill_(self._step - 1)
+        c.step_value = self._step
+        return DeviceSample(replay(), params, None, self.readback)
+
     def _rows_of(self, params: list[SamplingParams], output_index: list[int]) -> "_Rows":
         last = self._last_rows
         if last is not None and last.params is params:
@@ -288,15 +331,20 @@ class Sampler:
         """The fused kernels on ``logits`` as they are; rows with top-k / top-p take the same
         kernels on logits whose tokens outside their set are ``-inf`` (found on ``as_float``, the
         float32 cast), so every row draws the same as without a neighbour that masks."""
-        if rows.scale is None:  # (on the device, read by this step's launch and the next ones')
+        if rows.masked:
+            logits = logits.masked_fill(self._scaled(as_float, rows).isinf(), float("-inf"))
+        return self.kernels.sample(logits, self._kernel_scale(rows), self._streams(rows))
+
+    def _kernel_scale(self, rows: "_Rows") -> float | torch.Tensor:
+        """The kernels' scale of ``rows``: one number, or float32 per row on the device (made
+        once per ``_Rows``, read by this step's launch and the next ones')."""
+        if rows.scale is None:
             scale_of = self.kernels.scale_of
             if rows.one_temp:
                 rows.scale = scale_of(rows.temps[0])
             else:
                 rows.scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
-        if rows.masked:
-            logits = logits.masked_fill(self._scaled(as_float, rows).isinf(), float("-inf"))
-        return self.kernels.sample(logits, rows.scale, self._streams(rows))
+        return rows.scale
 
     def _sample_by_torch(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """The exponential race on float32 ``logits`` with noise from torch's generator (a seeded
@@ -316,6 +364,16 @@ class Sampler:
         if any(greedy):  # (a mixed batch: rows of their own)
             tokens = torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), tokens)
         return tokens
+
+
+@dataclass
+class _CapturedDraws:
+    """What a decode graph's draw reads from device memory, and what the host knows of it."""
+
+    scale: torch.Tensor  # float32 [max rows]: the kernels' scale of each row
+    step: torch.Tensor  # int64 [1]: the step number, bumped by each replay before its draw
+    rows: "_Rows | None" = None  # the rows whose scales ``scale`` holds
+    step_value: int | None = None  # ``step`` after the last replay (None: not known)
 
 
 @dataclass
