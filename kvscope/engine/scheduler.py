@@ -34,7 +34,7 @@ from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.decode_batch import DecodeBatch
 from kvscope.engine.executor import StepResult
 from kvscope.engine.request import Request, RequestStatus
-from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput, StepColumns
+from kvscope.engine.scheduler_output import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput, StepColumns
 
 _NONE: tuple[int, ...] = ()  # the usual decode row's new block ids (shared, never mutated)
 
@@ -136,20 +136,19 @@ class Scheduler:
                 bm.allocate(req, int(start[i]) + 1)
                 new_ids[i] = _unsent_blocks(req)
             batch.capacity[cross] += bm.block_size
-        rows = out.requests
         tokens: list[int] = []
-        for req, s, new, index in zip(running, start.tolist(), new_ids, (start - batch.index_base).tolist()):
+        starts = start.tolist()
+        for req, s in zip(running, starts):
             ids = req.token_ids
-            token = ids[s] if s < len(ids) else PLACEHOLDER
-            tokens.append(token)
-            # (Fields in order, as in ``_scheduled``: not resumed, not prefill, samples, no cache hit.)
-            rows.append(ScheduledRequest(req.seq_id, [token], s, new, False, False, True, 0, req.params, index))
+            tokens.append(ids[s] if s < len(ids) else PLACEHOLDER)
             req.num_computed_tokens = s + 1
             req.num_pending += 1
         batch.end = start + 1
+        index = start - batch.index_base
+        out.requests = DecodeRows(batch.reqs, tokens, starts, new_ids, index.tolist())
         out.columns = StepColumns(
             seq_id=batch.seq_id, start=start, num_new_tokens=batch.ones, sample=batch.all_true,
-            token_ids=np.array(tokens, dtype=np.int64), table_changed=cross,
+            token_ids=np.array(tokens, dtype=np.int64), table_changed=cross, output_index=index,
         )
         return True
 
@@ -325,8 +324,8 @@ class Scheduler:
         live = self.requests
         tokens, errors = result.tokens, result.errors
         running = RequestStatus.RUNNING
-        for r in out.requests:
-            seq_id = r.seq_id
+        cols = out.columns  # (read as columns: a steady decode step's rows are never built here)
+        for seq_id, sample in zip(cols.seq_id.tolist(), cols.sample.tolist()):
             req = live.get(seq_id)
             if req is None:
                 continue  # finished or aborted while this step was in flight: its work is dropped
@@ -341,7 +340,7 @@ class Scheduler:
             m = req.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-            if not r.sample:
+            if not sample:
                 continue
             if errors and seq_id in errors:  # this request failed alone
                 req.num_pending -= 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class StepColumns:
     sample: np.ndarray          # bool [B]
     token_ids: np.ndarray       # int64 [T]: every row's tokens, concatenated
     table_changed: np.ndarray   # int64 [K]: the rows with a block-table delta (new ids or a restart)
+    output_index: np.ndarray    # int64 [B]: each row's ScheduledRequest.output_index
 
     @classmethod
     def from_rows(cls, rows: list[ScheduledRequest]) -> "StepColumns":
@@ -63,6 +64,7 @@ class StepColumns:
         sample: list[bool] = []
         tokens: list[int] = []
         changed: list[int] = []
+        index: list[int] = []
         for i, r in enumerate(rows):
             seq_ids.append(r.seq_id)
             starts.append(r.start)
@@ -70,6 +72,7 @@ class StepColumns:
             lens.append(len(t))
             tokens += t
             sample.append(r.sample)
+            index.append(r.output_index)
             if r.new_block_ids or r.resumed_from_preemption:
                 changed.append(i)
         return cls(
@@ -79,7 +82,51 @@ class StepColumns:
             sample=np.array(sample, dtype=bool),
             token_ids=np.array(tokens, dtype=np.int64),
             table_changed=np.array(changed, dtype=np.int64),
+            output_index=np.array(index, dtype=np.int64),
         )
+
+
+class DecodeRows(Sequence[ScheduledRequest]):
+    """The rows of a steady decode step (one per running request, each one token that samples),
+    made only when read: the scheduler plans such a step as columns, and the runner and the
+    scheduler's post-processing read those, so a step nobody inspects row by row (no trace, no
+    ``step.scheduled`` hook) builds no per-row object. The rows are those the general path
+    would have built; the first iteration builds them all and keeps them (one row read by
+    index, as the runner reads the few whose tables grew, is built alone)."""
+
+    __slots__ = ("_reqs", "_tokens", "_starts", "_new_block_ids", "_output_index", "_rows")
+
+    def __init__(self, reqs: Sequence, tokens: list[int], starts: list[int],
+                 new_block_ids: list[Sequence[int]], output_index: list[int]) -> None:
+        self._reqs, self._tokens, self._starts = reqs, tokens, starts
+        self._new_block_ids, self._output_index = new_block_ids, output_index
+        self._rows: list[ScheduledRequest] | None = None
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __getitem__(self, i):
+        if self._rows is not None or isinstance(i, slice):
+            return self._all()[i]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._row(i)
+
+    def __iter__(self) -> Iterator[ScheduledRequest]:
+        return iter(self._all())
+
+    def _all(self) -> list[ScheduledRequest]:
+        if self._rows is None:
+            self._rows = [self._row(i) for i in range(len(self))]
+        return self._rows
+
+    def _row(self, i: int) -> ScheduledRequest:
+        # (Fields in order: not resumed, not prefill, samples, no cache hit.)
+        req = self._reqs[i]
+        return ScheduledRequest(req.seq_id, [self._tokens[i]], self._starts[i], self._new_block_ids[i],
+                                False, False, True, 0, req.params, self._output_index[i])
 
 
 @dataclass
@@ -87,7 +134,8 @@ class SchedulerOutput:
     """One step's rows, plus the requests whose tables the runner must drop (preempted, finished)."""
 
     step: int
-    requests: list[ScheduledRequest] = field(default_factory=list)
+    # (A steady decode step's are a DecodeRows: a read-only sequence, each row made when read.)
+    requests: list[ScheduledRequest] | DecodeRows = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # finished or aborted since the last step
     token_budget: int = 0

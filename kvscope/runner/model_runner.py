@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -388,16 +388,17 @@ class ModelRunner:
         """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
         rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
         t0 = time.perf_counter()
+        cols = out.columns
         if x.logits_indices.size == x.num_seqs:  # every row samples (steady decode): nothing to select
-            sampled, table_rows, seq_ids = out.requests, x.table_rows, out.columns.seq_id
+            sampled, table_rows, seq_ids, index = out.requests, x.table_rows, cols.seq_id, cols.output_index
         else:
-            sample = out.columns.sample
+            sample = cols.sample
             sampled = [r for r in out.requests if r.sample]
-            table_rows, seq_ids = x.table_rows[sample], out.columns.seq_id[sample]
+            table_rows, seq_ids, index = x.table_rows[sample], cols.seq_id[sample], cols.output_index[sample]
         params = self._params_of(sampled, table_rows is self._sampled_rows)
+        index = index.tolist()
         if use_graph and rows is not None and self.graphs.tokens is not None and x.logits_indices.size == x.num_seqs:
-            s = self.sampler.sample_captured(params, [r.output_index for r in sampled],
-                                             lambda: self.graphs.sample(x.num_seqs))
+            s = self.sampler.sample_captured(params, index, lambda: self.graphs.sample(x.num_seqs))
             if s is not None:
                 return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, {})
         with self._threads():
@@ -409,7 +410,7 @@ class ModelRunner:
                     self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
-            s, errors = self._sample(logits, sampled, params)
+            s, errors = self._sample(logits, sampled, params, index)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
         return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, errors)
@@ -421,7 +422,7 @@ class ModelRunner:
         step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
-    def _params_of(self, rows: list[ScheduledRequest], same_rows: bool) -> list[SamplingParams]:
+    def _params_of(self, rows: Sequence[ScheduledRequest], same_rows: bool) -> list[SamplingParams]:
         """The sampled rows' params list. When they are the same sequences as the last step
         sampled, in order (``same_rows``: BlockTables handed the very same rows array back), it
         is the last step's very list, which the sampler has read already."""
@@ -429,16 +430,15 @@ class ModelRunner:
         self._sampled_params = params
         return params
 
-    def _sample(self, logits: torch.Tensor, rows: list[ScheduledRequest], params: list[SamplingParams]
-                ) -> tuple[DeviceSample, dict[int, str]]:
-        """Sample every row (``params``: theirs, from :meth:`_params_of`); a row whose own
-        parameters make sampling fail fails alone.
+    def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest], params: list[SamplingParams],
+                index: list[int]) -> tuple[DeviceSample, dict[int, str]]:
+        """Sample every row (``params`` and ``index``: their parameters, from :meth:`_params_of`,
+        and output indices); a row whose own parameters make sampling fail fails alone.
 
         Such a row is found by sampling each row by itself, then sampled greedily in the batch
         so the other rows keep their places; its error goes back to the scheduler, which ends
         the request with ``finish_reason="abort"``.
         """
-        index = [r.output_index for r in rows]
         try:
             return self.sampler.sample(logits, params, index), {}
         except Exception:
