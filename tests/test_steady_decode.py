@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import astuple
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -141,3 +142,29 @@ def test_a_recorded_trace_is_the_same_with_the_steady_path():
             assert getattr(steady, table)().equals(getattr(general, table)()), table
         for step in general.step_ids:
             assert steady.blocks(step).equals(general.blocks(step))
+
+
+def test_a_steady_steps_rows_read_by_index_equal_its_rows_read_in_order():
+    """A steady step's rows (a ``DecodeRows``, built when read) read one by one by index, as the
+    runner reads the rows whose tables grew, before and after the whole sequence is iterated:
+    the same rows as iteration gives, negative indices and slices included; past the end, IndexError."""
+    from kvscope.engine.scheduler_output import DecodeRows
+
+    config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), _Tok(), max_model_len=256, eos_token_ids=[0])
+    for i in range(3):
+        engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    seen = 0
+    while engine.has_unfinished_requests():
+        out = engine.scheduler.schedule()
+        if isinstance(out.requests, DecodeRows):
+            seen += 1
+            rows = out.requests
+            one_by_one = [astuple(rows[i]) for i in range(len(rows))] + [astuple(rows[-1])]
+            listed = [astuple(r) for r in rows]
+            assert one_by_one == listed + [listed[-1]]
+            assert [astuple(r) for r in rows[1:]] == listed[1:] and astuple(rows[0]) == listed[0]
+            with pytest.raises(IndexError):
+                rows[len(rows)]
+        engine.scheduler.update_from_output(out, engine.executor.execute(out), 0.0)
+    assert seen > 5
