@@ -9,9 +9,10 @@ batch in one read of the logits, inverting each row's CDF at one counter-based u
 with top-k or top-p on logits masked outside their set; log-probs come from a ``log_softmax``
 beside it). A temperature under ``GREEDY_BELOW`` is greedy.
 
-A decode CUDA graph can end in the LM head and the draw (:meth:`Sampler.draw_captured`), so a
-steady decode step launches one graph and no sampling kernel: the rows' scales and the step
-number are read from device memory, and the tokens equal those of an eager draw.
+A decode CUDA graph bucket can have a second graph, the LM head and the draw
+(:meth:`Sampler.draw_captured`), so a steady decode step launches graphs and no sampling
+kernel: the rows' scales and the step number are read from device memory, and the tokens equal
+those of an eager draw.
 
 Sampling never waits for the device: :meth:`Sampler.sample` returns device tensors, and
 :class:`DeviceSample` copies them to the host asynchronously; only ``to_output()`` waits, and
