@@ -21,6 +21,8 @@ on a GPU it measures the same host work with a device that is never the bottlene
 The script needs nothing from its folder, so one copy of it can time two checkouts alternately
 (before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
+``--eager-draw`` keeps the LM head and the draw out of the decode graphs
+(``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
@@ -122,11 +124,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size with --tiny")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers with --tiny")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--eager-draw", action="store_true", help="sample after each graph replay, not in a graph")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch profiler's table")
     ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
                     help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
+    if args.eager_draw:
+        from kvscope.runner import cuda_graphs
+        cuda_graphs.CAPTURE_DRAW = False
     from kvscope import LLM, SamplingParams
 
     cuda = args.device == "cuda"

@@ -160,6 +160,30 @@ def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypa
             assert len(launches) <= graph_steps.count(False), (len(launches), graph_steps)
 
 
+def test_decode_graphs_without_the_captured_draw_sample_eagerly(checkpoint, monkeypatch):
+    """``CAPTURE_DRAW = False`` (the profiling scripts' A/B switch): the graphs replay without
+    the draw, every step that replayed one samples by its own launch, and the tokens are those
+    of the captured draw."""
+    from kvscope.kernels import triton_sampling as ts
+    from kvscope.runner import cuda_graphs
+
+    params = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
+    launches, graph_steps, runs = [], [], []
+    sample = ts.sample
+    monkeypatch.setattr(ts, "sample", lambda *a, **k: launches.append(1) or sample(*a, **k))
+    for capture in (True, False):
+        monkeypatch.setattr(cuda_graphs, "CAPTURE_DRAW", capture)
+        llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", gpu_memory_utilization=0.3)
+        assert (llm.llm_engine.executor.graphs.tokens is not None) == capture
+        llm.hooks.add("step.end", lambda info: graph_steps.append(info.cuda_graph))
+        launches.clear()
+        graph_steps.clear()
+        runs.append([o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)])
+        llm.shutdown()
+    assert runs[1] == runs[0]
+    assert len(launches) >= sum(graph_steps) > 20
+
+
 def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
     llm = LLM(checkpoint, device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.3)
     used = []

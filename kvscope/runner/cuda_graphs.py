@@ -27,6 +27,9 @@ from kvscope.kernels.base import AttentionMetadata
 from kvscope.runner.inputs import StepInputs
 from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_views, packed_decode_bytes
 
+# Set False to keep the LM head and the draw out of the decode graphs (the runner then samples
+# eagerly after each replay), for A/B runs: benchmarks/profile_decode.py --eager-draw.
+CAPTURE_DRAW = True
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 _MAX_CACHED_VIEWS = 4096  # (batch, width, end) keys whose table views are kept
 

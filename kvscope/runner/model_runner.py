@@ -27,6 +27,7 @@ from kvscope.layers.weight_layout import pack_cpu_weights
 from kvscope.models import build_model
 from kvscope.models.decoder import head_dim_of
 from kvscope.models.loader import load_weights
+from kvscope.runner import cuda_graphs
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
@@ -157,7 +158,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             # One rank samples: with tensor parallelism the draw stays out of the graphs.
             head = None
-            if tp_size == 1 and self.sampler.kernels is not None:
+            if tp_size == 1 and self.sampler.kernels is not None and cuda_graphs.CAPTURE_DRAW:
                 self.sampler.enable_captured_draws(config.max_num_seqs)
                 head = self._head
             with torch.inference_mode():
