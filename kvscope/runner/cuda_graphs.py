@@ -10,9 +10,12 @@ Only decode-only steps whose batch fits a bucket and whose block tables fit the 
 width replay a graph; anything else runs eagerly (never a crash).
 
 With a ``head`` (the LM head and the sampler's captured draw), each bucket also has a second
-graph from the hidden rows to the sampled tokens, replayed after the first when the step's
-rows can draw there (:meth:`kvscope.runner.sampler.Sampler.sample_captured`): a steady decode
-step then launches two graphs and no kernel of its own.
+graph of the whole step, from the inputs through the head to the sampled tokens, replayed
+instead of the first when the step's rows can draw there
+(:meth:`kvscope.runner.sampler.Sampler.sample_captured`): a steady decode step then launches
+one graph and no kernel of its own. It is one graph, not the forward's graph followed by a
+graph of the head, because a graph launched right behind another on the stream stretched the
+gaps between the first one's kernels (benchmarks/RESULTS.md, session 16).
 """
 from __future__ import annotations
 
@@ -57,8 +60,9 @@ class DecodeGraphs:
         self.tables = StaticTables(self.inputs, n, self.width)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # The head's graphs, by bucket, and their tokens (int64 [rows]); none without a head.
-        self.heads: dict[int, torch.cuda.CUDAGraph] = {}
+        # The graphs of whole steps that end in the draw, by bucket, and their tokens (int64
+        # [rows]); none without a head.
+        self.draws: dict[int, torch.cuda.CUDAGraph] = {}
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device) if head is not None else None
         self._bucket_views: dict[int, DecodeViews] = {g: decode_views(self.inputs, g) for g in self.buckets}
         self._batch: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -84,9 +88,12 @@ class DecodeGraphs:
             v.slot_mapping.fill_(-1)  # (the buckets' layouts overlap: each starts from padding)
             with forward_context(self._meta(g)):
                 self.graphs[g], pool = _capture(self.hidden[:g], self._forward, (v.input_ids, v.positions), pool)
-            if self._head is not None:
-                self.heads[g], pool = _capture(self.tokens[:g], self._head, (self.hidden[:g],), pool)
+                if self._head is not None:
+                    self.draws[g], pool = _capture(self.tokens[:g], self._step, (v.input_ids, v.positions), pool)
         torch.cuda.synchronize()
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._head(self._forward(input_ids, positions))
 
     def can_run(self, inputs: StepInputs) -> bool:
         return (
@@ -118,10 +125,12 @@ class DecodeGraphs:
         self.graphs[g].replay()
         return hidden
 
-    def sample(self, b: int) -> torch.Tensor:
-        """Replay the head's graph on the hidden rows :meth:`run` left: the tokens of a batch of ``b``."""
-        g = self.bucket(b)
-        self.heads[g].replay()
+    def run_and_draw(self, layout: PackedLayout) -> torch.Tensor:
+        """Replay the whole step, head and draw included, on the step packed (``layout``) in
+        :attr:`inputs`; returns the tokens ``[B]``."""
+        b = layout.num_seqs
+        self.tables.write(layout)
+        self.draws[self.bucket(b)].replay()
         return self._tokens(b)
 
     def _tokens(self, b: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -344,17 +345,15 @@ class ModelRunner:
         return self.model(input_ids, positions)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The decode graphs' second part: the LM head and the sampler's draw."""
+        """The end of the decode graphs that draw: the LM head and the sampler's draw."""
         return self.sampler.draw_captured(self.model.compute_logits(hidden))
 
-    @torch.inference_mode()
-    def forward_step(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, StepInputs, bool, float, float]:
-        """Run the model on one step; returns the hidden rows to sample (or None), and timings.
+    def _prepare(self, out: SchedulerOutput) -> "_PreparedStep":
+        """Pack and upload one step's inputs, on the graph's buffer where a decode graph runs it.
 
         The placeholder input ids take the previous step's sampled rows on the device; in the
         steady state (the same sequences as the last step, in order, all sampled) they are
         those tokens, as they stand."""
-        t0 = time.perf_counter()
         x = build_step_inputs(out, self.block_size, self.block_tables)
         fill, src, steady = self._placeholder_sources(x)
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(x) else None
@@ -363,33 +362,40 @@ class ModelRunner:
         # The step's views are made only where they are read (a graph reads its own).
         wanted = graphs is None or (fill.size and not steady) or x.logits_indices.size != x.num_tokens
         d = views(flat, layout) if wanted else None
-        t1 = time.perf_counter()
         ids = d.input_ids if graphs is None else graphs.input_ids(x.num_seqs)
         if steady:  # a graph reads its ids in place; an eager pass can take the tokens as they are
             ids = self._last_sample if graphs is None else ids.copy_(self._last_sample)
         elif fill.size:
             ids[d.fill] = self._last_sample[d.src]
-        if graphs is not None:
-            hidden = graphs.run(layout)
+        return _PreparedStep(x, graphs, layout, d, ids)
+
+    def _forward_rows(self, step: "_PreparedStep") -> torch.Tensor | None:
+        """Run the model on a prepared step; returns the hidden rows to sample (or None)."""
+        x, d = step.x, step.d
+        if step.graphs is not None:
+            hidden = step.graphs.run(step.layout)
         else:
             with forward_context(self._metadata(x, d)), self._threads():
-                hidden = self._forward(ids, d.positions)
-        rows = None
+                hidden = self._forward(step.ids, d.positions)
         if len(x.logits_indices) == x.num_tokens:
-            rows = hidden
-        elif len(x.logits_indices):
-            rows = hidden[d.logits_indices]
-        return rows, x, graphs is not None, t1 - t0, time.perf_counter() - t1
+            return hidden
+        if len(x.logits_indices):
+            return hidden[d.logits_indices]
+        return None
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.execute_async(out).result()
 
     @torch.inference_mode()
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
-        """Launch the step; the handle's ``result()`` waits for this step's tokens only."""
-        rows, x, use_graph, prepare_s, forward_s = self.forward_step(out)
+        """Launch the step; the handle's ``result()`` waits for this step's tokens only.
+
+        A decode step whose rows can draw in a CUDA graph (see ``Sampler.sample_captured``)
+        replays the graph of the whole step, draw included; any other step runs the forward
+        (a graph of it, or eagerly) and samples after it."""
         t0 = time.perf_counter()
-        cols = out.columns
+        step = self._prepare(out)
+        x, cols = step.x, out.columns
         if x.logits_indices.size == x.num_seqs:  # every row samples (steady decode): nothing to select
             sampled, table_rows, seq_ids, index = out.requests, x.table_rows, cols.seq_id, cols.output_index
         else:
@@ -398,10 +404,16 @@ class ModelRunner:
             table_rows, seq_ids, index = x.table_rows[sample], cols.seq_id[sample], cols.output_index[sample]
         params = self._params_of(sampled, table_rows is self._sampled_rows)
         index = index.tolist()
-        if use_graph and rows is not None and self.graphs.tokens is not None and x.logits_indices.size == x.num_seqs:
-            s = self.sampler.sample_captured(params, index, lambda: self.graphs.sample(x.num_seqs))
+        t1 = time.perf_counter()
+        use_graph = step.graphs is not None
+        if use_graph and step.graphs.draws and x.logits_indices.size == x.num_seqs:
+            s = self.sampler.sample_captured(params, index, lambda: step.graphs.run_and_draw(step.layout))
             if s is not None:
-                return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, {})
+                t2 = time.perf_counter()
+                return self._launched(s, table_rows, seq_ids, t1 - t0, t2 - t1, t2, use_graph, {})
+        rows = self._forward_rows(step)
+        t2 = time.perf_counter()
+        prepare_s, forward_s = t1 - t0, t2 - t1
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
@@ -414,7 +426,7 @@ class ModelRunner:
             s, errors = self._sample(logits, sampled, params, index)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
-        return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t0, use_graph, errors)
+        return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t2, use_graph, errors)
 
     def _launched(self, s: DeviceSample, table_rows: np.ndarray, seq_ids: np.ndarray, prepare_s: float,
                   forward_s: float, t0: float, use_graph: bool, errors: dict[int, str]) -> StepHandle:
@@ -495,3 +507,14 @@ class _LaunchedStep:
         logprobs = {} if s.logprobs is None else dict(zip(seq_ids, s.logprobs))
         return StepResult(tokens=dict(zip(seq_ids, s.tokens)), logprobs=logprobs,
                           timings=timings, cuda_graph=self._graph, errors=self._errors)
+
+
+@dataclass
+class _PreparedStep:
+    """A step whose inputs are on the device, ready to run (``ModelRunner._prepare``)."""
+
+    x: StepInputs
+    graphs: DecodeGraphs | None  # the decode graphs, where one runs this step
+    layout: PackedLayout
+    d: DeviceInputs | None  # the step's views of its uploaded inputs, where something reads them
+    ids: torch.Tensor  # the input ids the forward reads
