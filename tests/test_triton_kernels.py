@@ -345,14 +345,17 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
                        config=ta.KernelConfig(128, 64, 8, 3, tma=True))
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
                        config=ta.KernelConfig(128, 64, 8, 2, maxnreg=128))
+    wide = ta.KernelConfig(256, 64, 16, 3, fold_scale=False)
+    ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale, config=wide)
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 7, 1]
+    assert [len(r.calls) for r in kernels.values()] == [2, 8, 1]
     compile_recorded(kernels)
     attention = kernels["_paged_attention_kernel"]
-    # A config's register cap reaches the compiler; the default prefill tiles fit one H100/H200
-    # block's shared memory (227 KiB).
-    assert ".maxnreg 128" in compile_sm90(attention.fn, attention.calls[-2]).asm["ptx"]
-    assert compile_sm90(attention.fn, attention.calls[-1]).metadata.shared <= 227 * 1024
+    # A config's register cap reaches the compiler; the default prefill tiles and the 256-row
+    # ones fit one H100/H200 block's shared memory (227 KiB).
+    assert ".maxnreg 128" in compile_sm90(attention.fn, attention.calls[-3]).asm["ptx"]
+    for call in attention.calls[-2:]:
+        assert compile_sm90(attention.fn, call).metadata.shared <= 227 * 1024
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -378,7 +381,7 @@ def test_gpu_mixed_step(block_size: int, group: int, head_dim: int) -> None:
 
 GPU_CONFIGS = [ta.PREFILL_CONFIG, ta.KernelConfig(128, 64, 8, 3, fold_scale=False),
                ta.KernelConfig(128, 64, 8, 3, tma=True), ta.KernelConfig(128, 128, 8, 2, tma=True),
-               ta.KernelConfig(128, 64, 8, 2, maxnreg=128)]
+               ta.KernelConfig(128, 64, 8, 2, maxnreg=128), ta.KernelConfig(256, 64, 16, 3, fold_scale=False)]
 
 
 @pytest.mark.gpu

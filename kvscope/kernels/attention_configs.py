@@ -51,7 +51,8 @@ PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
 # Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
-# large pages (where it does not apply it is the plain-load config again).
+# large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
+# warps halve the programs (and their starts and ends) of a fresh prefill on small pages.
 TUNE_CANDIDATES = (
     PREFILL_CONFIG,
     MIXED_CONFIG,
@@ -61,6 +62,7 @@ TUNE_CANDIDATES = (
     KernelConfig(128, 128, 8, 3, fold_scale=False, tma=True),
     KernelConfig(64, 64, 4, 3, fold_scale=False),
     KernelConfig(128, 64, 8, 2, maxnreg=128),
+    KernelConfig(256, 64, 16, 3, fold_scale=False),
 )
 
 _choices: dict[str, KernelConfig] | None = None
