@@ -41,7 +41,7 @@ DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in ((32, 4, 4), (64, 4,
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
-    (64, 64, 4, 3, False))]
+    (64, 64, 4, 3, False), (256, 64, 16, 3, False))]
 # Mixed steps compile their own kernel variants: sweep fewer configs there.
 MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 4, True))]
