@@ -63,6 +63,15 @@ def write_checkpoint(config_dir: str, out_dir: Path, device: str, tiny: bool, vo
     gc.collect()
 
 
+def prefill(engine, prompts: list[list[int]], params) -> None:
+    """Add ``prompts`` to ``engine`` and step until every prompt is computed: what follows are
+    decode steps of all of them."""
+    for p in prompts:
+        engine.add_request(p, params, final_only=True)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+
+
 class _Phases:
     """Times the engine's phases by wrapping their entry points on the live objects, with
     ``clock`` (wall time, or this thread's CPU time, which the neighbours of a shared machine
@@ -148,10 +157,7 @@ def main() -> None:
                    for _ in range(args.seqs)]
         params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.steps + 32)
         engine = llm.llm_engine
-        for p in prompts:
-            engine.add_request(p, params, final_only=True)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
+        prefill(engine, prompts, params)
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
         phases = _Phases(engine, cuda, clock, args.async_scheduling)
         for _ in range(5):

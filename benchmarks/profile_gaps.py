@@ -26,7 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from profile_decode import write_checkpoint
+from profile_decode import prefill, write_checkpoint
 
 
 def idle_gaps(events: list) -> tuple[float, float, list[tuple[float, str, str]]]:
@@ -70,10 +70,7 @@ def main() -> None:
                   max_num_seqs=max(256, args.seqs), max_num_batched_tokens=16384, async_scheduling=not args.sync)
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=2 * args.steps + 20)
-        for _ in range(args.seqs):
-            engine.add_request([rng.randrange(10000) for _ in range(args.prompt)], params, final_only=True)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-            engine.step()
+        prefill(engine, [[rng.randrange(10000) for _ in range(args.prompt)] for _ in range(args.seqs)], params)
         for _ in range(10):
             engine.step()
         torch.cuda.synchronize()

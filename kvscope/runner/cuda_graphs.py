@@ -128,10 +128,10 @@ class DecodeGraphs:
     def run_and_draw(self, layout: PackedLayout) -> torch.Tensor:
         """Replay the whole step, head and draw included, on the step packed (``layout``) in
         :attr:`inputs`; returns the tokens ``[B]``."""
-        b = layout.num_seqs
+        g = self._batch_views(layout.num_seqs)[0]
         self.tables.write(layout)
-        self.draws[self.bucket(b)].replay()
-        return self._tokens(b)
+        self.draws[g].replay()
+        return self._tokens(layout.num_seqs)
 
     def _tokens(self, b: int) -> torch.Tensor:
         v = self._token_views.get(b)
