@@ -8,8 +8,7 @@ replayed right behind another one did: benchmarks/RESULTS.md, session 16). The s
 decode steps, unprofiled (wall time per step) and again under the torch profiler, and prints
 the device's busy and idle time per step and the neighbour pairs that idle the most.
 ``--eager-draw`` samples after each graph replay (``cuda_graphs.CAPTURE_DRAW = False``) and
-``--sync`` steps synchronously, ``--weight-prefetch`` prefetches each GEMM's weights into L2
-(``weight_prefetch.USE_WEIGHT_PREFETCH``), for A/B runs in one call.
+``--sync`` steps synchronously, for A/B runs in one call.
 
     python benchmarks/profile_gaps.py --config benchmarks/configs/qwen3-0.6b --seqs 32
     python benchmarks/profile_gaps.py --config benchmarks/configs/qwen3-0.6b --seqs 32 --eager-draw
@@ -52,15 +51,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--eager-draw", action="store_true", help="sample after each graph replay, not in a graph")
     ap.add_argument("--sync", action="store_true", help="step synchronously (default: async scheduling)")
-    ap.add_argument("--weight-prefetch", action="store_true", help="prefetch each GEMM's weights into L2")
     ap.add_argument("--pairs", type=int, default=8, help="neighbour pairs to list")
     args = ap.parse_args()
     if args.eager_draw:
         from kvscope.runner import cuda_graphs
         cuda_graphs.CAPTURE_DRAW = False
-    if args.weight_prefetch:
-        from kvscope.kernels import weight_prefetch
-        weight_prefetch.USE_WEIGHT_PREFETCH = True
     from kvscope import LLM, SamplingParams
 
     rng = random.Random(0)
@@ -87,8 +82,7 @@ def main() -> None:
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     span, busy, gaps = idle_gaps(events)
     n = args.steps
-    mode = (f"{'synchronous' if args.sync else 'async scheduling'}, draw {'eager' if args.eager_draw else 'in the graph'}"
-            + (", weight prefetch" if args.weight_prefetch else ""))
+    mode = f"{'synchronous' if args.sync else 'async scheduling'}, draw {'eager' if args.eager_draw else 'in the graph'}"
     print(f"{args.config}, {args.seqs} seqs, {mode}: {wall:.3f} ms per decode step unprofiled; profiled "
           f"{span / n / 1e3:.3f} ms per step, device busy {busy / n / 1e3:.3f}, idle "
           f"{sum(g for g, _, _ in gaps) / n / 1e3:.3f} ({len(gaps) / n:.0f} gaps per step)")

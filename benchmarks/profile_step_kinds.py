@@ -10,9 +10,7 @@ of rows, as medians.
 
 ``--no-pdl`` launches the Triton kernels without programmatic dependent launch, for A/B runs in
 one call (``kvscope.kernels.pdl.USE_PDL``); ``--eager-draw`` keeps the LM head and the draw out
-of the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``); ``--weight-prefetch`` has the
-norms and SiLU-and-mul bring the next GEMM's weights into L2
-(``kvscope.kernels.weight_prefetch.USE_WEIGHT_PREFETCH``).
+of the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``).
 
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
@@ -78,7 +76,6 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
     ap.add_argument("--eager-draw", action="store_true", help="sample after each graph replay, not in a graph")
-    ap.add_argument("--weight-prefetch", action="store_true", help="prefetch each GEMM's weights into L2")
     args = ap.parse_args()
     if args.no_pdl:
         from kvscope.kernels import pdl
@@ -86,9 +83,6 @@ def main() -> None:
     if args.eager_draw:
         from kvscope.runner import cuda_graphs
         cuda_graphs.CAPTURE_DRAW = False
-    if args.weight_prefetch:
-        from kvscope.kernels import weight_prefetch
-        weight_prefetch.USE_WEIGHT_PREFETCH = True
     from kvscope import LLM, SamplingParams
 
     prompts, outs = workload()
@@ -101,8 +95,7 @@ def main() -> None:
         kinds = StepKinds(llm.llm_engine, args.async_scheduling)
         seconds = timed_generate(llm, prompts, outs)
         mode = "async scheduling" if args.async_scheduling else "synchronous"
-        knobs = ((", no PDL" if args.no_pdl else "") + (", eager draw" if args.eager_draw else "")
-                 + (", weight prefetch" if args.weight_prefetch else ""))
+        knobs = (", no PDL" if args.no_pdl else "") + (", eager draw" if args.eager_draw else "")
         print(f"{args.config}, {mode}{knobs}: {sum(outs) / seconds:,.0f} output tok/s, "
               f"{seconds:.3f} s, {len(kinds.times)} steps")
         print(kinds.report())

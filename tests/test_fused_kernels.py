@@ -19,12 +19,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import triton.language as tl  # noqa: E402
-
 from kvscope.kernels import fused as fused_switch
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels import triton_fused as tf
-from kvscope.kernels import weight_prefetch
 from kvscope.kernels.base import KVWrite
 from kvscope.kernels.kv_quant import FP8_DTYPE
 from kvscope.kernels.torch_attention import store_kv
@@ -32,7 +29,7 @@ from kvscope.layers import norm as norm_module
 from kvscope.layers.activation import SiluAndMul
 from kvscope.layers.norm import RMSNorm
 from kvscope.layers.rotary import RopeConfig, RotaryEmbedding, rotate_qk
-from triton_testing import (INTERPRETED, compile_recorded, compile_sm90, compiled_only, interpreted_only,
+from triton_testing import (INTERPRETED, compile_recorded, compiled_only, interpreted_only,
                             record_launches, needs_cuda, rel_err, run_interpreted_tests)
 
 EPS = 1e-6
@@ -300,27 +297,6 @@ def test_interpreted_model_stores_kv_in_rope(arch: str, monkeypatch: pytest.Monk
         assert rel_err(pool, ref) < 1e-5
 
 
-@triton.jit
-def _prefetch_shares_kernel(out_ptr, nbytes):
-    start, end = weight_prefetch.prefetch_share(nbytes, tl.program_id(0), tl.num_programs(0))
-    tl.store(out_ptr + 2 * tl.program_id(0), start)
-    tl.store(out_ptr + 2 * tl.program_id(0) + 1, end)
-
-
-@interpreted_only
-@pytest.mark.parametrize("nbytes,programs", [(0, 3), (16, 4), (40, 1), (4096 * 3 + 8, 5),
-                                             (8 << 20, 8), (3 << 20, 256), ((1 << 31) + 48, 7)])
-def test_interpreted_prefetch_shares_cover_the_weight_once(nbytes: int, programs: int) -> None:
-    """The programs of a prefetching kernel split a weight into consecutive 16-byte aligned
-    shares (what the bulk prefetch takes) that cover each of its whole 16-byte units once."""
-    out = torch.empty(programs, 2, dtype=torch.int64)
-    _prefetch_shares_kernel[(programs,)](out, nbytes)
-    spans = [(a, b) for a, b in out.tolist() if b > a]
-    assert all(a % 16 == 0 and b % 16 == 0 for a, b in spans)
-    ends = [0] + [b for _, b in spans]
-    assert [a for a, _ in spans] == ends[:-1] and ends[-1] == nbytes // 16 * 16
-
-
 # --- CPU: compile the real launches for sm_90 ------------------------------------------------
 
 # (hidden, q heads, kv heads, head_dim, intermediate): Qwen3-0.6B and Llama-3-8B
@@ -361,27 +337,6 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
         launch_all(3, *shape, torch.bfloat16, "cpu")
     assert [len(r.calls) for r in kernels.values()] == [4, 8, 2]
     compile_recorded(kernels)
-
-
-@pytest.mark.slow
-@compiled_only
-def test_weight_prefetch_compiles_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the weight prefetch on (and PDL, as on a Hopper GPU), the norm and SiLU-and-mul
-    launches carry the next GEMM's weight and compile to a bulk L2 prefetch before their wait."""
-    monkeypatch.setattr(weight_prefetch, "USE_WEIGHT_PREFETCH", True)
-    monkeypatch.setattr(tf, "pdl_options", lambda device: {"PDL": True, "launch_pdl": True})
-    kernels = record_launches(monkeypatch, tf, ("_rms_norm_kernel", "_silu_and_mul_kernel"))
-    hidden, intermediate = 1024, 3072
-    x = torch.randn(3, hidden).bfloat16()
-    tf.fused_add_rms_norm(x, x.clone(), torch.ones(hidden).bfloat16(), EPS,
-                          prefetch=torch.randn(4096, hidden).bfloat16())
-    tf.silu_and_mul(torch.randn(3, 2 * intermediate).bfloat16(),
-                    prefetch=torch.randn(hidden, intermediate).bfloat16())
-    for rec in kernels.values():
-        (call,) = rec.calls
-        assert call["PREFETCH"] and call["pf_bytes"] == call["pf_ptr"].numel() * 2
-        ptx = compile_sm90(rec.fn, call).asm["ptx"]
-        assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
 
 
 # --- GPU -------------------------------------------------------------------------------------

@@ -108,19 +108,6 @@ def test_programmatic_dependent_launch_changes_no_token(checkpoint, monkeypatch)
     assert runs[1] == runs[0]
 
 
-def test_weight_prefetch_changes_no_token(checkpoint, monkeypatch):
-    """The norms and SiLU-and-mul bringing the next GEMM's weights into L2 is a hint: graphs
-    under async scheduling give the same tokens with it on and off."""
-    from kvscope.kernels import weight_prefetch
-
-    prompts = _prompts()
-    runs = []
-    for on in (False, True):
-        monkeypatch.setattr(weight_prefetch, "USE_WEIGHT_PREFETCH", on)
-        runs.append(_generate(checkpoint, prompts, async_scheduling=True, block_size=16))
-    assert runs[1] == runs[0]
-
-
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduling):
     """A graph reads the packed upload in place: the bucket's padding, the placeholder ids filled

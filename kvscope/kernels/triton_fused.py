@@ -21,29 +21,23 @@ import triton.language as tl
 from kvscope.kernels.base import KVWrite
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 from kvscope.kernels.triton_attention import quantize_for_pool
-from kvscope.kernels.weight_prefetch import prefetch_args, prefetch_to_l2
 
 _SILU_BLOCK = 1024  # columns per silu_and_mul program: a 2-D grid keeps small batches busy
 
 
-@triton.jit(do_not_specialize=["pf_bytes"])
+@triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, pf_ptr,
-    x_stride, res_stride, out_stride, res_out_stride, eps, pf_bytes,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_stride, res_stride, out_stride, res_out_stride, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     """One row: ``out = rmsnorm(x [+ res]) * w``; with a residual also ``res_out = x + res``.
-    With ``PREFETCH``, the row's share of the next GEMM's weights (``pf_bytes`` at ``pf_ptr``)
-    first goes into L2 (:mod:`kvscope.kernels.weight_prefetch`).
 
     The sum is rounded to the residual's dtype before it is normalised, as the torch path does,
     so the stored residual stream and the normalised value agree.
     """
     if PDL:
         gdc_launch_dependents()
-        if PREFETCH:
-            prefetch_to_l2(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0))
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -131,17 +125,12 @@ def _qk_norm_rope_kernel(
                      quantize_for_pool(v2, v_scale_ptr, v_cache_ptr, FP8), mask=mask)
 
 
-@triton.jit(do_not_specialize=["pf_bytes"])
-def _silu_and_mul_kernel(x_ptr, out_ptr, pf_ptr, x_stride, out_stride, pf_bytes,
-                         N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr):
-    """``out[row, cols] = silu(x[row, cols]) * x[row, N + cols]`` for one block of columns
-    (with ``PREFETCH``, after its share of the next GEMM's weights went into L2)."""
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride,
+                         N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``out[row, cols] = silu(x[row, cols]) * x[row, N + cols]`` for one block of columns."""
     if PDL:
         gdc_launch_dependents()
-        if PREFETCH:
-            prefetch_to_l2(pf_ptr, pf_bytes, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                           tl.num_programs(0) * tl.num_programs(1))
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -165,7 +154,7 @@ def _norm_warps(block: int) -> int:
 
 
 def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-              eps: float, prefetch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.shape[-1]
     x2 = _rows(x)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
@@ -174,28 +163,23 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     res_out = out if residual is None else torch.empty_like(res2)
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
-        pdl = pdl_options(x.device)
-        pf_ptr, pf_bytes, pf_on = prefetch_args(prefetch, pdl, weight)
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, out, res_out, pf_ptr,
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps, pf_bytes,
+            x2, res2, weight, out, res_out,
+            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), eps,
             N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_norm_warps(block),
-            PREFETCH=pf_on, **pdl)
+            **pdl_options(x.device))
     return out.view(x.shape), None if residual is None else res_out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dim; output in ``x``'s dtype. ``prefetch``: the
-    next GEMM's weight, brought into L2 meanwhile where :mod:`~kvscope.kernels.weight_prefetch`
-    is on."""
-    return _rms_norm(x, None, weight, eps, prefetch)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dim; output in ``x``'s dtype."""
+    return _rms_norm(x, None, weight, eps)[0]
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass; both are new tensors."""
-    return _rms_norm(x, residual, weight, eps, prefetch)
+    return _rms_norm(x, residual, weight, eps)
 
 
 def _check_heads(x: torch.Tensor) -> None:
@@ -248,16 +232,13 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q, k
 
 
-def silu_and_mul(x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x = [gate | up]`` on the last dim; output in ``x``'s dtype.
-    ``prefetch``: as for :func:`rms_norm`."""
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` on the last dim; output in ``x``'s dtype."""
     n = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        pdl = pdl_options(x.device)
-        pf_ptr, pf_bytes, pf_on = prefetch_args(prefetch, pdl, x2)
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, _SILU_BLOCK))](
-            x2, out, pf_ptr, x2.stride(0), out.stride(0), pf_bytes,
-            N=n, BLOCK=_SILU_BLOCK, num_warps=4, PREFETCH=pf_on, **pdl)
+            x2, out, x2.stride(0), out.stride(0), N=n, BLOCK=_SILU_BLOCK, num_warps=4,
+            **pdl_options(x.device))
     return out.view(*x.shape[:-1], n)

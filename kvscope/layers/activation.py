@@ -10,11 +10,11 @@ from kvscope.kernels.fused import fused_kernels
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for ``x = [gate | up]`` packed on the last dim (from gate_up_proj);
-    one fused kernel on CUDA, which can bring ``prefetch`` into L2 meanwhile (as ``RMSNorm``)."""
+    one fused kernel on CUDA."""
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = fused_kernels(x)
         if fused is not None:
-            return fused.silu_and_mul(x, prefetch)
+            return fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -29,9 +29,7 @@ class RMSNorm(nn.Module):
 
     Called with ``residual`` it first adds it to ``x`` and returns ``(normed, x + residual)``:
     the pre-norm decoder carries the running residual stream through every layer this way.
-    On CUDA either form is one fused kernel (fp32 math, rounded once to ``x``'s dtype), which
-    can bring ``prefetch``, the weight of the GEMM that reads its output, into L2 meanwhile
-    (:mod:`kvscope.kernels.weight_prefetch`; a hint that changes no value).
+    On CUDA either form is one fused kernel (fp32 math, rounded once to ``x``'s dtype).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -39,13 +37,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         fused = fused_kernels(x)
         if fused is not None:
             if residual is None:
-                return fused.rms_norm(x, self.weight, self.eps, prefetch)
-            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
+                return fused.rms_norm(x, self.weight, self.eps)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

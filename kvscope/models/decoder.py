@@ -91,7 +91,7 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x), prefetch=self.down_proj.weight))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -104,14 +104,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each norm (and the MLP's activation) may prefetch the weights of the GEMM it feeds.
-        qkv_weight = self.self_attn.qkv_proj.weight
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden, prefetch=qkv_weight)
+            residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, prefetch=qkv_weight)
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, cos, sin)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, prefetch=self.mlp.gate_up_proj.weight)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
