@@ -21,7 +21,7 @@ on a GPU it measures the same host work with a device that is never the bottlene
 The script needs nothing from its folder, so one copy of it can time two checkouts alternately
 (before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
-``--eager-draw`` keeps the LM head and the draw out of the decode graphs
+``--captured-draw`` captures the LM head and the draw in the decode graphs
 (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
@@ -44,6 +44,19 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 RUNNER_TIMINGS = ("prepare_s", "forward_s", "sample_s")
+
+
+def add_captured_draw(ap: argparse.ArgumentParser) -> None:
+    """The A/B flag of the profiling scripts that captures the draw in the decode graphs."""
+    ap.add_argument("--captured-draw", action="store_true",
+                    help="capture the LM head and the draw in the decode graphs (CAPTURE_DRAW)")
+
+
+def apply_captured_draw(args: argparse.Namespace) -> None:
+    """Set ``cuda_graphs.CAPTURE_DRAW`` as ``--captured-draw`` asks, before an engine is built."""
+    if args.captured_draw:
+        from kvscope.runner import cuda_graphs
+        cuda_graphs.CAPTURE_DRAW = True
 
 
 def write_checkpoint(config_dir: str, out_dir: Path, device: str, tiny: bool, vocab: int, layers: int) -> None:
@@ -133,15 +146,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size with --tiny")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers with --tiny")
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--eager-draw", action="store_true", help="sample after each graph replay, not in a graph")
+    add_captured_draw(ap)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch profiler's table")
     ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
                     help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
-    if args.eager_draw:
-        from kvscope.runner import cuda_graphs
-        cuda_graphs.CAPTURE_DRAW = False
+    apply_captured_draw(args)
     from kvscope import LLM, SamplingParams
 
     cuda = args.device == "cuda"

@@ -9,8 +9,8 @@ is then mostly the wait for that one). Kinds: ``prefill`` (every row a prompt ch
 of rows, as medians.
 
 ``--no-pdl`` launches the Triton kernels without programmatic dependent launch, for A/B runs in
-one call (``kvscope.kernels.pdl.USE_PDL``); ``--eager-draw`` keeps the LM head and the draw out
-of the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``).
+one call (``kvscope.kernels.pdl.USE_PDL``); ``--captured-draw`` captures the LM head and the
+draw in the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``).
 
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
+from profile_decode import add_captured_draw, apply_captured_draw  # noqa: E402
 
 ROW_BUCKETS = ((200, 1 << 30), (128, 199), (64, 127), (32, 63), (8, 31), (1, 7))
 
@@ -75,14 +76,12 @@ def main() -> None:
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
-    ap.add_argument("--eager-draw", action="store_true", help="sample after each graph replay, not in a graph")
+    add_captured_draw(ap)
     args = ap.parse_args()
     if args.no_pdl:
         from kvscope.kernels import pdl
         pdl.USE_PDL = False
-    if args.eager_draw:
-        from kvscope.runner import cuda_graphs
-        cuda_graphs.CAPTURE_DRAW = False
+    apply_captured_draw(args)
     from kvscope import LLM, SamplingParams
 
     prompts, outs = workload()
@@ -95,7 +94,7 @@ def main() -> None:
         kinds = StepKinds(llm.llm_engine, args.async_scheduling)
         seconds = timed_generate(llm, prompts, outs)
         mode = "async scheduling" if args.async_scheduling else "synchronous"
-        knobs = (", no PDL" if args.no_pdl else "") + (", eager draw" if args.eager_draw else "")
+        knobs = (", no PDL" if args.no_pdl else "") + (", captured draw" if args.captured_draw else "")
         print(f"{args.config}, {mode}{knobs}: {sum(outs) / seconds:,.0f} output tok/s, "
               f"{seconds:.3f} s, {len(kinds.times)} steps")
         print(kinds.report())

@@ -130,13 +130,15 @@ def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduli
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypatch, async_scheduling):
-    """Decode graphs end in the LM head and the draw: random rows at several temperatures, greedy
+    """With ``CAPTURE_DRAW``, decode graphs end in the LM head and the draw: random rows at several temperatures, greedy
     rows among them, get the tokens of an eager engine's draws, and the steps that replayed a
     graph launched no sampling kernel of their own. A log-probs request in the batch sends its
     steps to the eager draw (which the graphs' step number then catches up with): the same
     tokens again."""
     from kvscope.kernels import triton_sampling as ts
+    from kvscope.runner import cuda_graphs
 
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_DRAW", True)
     prompts = _prompts()
     temps = [0.7, 0, 1.3, 0.9]
     plain = [SamplingParams(temperature=temps[i % 4], max_tokens=40, ignore_eos=True) for i in range(len(prompts))]
@@ -161,9 +163,9 @@ def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypa
 
 
 def test_decode_graphs_without_the_captured_draw_sample_eagerly(checkpoint, monkeypatch):
-    """``CAPTURE_DRAW = False`` (the profiling scripts' A/B switch): the graphs replay without
-    the draw, every step that replayed one samples by its own launch, and the tokens are those
-    of the captured draw."""
+    """``CAPTURE_DRAW = False`` (the default; True is the profiling scripts' A/B switch): the
+    graphs replay without the draw, every step that replayed one samples by its own launch, and
+    the tokens are those of the captured draw."""
     from kvscope.kernels import triton_sampling as ts
     from kvscope.runner import cuda_graphs
 

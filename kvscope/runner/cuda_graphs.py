@@ -13,9 +13,10 @@ With a ``head`` (the LM head and the sampler's captured draw), each bucket also 
 graph of the whole step, from the inputs through the head to the sampled tokens, replayed
 instead of the first when the step's rows can draw there
 (:meth:`kvscope.runner.sampler.Sampler.sample_captured`): a steady decode step then launches
-one graph and no kernel of its own. It is one graph, not the forward's graph followed by a
-graph of the head, because a graph launched right behind another on the stream stretched the
-gaps between the first one's kernels (benchmarks/RESULTS.md, session 16).
+one graph and no kernel of its own. The runner passes a head only with ``CAPTURE_DRAW``, which
+is off: on the H200 the kernels of a graph that holds the head start later after each cuBLAS
+GEMM than those of the forward-only graph, which costs more device time than the eager head's
+launches cost the host (benchmarks/RESULTS.md, sessions 16 and 17).
 """
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ from kvscope.kernels.base import AttentionMetadata
 from kvscope.runner.inputs import StepInputs
 from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_views, packed_decode_bytes
 
-# Set False to keep the LM head and the draw out of the decode graphs (the runner then samples
-# eagerly after each replay), for A/B runs: benchmarks/profile_decode.py --eager-draw.
-CAPTURE_DRAW = True
+# Set True to capture the LM head and the draw in the decode graphs (off: the runner samples
+# eagerly after each replay), for A/B runs: benchmarks/profile_decode.py --captured-draw.
+CAPTURE_DRAW = False
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 _MAX_CACHED_VIEWS = 4096  # (batch, width, end) keys whose table views are kept
 
