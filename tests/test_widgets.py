@@ -335,15 +335,27 @@ def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     second.detach()
     assert gone() is None and gc.get_freeze_count() == 0, "the last detach thaws and collects"
 
-    gc.freeze()  # the program's own
+    # The program's own freeze, told apart by what the collector frees (the freeze count itself
+    # drops whenever another thread frees a frozen object): a cycle frozen by the program stays
+    # frozen through an attach and a detach, and one made after it is not frozen by the attach.
+    mine = _Cycle()
+    mine_gone = weakref.ref(mine)
+    gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
+        del mine
+        later = _Cycle()
+        later_gone = weakref.ref(later)
         dash = Dashboard(llm, interval=0.001, max_load=1.0)
-        assert gc.get_freeze_count() == frozen
+        del later
+        gc.collect()
+        assert later_gone() is None, "attaching froze the heap again over the program's freeze"
         dash.detach()
-        assert gc.get_freeze_count() == frozen
+        gc.collect()
+        assert mine_gone() is not None, "detaching thawed the program's own freeze"
     finally:
         gc.unfreeze()
+    gc.collect()
+    assert mine_gone() is None
 
 
 def test_html_export_contains_the_pool(tmp_path):
