@@ -390,9 +390,9 @@ class ModelRunner:
     def execute_async(self, out: SchedulerOutput) -> StepHandle:
         """Launch the step; the handle's ``result()`` waits for this step's tokens only.
 
-        A decode step whose rows can draw in a CUDA graph (see ``Sampler.sample_captured``)
-        replays the graph of the whole step, draw included; any other step runs the forward
-        (a graph of it, or eagerly) and samples after it."""
+        With ``cuda_graphs.CAPTURE_DRAW``, a decode step whose rows can draw in a CUDA graph
+        (see ``Sampler.sample_captured``) replays the graph of the whole step, draw included;
+        any other step runs the forward (a graph of it, or eagerly) and samples after it."""
         t0 = time.perf_counter()
         step = self._prepare(out)
         x, cols = step.x, out.columns
