@@ -130,11 +130,11 @@ def test_cuda_graphs_match_eager_as_the_batch_shrinks(checkpoint, async_scheduli
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypatch, async_scheduling):
-    """With ``CAPTURE_DRAW``, decode graphs end in the LM head and the draw: random rows at several temperatures, greedy
-    rows among them, get the tokens of an eager engine's draws, and the steps that replayed a
-    graph launched no sampling kernel of their own. A log-probs request in the batch sends its
-    steps to the eager draw (which the graphs' step number then catches up with): the same
-    tokens again."""
+    """With ``CAPTURE_DRAW``, decode graphs end in the LM head and the draw: random rows at
+    several temperatures, greedy rows among them, get the tokens of an eager engine's draws, and
+    the steps that replayed a graph launched no sampling kernel of their own. A log-probs
+    request in the batch sends its steps to the eager draw (which the graphs' step number then
+    catches up with): the same tokens again."""
     from kvscope.kernels import triton_sampling as ts
     from kvscope.runner import cuda_graphs
 

@@ -405,15 +405,16 @@ class ModelRunner:
         params = self._params_of(sampled, table_rows is self._sampled_rows)
         index = index.tolist()
         t1 = time.perf_counter()
+        prepare_s = t1 - t0
         use_graph = step.graphs is not None
         if use_graph and step.graphs.draws and x.logits_indices.size == x.num_seqs:
             s = self.sampler.sample_captured(params, index, lambda: step.graphs.run_and_draw(step.layout))
             if s is not None:
                 t2 = time.perf_counter()
-                return self._launched(s, table_rows, seq_ids, t1 - t0, t2 - t1, t2, use_graph, {})
+                return self._launched(s, table_rows, seq_ids, prepare_s, t2 - t1, t2, use_graph, {})
         rows = self._forward_rows(step)
         t2 = time.perf_counter()
-        prepare_s, forward_s = t1 - t0, t2 - t1
+        forward_s = t2 - t1
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             logits = None if rows is None else self.model.compute_logits(rows)
