@@ -41,7 +41,8 @@ DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in ((32, 4, 4), (64, 4,
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
-    (64, 64, 4, 3, False), (256, 64, 16, 3, False))]
+    (64, 64, 4, 3, False), (256, 64, 16, 3, False))] + [
+    ta.GLUON_PREFILL_CONFIG, ta.KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True)]
 # Mixed steps compile their own kernel variants: sweep fewer configs there.
 MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 4, True))]
@@ -171,6 +172,7 @@ def load_before(rev: str) -> ModuleType | None:
 def label_of(config: ta.KernelConfig) -> str:
     name = f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"
     name += ("" if config.fold_scale else " scale-in-exp2") + (" tma" if config.tma else "")
+    name += " gluon" if config.gluon else ""
     name += "" if config.maxnreg is None else f" maxnreg={config.maxnreg}"
     return name + (" (old default)" if config == OLD_PREFILL_CONFIG else "")
 

@@ -19,6 +19,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from kvscope.kernels import gluon_attention
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
 from triton_testing import (compile_recorded, compile_sm90, compiled_only, interpreted_only,
@@ -358,6 +359,40 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
         assert compile_sm90(attention.fn, call).metadata.shared <= 227 * 1024
 
 
+@pytest.mark.slow
+@compiled_only
+def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which steps the Gluon kernel takes on sm_90 (fresh prefills by default up to
+    GLUON_PREFILL_MAX_Q rows, every step with prefill rows under a gluon config; never decode
+    steps, fp8 pools or other head dims), and
+    its real launches compiled for sm_90: each keeps one wgmma (the P @ V) in flight across the
+    softmax, and fits one block's shared memory."""
+    monkeypatch.setattr(gluon_attention, "_is_sm90", lambda device: True)  # CPU tensors, sm_90 code
+    gluon = record_launches(monkeypatch, gluon_attention, ("_prefill_kernel",))["_prefill_kernel"]
+    triton_k = record_launches(monkeypatch, ta, ("_paged_attention_kernel",))["_paged_attention_kernel"]
+    wide = ta.KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True)
+    fresh = make_case([(0, 300), (0, 77)], 16, 16, 8, 128, torch.bfloat16, "cpu", seed=6)
+    mixed = make_case([(0, 20), (33, 1), (16, 40)], 256, 8, 2, 64, torch.float16, "cpu", seed=7)
+    decode = make_case([(100, 1), (7, 1)], 16, 8, 2, 128, torch.bfloat16, "cpu", seed=8)
+    ta.paged_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.meta, fresh.scale)
+    ta.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale, config=wide)
+    assert len(gluon.calls) == 2 and not triton_k.calls
+    fresh.meta.max_seqlen_q = ta.GLUON_PREFILL_MAX_Q + 1  # as if one prompt were longer
+    ta.paged_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.meta, fresh.scale)
+    odd = make_case([(0, 50)], 16, 4, 2, 96, torch.bfloat16, "cpu", seed=9)
+    ta.paged_attention(odd.q, odd.k_cache, odd.v_cache, odd.meta, odd.scale)
+    ta.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
+    ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale, config=wide)
+    scales = torch.tensor(0.5), torch.tensor(0.25)
+    ta.paged_attention(fresh.q, *fp8_pools(fresh, *scales), fresh.meta, fresh.scale, *scales, config=wide)
+    assert len(gluon.calls) == 2 and len(triton_k.calls) == 5
+    for call in gluon.calls:
+        kernel = compile_sm90(gluon.fn, call)
+        waits = [ln.split()[-1] for ln in kernel.asm["ptx"].splitlines() if "wgmma.wait_group" in ln]
+        assert "1;" in waits, waits
+        assert kernel.metadata.shared <= 227 * 1024
+
+
 # --- GPU -----------------------------------------------------------------------------------
 
 GPU_MIXED = [(0, 300), (48, 77), (517, 130), (1000, 1), (33, 1), (0, 1), (255, 2), (96, 160)]
@@ -482,6 +517,55 @@ def test_gpu_cuda_graph_replay(num_seqs: int) -> None:
     replayed = out.clone()
     eager = step()
     assert torch.isfinite(eager).all() and torch.equal(replayed, eager)
+
+
+GLUON_CONFIGS = [ta.GLUON_PREFILL_CONFIG, ta.KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True),
+                 ta.KernelConfig(64, 64, 4, 4, gluon=True)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("config", GLUON_CONFIGS)
+@pytest.mark.parametrize("block_size,group,head_dim", GPU_CASES[::2] + GPU_CASES[1::6])
+@pytest.mark.parametrize("specs", [GPU_MIXED, [(0, 1000), (0, 333), (0, 64)]])
+def test_gpu_gluon_prefill(config: ta.KernelConfig, block_size: int, group: int, head_dim: int,
+                           specs: list) -> None:
+    """The Gluon kernel on fresh prefills and on mixed steps (prefix-cached and chunked
+    prefills, decode rows) over a NaN-poisoned pool, against the dense reference."""
+    case = make_case(specs, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
+                     seed=block_size + group + head_dim)
+    assert gluon_attention.supports(case.q, case.k_cache)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config)
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_gluon_prefill_fp16_and_strided_q_in_a_cuda_graph() -> None:
+    """fp16, q a strided view of a packed qkv projection, launched from a captured graph and
+    replayed on new queries: equals the eager launch and the reference."""
+    case = make_case([(0, 700), (0, 129), (0, 1)], 16, 16, 4, 128, torch.float16, "cuda", seed=12)
+    ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+    qkv = torch.zeros(case.q.shape[0], 24, 128, dtype=torch.float16, device="cuda")
+    q = qkv[:, :16]
+    q.copy_(case.q)
+
+    def step() -> torch.Tensor:
+        return ta.paged_attention(q, case.k_cache, case.v_cache, case.meta, case.scale)
+
+    assert ta.default_config(q, case.k_cache, case.meta).gluon
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(13)).to(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    case.q = q.clone()
+    assert torch.equal(out, step())
+    assert rel_err(out, reference(case, torch.float32)) <= 1e-2
 
 
 # --- backend selection ---------------------------------------------------------------------

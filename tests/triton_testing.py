@@ -79,6 +79,7 @@ def compile_sm90(fn, call: dict):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     call = dict(call)
     options = {k: call.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in call}
     if "PDL" in call:  # recorded on CPU tensors, where it is off; on sm_90 it is on
@@ -106,7 +107,8 @@ def compile_sm90(fn, call: dict):
                 attrs[(i,)] = aligned
         else:
             signature[param.name] = "fp32"
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 

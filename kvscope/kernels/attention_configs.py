@@ -40,6 +40,10 @@ class KernelConfig:
     # 128-row prefill tile of 8 warps otherwise takes a whole SM's registers; capped at 128,
     # in 2 stages of shared memory, two programs share an SM, at the price of some spills.
     maxnreg: int | None = None
+    # Run steps with prefill rows on Gluon's sm_90 kernel (``gluon_attention``: the P @ V wgmma
+    # kept in flight during the next tile's softmax), where it applies; elsewhere these tiles
+    # run on the Triton kernel.
+    gluon: bool = False
 
 
 # Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
@@ -49,6 +53,11 @@ DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
                               fold_scale=False)
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
+# Where the Gluon kernel runs (sm_90), fresh prefills of at most GLUON_PREFILL_MAX_Q rows per
+# sequence ran fastest on it in 64-row tiles of one warpgroup; longer ones on PREFILL_CONFIG.
+GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3,
+                                    fold_scale=False, gluon=True)
+GLUON_PREFILL_MAX_Q = 2048
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
 # Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
 # large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
@@ -63,6 +72,8 @@ TUNE_CANDIDATES = (
     KernelConfig(64, 64, 4, 3, fold_scale=False),
     KernelConfig(128, 64, 8, 2, maxnreg=128),
     KernelConfig(256, 64, 16, 3, fold_scale=False),
+    GLUON_PREFILL_CONFIG,
+    KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True),
 )
 
 _choices: dict[str, KernelConfig] | None = None

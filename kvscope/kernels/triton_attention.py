@@ -10,6 +10,9 @@ one sequence and one KV head, walks that sequence's history through its block ta
 an online softmax in fp32. For decode batches too small to fill the GPU, the same kernel splits
 each history across programs (flash-decoding) and a second kernel merges the partial results.
 Nothing reads device memory on the host, so both launches can be captured in a CUDA graph.
+On sm_90, fresh prefills of up to ``GLUON_PREFILL_MAX_Q`` rows per sequence (and any step with
+prefill rows under a config with ``gluon=True``) go to ``gluon_attention`` instead, whose
+hand-scheduled wgmma overlaps ``P @ V`` with the softmax; :func:`paged_attention` dispatches.
 
 Prefill is compute-bound, so its key loop does the least work per key tile: q carries the
 softmax scale (scores feed ``exp2`` directly), tiles wholly below the causal diagonal run a
@@ -27,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscope.kernels import attention_configs
-from kvscope.kernels.attention_configs import (DECODE_CONFIG, MIXED_CONFIG, PREFILL_CONFIG,
+from kvscope.kernels import attention_configs, gluon_attention
+from kvscope.kernels.attention_configs import (DECODE_CONFIG, GLUON_PREFILL_CONFIG,
+                                               GLUON_PREFILL_MAX_Q, MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
@@ -455,6 +459,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group = num_q_heads // num_kv_heads
     config = config or default_config(q, k_cache, meta)
+    if config.gluon and not meta.decode_only and gluon_attention.supports(q, k_cache):
+        return gluon_attention.prefill_attention(q, k_cache, v_cache, out, meta, scale, config.block_m,
+                                                 config.block_n, config.num_warps, config.num_stages)
     if num_splits is None:
         num_splits = choose_num_splits(meta, num_kv_heads, q.device, config.block_n)
     block_m = max(config.block_m, triton.next_power_of_2(group))
@@ -509,12 +516,19 @@ def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) 
 
 def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> KernelConfig:
     """DECODE_CONFIG for decode steps; for others the tuned choice of their shape class on this
-    GPU (see :func:`tune_paged_attention`), else PREFILL_CONFIG for fresh prefills and
-    MIXED_CONFIG for steps with cached prefixes (decode rows, chunked prefill)."""
+    GPU (see :func:`tune_paged_attention`), else, for fresh prefills, GLUON_PREFILL_CONFIG up to
+    GLUON_PREFILL_MAX_Q rows per sequence where the Gluon kernel runs and PREFILL_CONFIG
+    otherwise, and MIXED_CONFIG for steps with cached prefixes (decode rows, chunked prefill)."""
     if meta.decode_only:
         return DECODE_CONFIG
-    static = PREFILL_CONFIG if meta.no_prefix else MIXED_CONFIG
-    return attention_configs.tuned_config(_shape_key(q, k_cache, meta)) or static
+    tuned = attention_configs.tuned_config(_shape_key(q, k_cache, meta))
+    if tuned is not None:
+        return tuned
+    if not meta.no_prefix:
+        return MIXED_CONFIG
+    if meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q and gluon_attention.supports(q, k_cache):
+        return GLUON_PREFILL_CONFIG
+    return PREFILL_CONFIG
 
 
 def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
