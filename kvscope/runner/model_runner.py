@@ -204,11 +204,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _compile_step_kinds(self) -> None:
-        """A fresh prefill and a mixed step (a decode row beside a chunk after a cached prefix)
-        run once on the pool, writing nothing, so the attention kernel variants of those steps
-        compile at start-up rather than inside the first run that has them (the decode
-        graphs compile theirs when captured), and so do the sampling kernels'."""
-        self._dummy_step(np.array([2]), np.array([2]))
+        """A short and the longest fresh prefill (the kernels pick tiles by prompt length) and a
+        mixed step (a decode row beside a chunk after a cached prefix) run once on the pool,
+        writing nothing, so the attention kernel variants of those steps compile at start-up
+        rather than inside the first run that has them (the decode graphs compile theirs when
+        captured), and so do the sampling kernels'."""
+        for n in sorted({2, min(self.config.max_num_batched_tokens, self.max_model_len)}):
+            self._dummy_step(np.array([n]), np.array([n]))
         self._dummy_step(np.array([1, 2]), np.array([2, 3]))
         self.sampler.compile_kernels(self.vocab_size, self.dtype)
         torch.cuda.synchronize(self.device)
