@@ -364,7 +364,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """Which steps the Gluon kernel takes on sm_90 (fresh prefills by default up to
     GLUON_PREFILL_MAX_Q rows, every step with prefill rows under a gluon config; never decode
-    steps, fp8 pools or other head dims), and
+    steps, fp8 pools, other head dims or more sequences than its grid holds), and
     its real launches compiled for sm_90: each keeps one wgmma (the P @ V) in flight across the
     softmax, and fits one block's shared memory."""
     monkeypatch.setattr(gluon_attention, "_is_sm90", lambda device: True)  # CPU tensors, sm_90 code
@@ -381,11 +381,14 @@ def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.M
     ta.paged_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.meta, fresh.scale)
     odd = make_case([(0, 50)], 16, 4, 2, 96, torch.bfloat16, "cpu", seed=9)
     ta.paged_attention(odd.q, odd.k_cache, odd.v_cache, odd.meta, odd.scale)
+    fresh.meta.max_seqlen_q, fresh.meta.num_seqs = 300, 65536  # more sequences than a grid axis holds
+    ta.paged_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.meta, fresh.scale, config=wide)
+    fresh.meta.num_seqs = 2
     ta.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
     ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale, config=wide)
     scales = torch.tensor(0.5), torch.tensor(0.25)
     ta.paged_attention(fresh.q, *fp8_pools(fresh, *scales), fresh.meta, fresh.scale, *scales, config=wide)
-    assert len(gluon.calls) == 2 and len(triton_k.calls) == 5
+    assert len(gluon.calls) == 2 and len(triton_k.calls) == 6
     for call in gluon.calls:
         kernel = compile_sm90(gluon.fn, call)
         waits = [ln.split()[-1] for ln in kernel.asm["ptx"].splitlines() if "wgmma.wait_group" in ln]
@@ -534,7 +537,7 @@ def test_gpu_gluon_prefill(config: ta.KernelConfig, block_size: int, group: int,
     prefills, decode rows) over a NaN-poisoned pool, against the dense reference."""
     case = make_case(specs, block_size, 2 * group, 2, head_dim, torch.bfloat16, "cuda",
                      seed=block_size + group + head_dim)
-    assert gluon_attention.supports(case.q, case.k_cache)
+    assert gluon_attention.supports(case.q, case.k_cache, case.meta)
     ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
     out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config)
     assert rel_err(out, reference(case, torch.float32)) <= 1e-2

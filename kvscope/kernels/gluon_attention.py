@@ -35,6 +35,7 @@ _LOG2E = 1.4426950408889634
 # Triton 3.6 names the CTA-wide barrier thread_barrier; later versions call it barrier.
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 HEAD_DIMS = (64, 128)
+_MAX_GRID_Z = 65535
 
 
 @gluon.jit
@@ -167,11 +168,12 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel can run the step: wgmma exists on sm_90 only, and the tiles are
-    laid out for 16-bit pools of head dim 64 or 128 (fp8 pools stay on the Triton kernel)."""
+def supports(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether this kernel can run the step: wgmma exists on sm_90 only, the tiles are laid
+    out for 16-bit pools of head dim 64 or 128 (fp8 pools stay on the Triton kernel), and the
+    sequences index the grid's third axis, which CUDA caps at 65,535."""
     return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
-            and q.shape[-1] in HEAD_DIMS and _is_sm90(q.device))
+            and q.shape[-1] in HEAD_DIMS and meta.num_seqs <= _MAX_GRID_Z and _is_sm90(q.device))
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

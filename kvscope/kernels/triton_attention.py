@@ -459,7 +459,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group = num_q_heads // num_kv_heads
     config = config or default_config(q, k_cache, meta)
-    if config.gluon and not meta.decode_only and gluon_attention.supports(q, k_cache):
+    if config.gluon and not meta.decode_only and gluon_attention.supports(q, k_cache, meta):
         return gluon_attention.prefill_attention(q, k_cache, v_cache, out, meta, scale, config.block_m,
                                                  config.block_n, config.num_warps, config.num_stages)
     if num_splits is None:
@@ -526,7 +526,7 @@ def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetada
         return tuned
     if not meta.no_prefix:
         return MIXED_CONFIG
-    if meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q and gluon_attention.supports(q, k_cache):
+    if meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q and gluon_attention.supports(q, k_cache, meta):
         return GLUON_PREFILL_CONFIG
     return PREFILL_CONFIG
 
