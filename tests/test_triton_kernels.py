@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +25,7 @@ triton = pytest.importorskip("triton")
 from kvscope.kernels import gluon_attention
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
-from triton_testing import (compile_recorded, compile_sm90, compiled_only, interpreted_only,
+from triton_testing import (REPO, compile_recorded, compile_sm90, compiled_only, interpreted_only,
                             needs_cuda, record_launches, rel_err, run_interpreted_tests)
 
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
@@ -394,6 +397,28 @@ def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.M
         waits = [ln.split()[-1] for ln in kernel.asm["ptx"].splitlines() if "wgmma.wait_group" in ln]
         assert "1;" in waits, waits
         assert kernel.metadata.shared <= 227 * 1024
+
+
+@compiled_only
+def test_a_triton_without_gluon_runs_every_step_on_the_triton_kernel() -> None:
+    """Where Gluon does not import (Triton before 3.6), the backend still imports and picks the
+    Triton kernel's configs for every step, on any device."""
+    code = (
+        "import sys; sys.modules['triton.experimental.gluon'] = None\n"
+        "import torch\n"
+        "from kvscope.kernels import triton_attention as ta\n"
+        "from kvscope.kernels.base import AttentionMetadata\n"
+        "assert ta.gluon_attention is None\n"
+        "i = torch.zeros(2, dtype=torch.int32)\n"
+        "meta = AttentionMetadata(i, i, i, i, i.view(2, 1), max_seqlen_q=8, max_seqlen_k=8, num_seqs=1,\n"
+        "                         num_tokens=8, block_size=16, decode_only=False, no_prefix=True)\n"
+        "q, k = torch.zeros(8, 4, 128, dtype=torch.bfloat16), torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16)\n"
+        "assert ta.default_config(q, k, meta) == ta.PREFILL_CONFIG\n"
+        "assert not ta._gluon_runs(q, k, meta)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # --- GPU -----------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Everything lives in this one module on purpose: the CPU tests load a private copy of it with
 ``TRITON_INTERPRET=1`` (Triton picks interpreter or compiler when ``@triton.jit`` runs), which
-only works if no kernel is imported from a sibling module.
+only works if no kernel it runs there is imported from a sibling module (``gluon_attention``'s
+sm_90 kernel never runs on CPU).
 
 One attention kernel serves every step shape (fresh prefill, chunked or prefix-cached prefill,
 decode, and mixtures of them in one packed batch): each program takes a tile of query rows of
@@ -30,12 +31,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvscope.kernels import attention_configs, gluon_attention
+from kvscope.kernels import attention_configs
 from kvscope.kernels.attention_configs import (DECODE_CONFIG, GLUON_PREFILL_CONFIG,
                                                GLUON_PREFILL_MAX_Q, MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+
+try:
+    from kvscope.kernels import gluon_attention
+except ImportError:  # a Triton without Gluon's Hopper ops (before 3.6): every step runs the Triton kernel
+    gluon_attention = None
 
 _LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
@@ -433,6 +439,10 @@ def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.
     return 1 << (want.bit_length() - 1)
 
 
+def _gluon_runs(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    return gluon_attention is not None and gluon_attention.supports(q, k_cache, meta)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | float = 1.0,
                     v_scale: torch.Tensor | float = 1.0, *, config: KernelConfig | None = None,
@@ -459,7 +469,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     group = num_q_heads // num_kv_heads
     config = config or default_config(q, k_cache, meta)
-    if config.gluon and not meta.decode_only and gluon_attention.supports(q, k_cache, meta):
+    if config.gluon and not meta.decode_only and _gluon_runs(q, k_cache, meta):
         return gluon_attention.prefill_attention(q, k_cache, v_cache, out, meta, scale, config.block_m,
                                                  config.block_n, config.num_warps, config.num_stages)
     if num_splits is None:
@@ -526,7 +536,7 @@ def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetada
         return tuned
     if not meta.no_prefix:
         return MIXED_CONFIG
-    if meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q and gluon_attention.supports(q, k_cache, meta):
+    if meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q and _gluon_runs(q, k_cache, meta):
         return GLUON_PREFILL_CONFIG
     return PREFILL_CONFIG
 
