@@ -421,6 +421,14 @@ def test_a_triton_without_gluon_runs_every_step_on_the_triton_kernel() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("fields", [dict(block_m=64, num_warps=8, num_stages=3),
+                                    dict(block_m=128, num_warps=8, num_stages=2)])
+def test_a_gluon_config_its_kernel_cannot_run_is_refused_when_made(fields: dict) -> None:
+    with pytest.raises(ValueError, match="gluon config needs block_m == 16 \\* num_warps"):
+        ta.KernelConfig(block_n=64, gluon=True, **fields)
+    ta.KernelConfig(block_n=64, **fields)  # the Triton kernel runs these tiles
+
+
 # --- GPU -----------------------------------------------------------------------------------
 
 GPU_MIXED = [(0, 300), (48, 77), (517, 130), (1000, 1), (33, 1), (0, 1), (255, 2), (96, 160)]

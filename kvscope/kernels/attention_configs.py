@@ -45,6 +45,13 @@ class KernelConfig:
     # run on the Triton kernel.
     gluon: bool = False
 
+    def __post_init__(self) -> None:
+        if self.gluon and (self.block_m != 16 * self.num_warps or self.num_stages < 3):
+            raise ValueError(f"a gluon config needs block_m == 16 * num_warps (a 16-row slice per warp) "
+                             f"and num_stages >= 3 (one K/V buffer loading, one in QK^T, one in P @ V), "
+                             f"got block_m={self.block_m}, num_warps={self.num_warps}, "
+                             f"num_stages={self.num_stages}")
+
 
 # Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
 # beat 2; for prefill the scale fused into exp2 matched or beat q scaled once; mixed steps

@@ -180,8 +180,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor, meta: AttentionMetadata, scale: float, block_m: int,
                       block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
     """Causal attention of packed rows ``q`` [T, Hq, D] over their paged histories into
-    ``out``; the caller checked the cache layout and :func:`supports`. ``num_stages`` (>= 3)
-    is the ring of K/V buffers: ``num_stages - 2`` tiles load ahead."""
+    ``out``; the caller checked the cache layout and :func:`supports`, and ``KernelConfig``
+    the tiles. ``num_stages`` is the ring of K/V buffers: ``num_stages - 2`` tiles load ahead."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     grid = (triton.cdiv(meta.max_seqlen_q, block_m), num_q_heads, meta.num_seqs)
     _prefill_kernel[grid](
@@ -189,6 +189,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         GROUP=num_q_heads // k_cache.shape[2], D=head_dim, BS=meta.block_size, BM=block_m,
-        BN=block_n, STAGES=max(3, num_stages), num_warps=num_warps,
+        BN=block_n, STAGES=num_stages, num_warps=num_warps,
     )
     return out
