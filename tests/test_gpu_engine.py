@@ -218,7 +218,7 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path,
     so nothing compiles inside a timed run. Steps of every size used to start their packed
     inputs at other byte alignments and give other block-table widths, each a variant of its
     own compiled mid-run. A shape no other test uses (one KV head of 64 for four query heads,
-    64-slot pages, a vocabulary not a multiple of 16), so the process's earlier compiles do not
+    32-slot pages, a vocabulary not a multiple of 16), so the process's earlier compiles do not
     hide a variant; on sm_90 its fresh prefills of up to 64 rows (the limit lowered so this run
     has both) take the Gluon kernel and longer ones the Triton kernel.
     The rows are greedy, random at one or at several temperatures, seeded, and top-k."""
@@ -226,7 +226,7 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path,
                                                                "num_key_value_heads": 1, "head_dim": 64,
                                                                "vocab_size": 520})
     monkeypatch.setattr("kvscope.kernels.triton_attention.GLUON_PREFILL_MAX_Q", 64)
-    llm = LLM(str(path), device="cuda", attention_backend="triton", dtype="bfloat16", block_size=64,
+    llm = LLM(str(path), device="cuda", attention_backend="triton", dtype="bfloat16", block_size=32,
               max_num_seqs=8, max_num_batched_tokens=96, gpu_memory_utilization=0.3)
     started = _compiled_variants()
     rng = random.Random(2)

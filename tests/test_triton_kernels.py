@@ -365,11 +365,12 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 @compiled_only
 def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Which steps the Gluon kernel takes on sm_90 (fresh prefills by default up to
-    GLUON_PREFILL_MAX_Q rows, every step with prefill rows under a gluon config; never decode
-    steps, fp8 pools, other head dims or more sequences than its grid holds), and
-    its real launches compiled for sm_90: each keeps one wgmma (the P @ V) in flight across the
-    softmax, and fits one block's shared memory."""
+    """Which steps the Gluon kernel takes on sm_90 (fresh prefills by default: up to
+    GLUON_PREFILL_MAX_Q rows on pages smaller than its key tiles, any length where tiles come by
+    TMA; every step with prefill rows under a gluon config; never decode steps, fp8 pools, other
+    head dims or more sequences than its grid holds), and its real launches compiled for sm_90:
+    each keeps one wgmma (the P @ V) in flight across the softmax and fits one block's shared
+    memory; tiles within one page load by TMA, others by cp.async."""
     monkeypatch.setattr(gluon_attention, "_is_sm90", lambda device: True)  # CPU tensors, sm_90 code
     gluon = record_launches(monkeypatch, gluon_attention, ("_prefill_kernel",))["_prefill_kernel"]
     triton_k = record_launches(monkeypatch, ta, ("_paged_attention_kernel",))["_paged_attention_kernel"]
@@ -382,6 +383,9 @@ def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.M
     assert len(gluon.calls) == 2 and not triton_k.calls
     fresh.meta.max_seqlen_q = ta.GLUON_PREFILL_MAX_Q + 1  # as if one prompt were longer
     ta.paged_attention(fresh.q, fresh.k_cache, fresh.v_cache, fresh.meta, fresh.scale)
+    long = make_case([(0, 300)], 256, 8, 2, 128, torch.bfloat16, "cpu", seed=10)
+    long.meta.max_seqlen_q = ta.GLUON_PREFILL_MAX_Q + 1  # on 256-slot pages it stays on Gluon
+    ta.paged_attention(long.q, long.k_cache, long.v_cache, long.meta, long.scale)
     odd = make_case([(0, 50)], 16, 4, 2, 96, torch.bfloat16, "cpu", seed=9)
     ta.paged_attention(odd.q, odd.k_cache, odd.v_cache, odd.meta, odd.scale)
     fresh.meta.max_seqlen_q, fresh.meta.num_seqs = 300, 65536  # more sequences than a grid axis holds
@@ -391,7 +395,8 @@ def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.M
     ta.paged_attention(decode.q, decode.k_cache, decode.v_cache, decode.meta, decode.scale, config=wide)
     scales = torch.tensor(0.5), torch.tensor(0.25)
     ta.paged_attention(fresh.q, *fp8_pools(fresh, *scales), fresh.meta, fresh.scale, *scales, config=wide)
-    assert len(gluon.calls) == 2 and len(triton_k.calls) == 6
+    assert len(gluon.calls) == 3 and len(triton_k.calls) == 6
+    assert [call["TMA"] for call in gluon.calls] == [False, True, True]
     for call in gluon.calls:
         kernel = compile_sm90(gluon.fn, call)
         waits = [ln.split()[-1] for ln in kernel.asm["ptx"].splitlines() if "wgmma.wait_group" in ln]

@@ -60,11 +60,12 @@ DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
                               fold_scale=False)
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-# Where the Gluon kernel runs (sm_90), fresh prefills of at most GLUON_PREFILL_MAX_Q rows per
-# sequence ran fastest on it in 64-row tiles of one warpgroup; longer ones on PREFILL_CONFIG.
+# Where the Gluon kernel runs (sm_90), fresh prefills ran fastest on it in 64-row tiles of one
+# warpgroup: at every length where its key tiles come by TMA (pages of 64 slots or more), and
+# up to GLUON_PREFILL_MAX_Q rows per sequence on smaller pages (cp.async), PREFILL_CONFIG past it.
 GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3,
                                     fold_scale=False, gluon=True)
-GLUON_PREFILL_MAX_Q = 2048
+GLUON_PREFILL_MAX_Q = 4096
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
 # Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
 # large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
