@@ -212,20 +212,19 @@ def _compiled_variants() -> int:
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
-def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path, monkeypatch):
+def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path):
     """Start-up compiles every attention and sampling kernel variant a run uses (fresh prefill
     and mixed steps by dummy steps, decode by graph capture, the sampler's by a launch of each),
     so nothing compiles inside a timed run. Steps of every size used to start their packed
     inputs at other byte alignments and give other block-table widths, each a variant of its
     own compiled mid-run. A shape no other test uses (one KV head of 64 for four query heads,
     32-slot pages, a vocabulary not a multiple of 16), so the process's earlier compiles do not
-    hide a variant; on sm_90 its fresh prefills of up to 64 rows (the limit lowered so this run
-    has both) take the Gluon kernel and longer ones the Triton kernel.
+    hide a variant; on sm_90 its fresh prefills take the Gluon kernel and its mixed steps the
+    Triton kernel.
     The rows are greedy, random at one or at several temperatures, seeded, and top-k."""
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **{**SHAPE, "num_attention_heads": 4,
                                                                "num_key_value_heads": 1, "head_dim": 64,
                                                                "vocab_size": 520})
-    monkeypatch.setattr("kvscope.kernels.triton_attention.GLUON_PREFILL_MAX_Q", 64)
     llm = LLM(str(path), device="cuda", attention_backend="triton", dtype="bfloat16", block_size=32,
               max_num_seqs=8, max_num_batched_tokens=96, gpu_memory_utilization=0.3)
     started = _compiled_variants()

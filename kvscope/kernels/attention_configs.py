@@ -46,11 +46,12 @@ class KernelConfig:
     gluon: bool = False
 
     def __post_init__(self) -> None:
-        if self.gluon and (self.block_m != 16 * self.num_warps or self.num_stages < 3):
-            raise ValueError(f"a gluon config needs block_m == 16 * num_warps (a 16-row slice per warp) "
-                             f"and num_stages >= 3 (one K/V buffer loading, one in QK^T, one in P @ V), "
-                             f"got block_m={self.block_m}, num_warps={self.num_warps}, "
-                             f"num_stages={self.num_stages}")
+        if self.gluon and (self.num_warps not in (4, 8) or self.block_m != 16 * self.num_warps
+                           or self.num_stages < 2):
+            raise ValueError(f"a gluon config needs num_warps 4 or 8 (one or two warpgroups), "
+                             f"block_m == 16 * num_warps (a 16-row slice per warp) and num_stages >= 2 "
+                             f"(one K/V buffer in use, one loading), got block_m={self.block_m}, "
+                             f"num_warps={self.num_warps}, num_stages={self.num_stages}")
 
 
 # Chosen from H200 sweeps of bench_attention.py (benchmarks/RESULTS.md): decode at 3 stages
@@ -60,12 +61,10 @@ DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
                               fold_scale=False)
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
-# Where the Gluon kernel runs (sm_90), fresh prefills ran fastest on it in 64-row tiles of one
-# warpgroup: at every length where its key tiles come by TMA (pages of 64 slots or more), and
-# up to GLUON_PREFILL_MAX_Q rows per sequence on smaller pages (cp.async), PREFILL_CONFIG past it.
-GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3,
+# Where the Gluon kernel runs (sm_90), fresh prefills of every length ran fastest on it in
+# 64-row tiles of one warpgroup, with rings of two K and two V buffers (two blocks per SM).
+GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                     fold_scale=False, gluon=True)
-GLUON_PREFILL_MAX_Q = 4096
 # Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
 # Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
 # large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
@@ -81,7 +80,7 @@ TUNE_CANDIDATES = (
     KernelConfig(128, 64, 8, 2, maxnreg=128),
     KernelConfig(256, 64, 16, 3, fold_scale=False),
     GLUON_PREFILL_CONFIG,
-    KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True),
+    KernelConfig(128, 128, 8, 2, fold_scale=False, gluon=True),
 )
 
 _choices: dict[str, KernelConfig] | None = None

@@ -11,10 +11,9 @@ one sequence and one KV head, walks that sequence's history through its block ta
 an online softmax in fp32. For decode batches too small to fill the GPU, the same kernel splits
 each history across programs (flash-decoding) and a second kernel merges the partial results.
 Nothing reads device memory on the host, so both launches can be captured in a CUDA graph.
-On sm_90, fresh prefills (on pages smaller than its key tiles, up to ``GLUON_PREFILL_MAX_Q``
-rows per sequence) and any step with prefill rows under a config with ``gluon=True`` go to
-``gluon_attention`` instead, whose hand-scheduled wgmma overlaps ``P @ V`` with the softmax;
-:func:`paged_attention` dispatches.
+On sm_90, fresh prefills and any step with prefill rows under a config with ``gluon=True`` go
+to ``gluon_attention`` instead (warp-specialised TMA loads, hand-scheduled wgmma that overlaps
+``P @ V`` with the softmax); :func:`paged_attention` dispatches.
 
 Prefill is compute-bound, so its key loop does the least work per key tile: q carries the
 softmax scale (scores feed ``exp2`` directly), tiles wholly below the causal diagonal run a
@@ -34,7 +33,7 @@ import triton.language as tl
 
 from kvscope.kernels import attention_configs
 from kvscope.kernels.attention_configs import (DECODE_CONFIG, GLUON_PREFILL_CONFIG,
-                                               GLUON_PREFILL_MAX_Q, MIXED_CONFIG, PREFILL_CONFIG,
+                                               MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
@@ -527,10 +526,9 @@ def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) 
 
 def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> KernelConfig:
     """DECODE_CONFIG for decode steps; for others the tuned choice of their shape class on this
-    GPU (see :func:`tune_paged_attention`), else, for fresh prefills where the Gluon kernel
-    runs, GLUON_PREFILL_CONFIG (on pages smaller than its key tiles only up to
-    GLUON_PREFILL_MAX_Q rows per sequence) and PREFILL_CONFIG otherwise, and MIXED_CONFIG for
-    steps with cached prefixes (decode rows, chunked prefill)."""
+    GPU (see :func:`tune_paged_attention`), else, for fresh prefills, GLUON_PREFILL_CONFIG where
+    the Gluon kernel runs and PREFILL_CONFIG otherwise, and MIXED_CONFIG for steps with cached
+    prefixes (decode rows, chunked prefill)."""
     if meta.decode_only:
         return DECODE_CONFIG
     tuned = attention_configs.tuned_config(_shape_key(q, k_cache, meta))
@@ -538,8 +536,7 @@ def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetada
         return tuned
     if not meta.no_prefix:
         return MIXED_CONFIG
-    if _gluon_runs(q, k_cache, meta) and (meta.max_seqlen_q <= GLUON_PREFILL_MAX_Q or gluon_attention.loads_by_tma(
-            k_cache, k_cache, meta.block_size, GLUON_PREFILL_CONFIG.block_n)):
+    if _gluon_runs(q, k_cache, meta):
         return GLUON_PREFILL_CONFIG
     return PREFILL_CONFIG
 
