@@ -42,7 +42,7 @@ OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the pre
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
     (64, 64, 4, 3, False), (256, 64, 16, 3, False))] + [
-    ta.GLUON_PREFILL_CONFIG, ta.KernelConfig(128, 128, 8, 3, fold_scale=False, gluon=True)]
+    c for c in ta.attention_configs.TUNE_CANDIDATES if c.gluon]  # the Gluon kernel's, as tuning has them
 # Mixed steps compile their own kernel variants: sweep fewer configs there.
 MIXED_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, False), (64, 64, 4, 3, False), (64, 64, 4, 4, True))]
