@@ -343,6 +343,10 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     ta.store_kvcache(decode.k, decode.v, k8, v8, decode.meta.slot_mapping, *scales)
     ta.paged_attention(decode.q, k8, v8, decode.meta, decode.scale, *scales)
     ta.paged_attention(mixed.q, *fp8_pools(mixed, *scales), mixed.meta, mixed.scale, *scales)
+    narrow = make_case([(100, 1), (7, 1)], 16, 14, 2, 64, torch.bfloat16, "cpu", seed=6)
+    for splits in (1, 4):  # heads of 64 (Qwen2.5-0.5B's): decode's 128-key tiles
+        ta.paged_attention(narrow.q, narrow.k_cache, narrow.v_cache, narrow.meta, narrow.scale,
+                           num_splits=splits)
     prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
     monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
@@ -352,7 +356,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     wide = ta.KernelConfig(256, 64, 16, 3, fold_scale=False)
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale, config=wide)
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 8, 1]
+    assert [len(r.calls) for r in kernels.values()] == [2, 10, 2]
     compile_recorded(kernels)
     attention = kernels["_paged_attention_kernel"]
     # A config's register cap reaches the compiler; the default prefill tiles and the 256-row
@@ -520,6 +524,25 @@ def test_gpu_decode_split_kv(block_size: int, group: int, head_dim: int,
     out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
                              num_splits=num_splits)
     assert rel_err(out, reference(case, torch.float32)) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_decode_narrow_heads_over_whole_histories(block_size: int) -> None:
+    """Heads of 64 with enough sequences to fill the GPU unsplit take 128-key tiles (fewer
+    sequences split, on 64-key tiles); either way the output is the reference's."""
+    gen = torch.Generator().manual_seed(block_size)
+    for num_seqs in (300, 8):
+        specs = [(int(c), 1) for c in torch.randint(0, 1500, (num_seqs,), generator=gen)]
+        case = make_case(specs, block_size, 14, 2, 64, torch.bfloat16, "cuda", seed=num_seqs)
+        splits = ta.choose_num_splits(case.meta, 2, case.q.device)
+        assert (splits == 1) == (num_seqs == 300)
+        config = ta.default_config(case.q, case.k_cache, case.meta)
+        assert config.block_n == (128 if splits == 1 else ta.DECODE_CONFIG.block_n)
+        ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
+        out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+        assert rel_err(out, reference(case, torch.float32)) <= 1e-2
 
 
 @pytest.mark.gpu

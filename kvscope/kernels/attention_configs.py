@@ -58,6 +58,11 @@ class KernelConfig:
 # beat 2; for prefill the scale fused into exp2 matched or beat q scaled once; mixed steps
 # (decode rows next to prefill chunks) ran fastest in 64-row tiles of 4 warps.
 DECODE_CONFIG = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# Heads of 64 dims or fewer, histories not split: a 64-key tile is half the bytes a loop step
+# of D=128 moves, and such decode ran well short of cuDNN in CUDA graphs on the H200; 128-key
+# tiles in two buffers (DECODE_CONFIG's shared memory at D=128) closed most of the gap. Split
+# histories keep 64-key tiles: a split of one 128-key tile has no next tile to load meanwhile.
+NARROW_DECODE_CONFIG = KernelConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3,
                               fold_scale=False)
 MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
@@ -65,8 +70,8 @@ MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 # 64-row tiles of one warpgroup, with rings of two K and two V buffers (two blocks per SM).
 GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                     fold_scale=False, gluon=True)
-# Prefill and mixed steps (decode keeps DECODE_CONFIG and its split heuristic); each fits one
-# Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
+# Prefill and mixed steps (decode keeps :func:`decode_config` and its split heuristic); each
+# fits one Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
 # large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
 # warps halve the programs (and their starts and ends) of a fresh prefill on small pages.
 TUNE_CANDIDATES = (
@@ -84,6 +89,12 @@ TUNE_CANDIDATES = (
 )
 
 _choices: dict[str, KernelConfig] | None = None
+
+
+def decode_config(head_dim: int, num_splits: int) -> KernelConfig:
+    """A decode step's tiles: about the same bytes a key tile at any head size, where each
+    program reads a whole history (``num_splits == 1``)."""
+    return NARROW_DECODE_CONFIG if head_dim <= 64 and num_splits == 1 else DECODE_CONFIG
 
 
 def cache_path() -> Path:

@@ -525,12 +525,14 @@ def _shape_key(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) 
 
 
 def default_config(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> KernelConfig:
-    """DECODE_CONFIG for decode steps; for others the tuned choice of their shape class on this
-    GPU (see :func:`tune_paged_attention`), else, for fresh prefills, GLUON_PREFILL_CONFIG where
-    the Gluon kernel runs and PREFILL_CONFIG otherwise, and MIXED_CONFIG for steps with cached
+    """For decode steps :func:`attention_configs.decode_config` (by head size and whether the
+    histories split); for others the tuned choice of their shape class on this GPU (see
+    :func:`tune_paged_attention`), else, for fresh prefills, GLUON_PREFILL_CONFIG where the
+    Gluon kernel runs and PREFILL_CONFIG otherwise, and MIXED_CONFIG for steps with cached
     prefixes (decode rows, chunked prefill)."""
     if meta.decode_only:
-        return DECODE_CONFIG
+        return attention_configs.decode_config(
+            q.shape[2], choose_num_splits(meta, k_cache.shape[2], q.device))
     tuned = attention_configs.tuned_config(_shape_key(q, k_cache, meta))
     if tuned is not None:
         return tuned
@@ -550,7 +552,7 @@ def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     (ms of a callable) defaults to ``triton.testing.do_bench``'s median."""
     if meta.decode_only:
         raise ValueError("tune_paged_attention tunes prefill and mixed steps; decode keeps "
-                         "DECODE_CONFIG and its split heuristic")
+                         "attention_configs.decode_config and its split heuristic")
     if timer is None:
         from triton.testing import do_bench
 
