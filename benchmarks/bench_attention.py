@@ -1,9 +1,12 @@
 """Paged Triton attention vs dense SDPA (flash / cuDNN / efficient) on equal shapes.
 
 Decode: K+V bytes read per second (the kernel is memory-bound; SDPA reads the same bytes from a
-dense [B, L, H_kv, D] cache). Prefill: causal TFLOP/s (2 * B * Hq * L^2 * D). A mixed step
-(decode rows and fresh prefills in one launch) counts both parts' FLOPs, and SDPA runs its two
-parts as two calls. Ratios are ours over cuDNN (else the best SDPA backend that runs the shape).
+dense [B, L, H_kv, D] cache), timed as CUDA-graph replays like the engine's decode steps
+(launched one by one, a small decode's time is the host's launch path, not the kernel's).
+Prefill: causal TFLOP/s (2 * B * Hq * L^2 * D). A mixed step (decode rows and fresh prefills in
+one launch) counts both parts' FLOPs, and SDPA runs its two parts as two calls. Ratios are ours
+over cuDNN (else the best SDPA backend that runs the shape). ``--heads`` sets the head shape
+(query heads, KV heads, head dim; default Qwen3-0.6B's).
 
 ``--sweep`` also times other kernel configs per shape, so one device call can pick the
 defaults. ``--tune`` first tunes each prefill/mixed shape's default (``tune_paged_attention``,
@@ -11,7 +14,7 @@ cached on disk), so "default" is the tuned choice. ``--before REV`` (default: th
 before the prefill rework) adds that git revision's kernel module as the "before" row, where
 git is available.
 
-    python benchmarks/bench_attention.py [--sweep] [--tune] [--before REV]
+    python benchmarks/bench_attention.py [--sweep] [--tune] [--before REV] [--heads 14,2,64]
 """
 from __future__ import annotations
 
@@ -29,15 +32,16 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
 
-HQ, HKV, D, DTYPE = 16, 8, 128, torch.bfloat16
+DTYPE = torch.bfloat16
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION}
-DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in ((32, 4, 4), (64, 4, 4), (128, 4, 2))]
+DECODE_SWEEP = [ta.KernelConfig(16, n, w, s) for n, w, s in
+                ((32, 4, 4), (64, 4, 3), (64, 4, 4), (64, 2, 3), (128, 4, 2))]
 OLD_PREFILL_CONFIG = ta.KernelConfig(64, 64, 4, 2)  # the default before the prefill rework
 PREFILL_SWEEP = [OLD_PREFILL_CONFIG] + [ta.KernelConfig(m, n, w, s, fold) for m, n, w, s, fold in (
     (128, 64, 8, 3, True), (128, 64, 8, 4, False), (128, 128, 8, 3, False), (64, 64, 4, 3, True),
@@ -54,6 +58,18 @@ KERNEL_PATH = "kvscope/kernels/triton_attention.py"
 
 
 @dataclass(frozen=True)
+class Heads:
+    """Query heads, KV heads and head dim of every case."""
+
+    q: int = 16
+    kv: int = 8
+    dim: int = 128
+
+
+HEADS = Heads()  # main() sets it from --heads
+
+
+@dataclass(frozen=True)
 class Part:
     """``count`` sequences of context ``length``: decode rows (one query each) or fresh
     prefills (the whole context is this step's query)."""
@@ -64,11 +80,11 @@ class Part:
 
     def flops(self) -> float:
         if self.decode:
-            return 4 * self.count * HQ * self.length * D
-        return 2 * self.count * HQ * self.length ** 2 * D
+            return 4 * self.count * HEADS.q * self.length * HEADS.dim
+        return 2 * self.count * HEADS.q * self.length ** 2 * HEADS.dim
 
     def kv_bytes(self) -> float:
-        return 2 * self.count * self.length * HKV * D * DTYPE.itemsize
+        return 2 * self.count * self.length * HEADS.kv * HEADS.dim * DTYPE.itemsize
 
 
 @dataclass(frozen=True)
@@ -102,7 +118,7 @@ def paged_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     bs = shape.block_size
     seqs = [(p.length, 1 if p.decode else p.length) for p in shape.parts for _ in range(p.count)]
     pages = [-(-ctx // bs) for ctx, _ in seqs]
-    k_cache = torch.randn(sum(pages), bs, HKV, D, device="cuda", dtype=DTYPE)
+    k_cache = torch.randn(sum(pages), bs, HEADS.kv, HEADS.dim, device="cuda", dtype=DTYPE)
     v_cache = torch.randn_like(k_cache)
     perm = torch.randperm(sum(pages), device="cuda").to(torch.int32)
     tables = torch.full((len(seqs), max(pages)), -1, device="cuda", dtype=torch.int32)
@@ -112,7 +128,7 @@ def paged_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     q_lens = torch.tensor([n for _, n in seqs], device="cuda", dtype=torch.int32)
     zero = torch.zeros(1, device="cuda", dtype=torch.int32)
     num_tokens = int(q_lens.sum())
-    q = torch.randn(num_tokens, HQ, D, device="cuda", dtype=DTYPE)
+    q = torch.randn(num_tokens, HEADS.q, HEADS.dim, device="cuda", dtype=DTYPE)
     meta = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, device="cuda", dtype=torch.int64),
         cu_seqlens_q=torch.cat([zero, q_lens.cumsum(0).int()]),
@@ -128,11 +144,19 @@ def paged_inputs(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def sdpa_part_fn(part: Part) -> Callable[[], torch.Tensor]:
     """One dense SDPA call doing ``part``'s attention (causal for prefill)."""
     q_len = 1 if part.decode else part.length
-    q = torch.randn(part.count, q_len, HQ, D, device="cuda", dtype=DTYPE).transpose(1, 2)
-    k = torch.randn(part.count, part.length, HKV, D, device="cuda", dtype=DTYPE).transpose(1, 2)
+    q = torch.randn(part.count, q_len, HEADS.q, HEADS.dim, device="cuda", dtype=DTYPE).transpose(1, 2)
+    k = torch.randn(part.count, part.length, HEADS.kv, HEADS.dim, device="cuda",
+                    dtype=DTYPE).transpose(1, 2)
     v = torch.randn_like(k)
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=not part.decode,
                                                   enable_gqa=True)
+
+
+def median_ms(fn: Callable[[], object], decode: bool) -> float:
+    """Median ms of ``fn``: replayed from a CUDA graph for decode, launched eagerly otherwise."""
+    if decode:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
 def sdpa_ms(shape: Shape) -> dict[str, float]:
@@ -148,8 +172,7 @@ def sdpa_ms(shape: Shape) -> dict[str, float]:
             except RuntimeError as err:  # this backend does not take the shape or GQA here
                 print(f"  sdpa[{name}] unavailable: {str(err).splitlines()[0][:100]}")
                 continue
-            times[name] = sum(do_bench(fn, warmup=25, rep=200, return_mode="median")
-                              for fn in fns)
+            times[name] = sum(median_ms(fn, shape.decode) for fn in fns)
     return times
 
 
@@ -183,13 +206,13 @@ def bench_shape(shape: Shape, configs: list[ta.KernelConfig | None], splits: lis
     default, tuned first with ``tune``) and split count, then the ``before`` module's default.
     A config that fails (e.g. out of shared memory) is reported and skipped."""
     q, k_cache, v_cache, meta = paged_inputs(shape)
-    scale = D ** -0.5
+    scale = HEADS.dim ** -0.5
     rows = [(f"sdpa[{name}]", ms, shape.rate(ms)) for name, ms in sdpa_ms(shape).items()]
     if tune and not shape.decode:
         ta.tune_paged_attention(q, k_cache, v_cache, meta, scale)
     default = ta.default_config(q, k_cache, meta)
     runs = [((f"default={label_of(default)}" if c is None else label_of(c))
-             + (f" splits={n or ta.choose_num_splits(meta, HKV, q.device)}"
+             + (f" splits={n or ta.choose_num_splits(meta, HEADS.kv, q.device)}"
                 if len(splits) > 1 else ""),
              lambda c=c, n=n: ta.paged_attention(q, k_cache, v_cache, meta, scale, config=c,
                                                  num_splits=n))
@@ -201,7 +224,7 @@ def bench_shape(shape: Shape, configs: list[ta.KernelConfig | None], splits: lis
     for label, run in runs:
         try:
             out = run()
-            ms = do_bench(run, warmup=25, rep=200, return_mode="median")
+            ms = median_ms(run, shape.decode)
         except Exception as err:  # noqa: BLE001  (a config the GPU cannot run: report, go on)
             print(f"  {label}: failed: {str(err).splitlines()[0][:120]}")
             continue
@@ -218,6 +241,7 @@ def cases(sweep: bool) -> list[tuple[Shape, list, list]]:
     prefill = [None] + (PREFILL_SWEEP if sweep else [])
     out = [(Shape((Part(256, n, True),), bs), decode, [None]) for n in (1024, 4096)
            for bs in (16, 256)]
+    out += [(Shape((Part(b, 1024, True),), 16), decode, [None]) for b in (64, 8)]
     out += [(Shape((Part(4, 32768, True),), 16), [None], [1, None, 8, 16]),  # split-KV territory
             (Shape((Part(16, 8192, True),), 16), [None], [1, None, 4, 16])]
     out += [(Shape((Part(b, n, False),), bs), prefill, [None])
@@ -237,11 +261,15 @@ def main() -> None:
                         help="tune prefill/mixed defaults first (cached on disk for later runs)")
     parser.add_argument("--before", default=BEFORE_REV,
                         help="git revision whose kernel module is the 'before' row ('' = none)")
+    parser.add_argument("--heads", default="16,8,128", metavar="HQ,HKV,D",
+                        help="query heads, KV heads, head dim (default Qwen3-0.6B's)")
     args = parser.parse_args()
+    global HEADS
+    HEADS = Heads(*(int(n) for n in args.heads.split(",")))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "? (no git here)"
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  commit {commit}  "
-          f"Hq={HQ} Hkv={HKV} D={D} {DTYPE}")
+          f"Hq={HEADS.q} Hkv={HEADS.kv} D={HEADS.dim} {DTYPE}")
     before = load_before(args.before) if args.before else None
     summary = []
     for shape, configs, splits in cases(args.sweep):
