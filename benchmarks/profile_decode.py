@@ -23,6 +23,8 @@ The script needs nothing from its folder, so one copy of it can time two checkou
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
 (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
+``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
+would slow) and prints the N functions with the most own time.
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
@@ -32,7 +34,9 @@ On CUDA the runner's ``sample_s`` includes the read back (the wait for the token
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import random
 import statistics
 import tempfile
@@ -149,6 +153,9 @@ def main() -> None:
     add_captured_draw(ap)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch profiler's table")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="then run as many steps again under cProfile and print the N functions "
+                         "with the most own time (the host's hot spots)")
     ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
                     help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
@@ -157,7 +164,8 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     rng = random.Random(0)
-    max_len = args.prompt + args.steps + 64
+    decode_steps = args.steps * (2 if args.cprofile else 1)
+    max_len = args.prompt + decode_steps + 64
     with tempfile.TemporaryDirectory() as tmp:
         write_checkpoint(args.config, Path(tmp), args.device, args.tiny, args.vocab, args.layers)
         llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=max(max_len, 4096 if cuda else 0),
@@ -166,7 +174,7 @@ def main() -> None:
                   num_kv_blocks=None if cuda else args.seqs * -(-max_len // 16) + 64)
         prompts = [[rng.randrange(10000) % llm.hf_config.vocab_size for _ in range(args.prompt)]
                    for _ in range(args.seqs)]
-        params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=args.steps + 32)
+        params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=decode_steps + 32)
         engine = llm.llm_engine
         prefill(engine, prompts, params)
         clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -183,6 +191,14 @@ def main() -> None:
             step()
         phases.recording = False
         _report(args, steps, phases, cuda)
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.steps):
+                engine.step()
+            sync()
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
         if not args.no_profile:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:
