@@ -347,6 +347,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     for splits in (1, 4):  # heads of 64 (Qwen2.5-0.5B's): decode's 128-key tiles
         ta.paged_attention(narrow.q, narrow.k_cache, narrow.v_cache, narrow.meta, narrow.scale,
                            num_splits=splits)
+    ta.paged_attention(narrow.q, *fp8_pools(narrow, *scales), narrow.meta, narrow.scale, *scales)
     prefill = make_case([(0, 300), (40, 200)], 256, 16, 8, 128, torch.bfloat16, "cpu", seed=5)
     monkeypatch.setattr(ta, "_has_tma", lambda device: True)  # CPU tensors, sm_90 code
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale,
@@ -356,7 +357,7 @@ def test_kernels_compile_for_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     wide = ta.KernelConfig(256, 64, 16, 3, fold_scale=False)
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale, config=wide)
     ta.paged_attention(prefill.q, prefill.k_cache, prefill.v_cache, prefill.meta, prefill.scale)
-    assert [len(r.calls) for r in kernels.values()] == [2, 10, 2]
+    assert [len(r.calls) for r in kernels.values()] == [2, 11, 2]
     compile_recorded(kernels)
     attention = kernels["_paged_attention_kernel"]
     # A config's register cap reaches the compiler; the default prefill tiles and the 256-row
