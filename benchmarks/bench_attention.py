@@ -261,7 +261,7 @@ def main() -> None:
                         help="tune prefill/mixed defaults first (cached on disk for later runs)")
     parser.add_argument("--before", default=BEFORE_REV,
                         help="git revision whose kernel module is the 'before' row ('' = none)")
-    parser.add_argument("--heads", default="16,8,128", metavar="HQ,HKV,D",
+    parser.add_argument("--heads", default=f"{Heads.q},{Heads.kv},{Heads.dim}", metavar="HQ,HKV,D",
                         help="query heads, KV heads, head dim (default Qwen3-0.6B's)")
     args = parser.parse_args()
     global HEADS

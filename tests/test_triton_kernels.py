@@ -540,7 +540,8 @@ def test_gpu_decode_narrow_heads_over_whole_histories(block_size: int) -> None:
         splits = ta.choose_num_splits(case.meta, 2, case.q.device)
         assert (splits == 1) == (num_seqs == 300)
         config = ta.default_config(case.q, case.k_cache, case.meta)
-        assert config.block_n == (128 if splits == 1 else ta.DECODE_CONFIG.block_n)
+        assert config == (ta.attention_configs.NARROW_DECODE_CONFIG if splits == 1
+                          else ta.DECODE_CONFIG)
         ta.store_kvcache(case.k, case.v, case.k_cache, case.v_cache, case.meta.slot_mapping)
         out = ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
         assert rel_err(out, reference(case, torch.float32)) <= 1e-2

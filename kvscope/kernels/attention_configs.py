@@ -71,9 +71,10 @@ MIXED_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3)
 GLUON_PREFILL_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2,
                                     fold_scale=False, gluon=True)
 # Prefill and mixed steps (decode keeps :func:`decode_config` and its split heuristic); each
-# fits one Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long prefills of
-# large pages (where it does not apply it is the plain-load config again). 256-row tiles of 16
-# warps halve the programs (and their starts and ends) of a fresh prefill on small pages.
+# fits one Hopper block's shared memory at D=128. TMA pays only with 128-key tiles on long
+# prefills of large pages (where it does not apply it is the plain-load config again). 256-row
+# tiles of 16 warps halve the programs (and their starts and ends) of a fresh prefill on small
+# pages.
 TUNE_CANDIDATES = (
     PREFILL_CONFIG,
     MIXED_CONFIG,
