@@ -24,11 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels.launch import launcher
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
 LOG2E = 1.4426950408889634
 _CHUNK = 4096  # vocabulary entries per program of the first launch
+_OPTIONS = ({"num_warps": 4}, {"num_warps": 4, "launch_pdl": True})  # both kernels', by PDL
 
 
 @triton.jit
@@ -164,15 +166,14 @@ def sample(logits: torch.Tensor, scale: float | torch.Tensor, streams: Streams) 
     summary = torch.empty(rows, chunks, 3, dtype=torch.int32, device=logits.device)
     per_row = isinstance(scale, torch.Tensor)
     scale_args = (scale if per_row else out, 0.0 if per_row else float(scale))
-    pdl = pdl_options(logits.device)
-    _chunk_mass_kernel[(rows, chunks)](
-        logits, logits.stride(0), *scale_args, summary, vocab, chunks,
-        PER_ROW_SCALE=per_row, CHUNK=_CHUNK, num_warps=4, **pdl)
-    _pick_kernel[(rows,)](
-        logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks,
-        PER_ROW_SCALE=per_row, PER_ROW_STREAMS=streams.per_row is not None,
-        STEP_IN_MEMORY=streams.step_in_memory, BLOCK_C=triton.next_power_of_2(chunks), CHUNK=_CHUNK,
-        num_warps=4, **pdl)
+    pdl = pdl_options(logits.device)["PDL"]
+    # Both through :func:`~kvscope.kernels.launch.launcher` (every argument positional): Triton's
+    # own launch path costs the host more than the launch, and a decode step launches both.
+    launcher(_chunk_mass_kernel, **_OPTIONS[pdl])(
+        (rows, chunks), logits, logits.stride(0), *scale_args, summary, vocab, chunks, per_row, _CHUNK, pdl)
+    launcher(_pick_kernel, **_OPTIONS[pdl])(
+        (rows,), logits, logits.stride(0), *scale_args, *streams.args(out), summary, out, vocab, chunks, per_row,
+        streams.per_row is not None, streams.step_in_memory, triton.next_power_of_2(chunks), _CHUNK, pdl)
     return out
 
 
