@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import repeat
 
 import numpy as np
 
@@ -318,11 +319,13 @@ class Scheduler:
         Returns the requests that got a token and those among them that finished. Stop strings
         need text, so the engine checks those and calls :meth:`finish_request` itself.
         """
+        tokens, errors = result.tokens, result.errors
+        if type(out.requests) is DecodeRows and not errors and not result.logprobs:
+            return self._update_steady(out, tokens, now)
         progressed, finished = [], []
         bm = self.block_manager
         bs = bm.block_size if bm.enable_prefix_caching else 0
         live = self.requests
-        tokens, errors = result.tokens, result.errors
         running = RequestStatus.RUNNING
         cols = out.columns  # (read as columns: a steady decode step's rows are never built here)
         for seq_id, sample in zip(cols.seq_id.tolist(), cols.sample.tolist()):
@@ -358,6 +361,39 @@ class Scheduler:
                 lp = result.logprobs.get(seq_id, {})
                 req.output_logprobs.append(lp)
                 req.cumulative_logprob += lp.get(token, 0.0)
+            progressed.append(req)
+            if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish_request(req, reason)
+                    finished.append(req)
+        return progressed, finished
+
+    def _update_steady(self, out: SchedulerOutput, tokens: dict[int, int], now: float
+                       ) -> tuple[list[Request], list[Request]]:
+        """:meth:`update_from_output` of a steady decode step (every row one token that samples,
+        no row failed, no log-probs), row by row in the same order, with the same effects.
+
+        What it leaves out is what such a step cannot need: every row was scheduled and sampled
+        by the step before (its first times are set, its blocks hashed up to its input token),
+        so a row's blocks need hashing only when its input token was the last of a block."""
+        progressed, finished = [], []
+        bm = self.block_manager
+        if bm.enable_prefix_caching:
+            filled = ((out.columns.start + 1) % bm.block_size == 0).tolist()
+        else:
+            filled = repeat(False)
+        done, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        for req, full in zip(out.requests.reqs, filled):
+            if req.status is done:
+                continue  # finished or aborted while this step was in flight: its work is dropped
+            if full and req.status is running:
+                bm.hash_computed_blocks(req)
+            token = tokens[req.seq_id]
+            ids = req.token_ids
+            ids.append(token)
+            req.num_pending -= 1
+            req.metrics.last_token_time = now
             progressed.append(req)
             if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
                 reason = self._stop_reason(req, token)

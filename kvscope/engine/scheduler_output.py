@@ -105,6 +105,11 @@ class DecodeRows(Sequence[ScheduledRequest]):
     def __len__(self) -> int:
         return len(self._reqs)
 
+    @property
+    def reqs(self) -> Sequence:
+        """The scheduler's request of each row, in row order (its post-processing walks these)."""
+        return self._reqs
+
     def __getitem__(self, i):
         if self._rows is not None or isinstance(i, slice):
             return self._all()[i]
