@@ -24,7 +24,8 @@ On CUDA the runner's ``sample_s`` includes the read back (the wait for the token
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
 (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
 ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
-would slow) and prints the N functions with the most own time.
+would slow) and prints the N functions with the most own time (``--cprofile-sort cumulative``:
+with the most time including their callees).
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
@@ -156,6 +157,8 @@ def main() -> None:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="then run as many steps again under cProfile and print the N functions "
                          "with the most own time (the host's hot spots)")
+    ap.add_argument("--cprofile-sort", default="tottime", choices=("tottime", "cumulative"),
+                    help="order --cprofile's functions by own time or by time including their callees")
     ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
                     help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
@@ -198,7 +201,7 @@ def main() -> None:
                 engine.step()
             sync()
             profiler.disable()
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
+            pstats.Stats(profiler).sort_stats(args.cprofile_sort).print_stats(args.cprofile)
         if not args.no_profile:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:

@@ -290,8 +290,8 @@ class ModelRunner:
             flat = into[: layout.nbytes].copy_(flat, non_blocking=copied is not None)
         elif copied is not None:
             flat = flat.to(self.device, non_blocking=True)
-        if copied is not None:
-            copied.record()
+        if copied is not None:  # (naming the device skips torch's slower search for the current one)
+            copied.record(torch.cuda.current_stream(self.device))
         return flat
 
     def _first(self, n: int) -> np.ndarray:

@@ -89,8 +89,8 @@ class _ReadbackSlot:
         host.copy_(tokens, non_blocking=self._pin)
         out = [host] + [torch.empty(p.shape, dtype=p.dtype, pin_memory=self._pin).copy_(p, non_blocking=self._pin)
                         for p in rest]
-        if self._event is not None:
-            self._event.record()
+        if self._event is not None:  # (on the tokens' device's stream, named: see ModelRunner._upload)
+            self._event.record(torch.cuda.current_stream(tokens.device))
         return out, self._event
 
 
