@@ -363,10 +363,7 @@ class Scheduler:
                 req.cumulative_logprob += lp.get(token, 0.0)
             progressed.append(req)
             if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self.finish_request(req, reason)
-                    finished.append(req)
+                self._finish_if_stopped(req, token, finished)
         return progressed, finished
 
     def _update_steady(self, out: SchedulerOutput, tokens: dict[int, int], now: float
@@ -396,11 +393,16 @@ class Scheduler:
             req.metrics.last_token_time = now
             progressed.append(req)
             if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
-                reason = self._stop_reason(req, token)
-                if reason is not None:
-                    self.finish_request(req, reason)
-                    finished.append(req)
+                self._finish_if_stopped(req, token, finished)
         return progressed, finished
+
+    def _finish_if_stopped(self, req: Request, token: int, finished: list[Request]) -> None:
+        """Finish ``req`` (into ``finished``) if ``token`` (or its length) stops it; called only
+        when the per-token check found a stop token or the length limit."""
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self.finish_request(req, reason)
+            finished.append(req)
 
     @staticmethod
     def _stop_reason(req: Request, token: int) -> str | None:
