@@ -2,7 +2,8 @@
 last step's columns. It must decide exactly what the general path decides: the same engine run
 twice on the same workload, once with ``steady_decode`` off, must produce the same
 SchedulerOutputs (rows, columns, preemptions, finished ids), the same block events in the same
-order, and the same outputs, across block boundaries, finishes (length, EOS), preemption,
+order, the same outputs, and each request's first and last token times from the step that
+post-processed them, across block boundaries, finishes (length, EOS), preemption,
 waiting requests, prefix caching, aborts, both policies, sync and async."""
 from __future__ import annotations
 
@@ -47,7 +48,19 @@ def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, cachi
                       list(out.finished_seq_ids), cols, StepColumns.from_rows(out.requests)))
 
     engine.hooks.add("step.scheduled", on_scheduled)
+    first_token, last_token = {}, {}  # request -> the ``now`` of its first and last post-processed token
+    update = engine.scheduler.update_from_output
+
+    def timed_update(out, result, now):
+        progressed, finished = update(out, result, now)
+        for req in progressed:
+            first_token.setdefault(req.request_id, now)
+            last_token[req.request_id] = now
+        return progressed, finished
+
+    engine.scheduler.update_from_output = timed_update
     ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0)) for p, m in reqs]
+    requests = [engine.requests[i] for i in ids]
     n = 0
     while engine.has_unfinished_requests():
         n += 1
@@ -56,6 +69,9 @@ def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, cachi
         outputs += [(o.request_id, list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.finished)
                     for o in engine.step()]
         assert n < 2000
+    for req in requests:  # the metrics each path keeps: its first and last token's times
+        m = req.metrics
+        assert (m.first_token_time, m.last_token_time) == (first_token.get(req.request_id), last_token.get(req.request_id))
     return steps, events, outputs, engine.scheduler.num_steady_steps
 
 
