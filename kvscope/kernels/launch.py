@@ -10,7 +10,10 @@ fine as Triton's own, and launches it through the compiled kernel's own launcher
 after its lookup.
 
 Anything that is not a compiled CUDA kernel (Triton's interpreter on CPU tensors) goes through
-``kernel[grid]`` every time, so the tests on CPU run the same kernels the same way.
+``kernel[grid]`` every time, so the tests on CPU run the same kernels the same way. One check of
+Triton's is not repeated on a kept variant's launches: that the globals the kernel read when it
+was compiled still hold their values; a kernel launched through this module reads no global that
+changes.
 """
 from __future__ import annotations
 
