@@ -23,7 +23,9 @@ The script needs nothing from its folder, so one copy of it can time two checkou
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
 (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
-``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
+After the phases it times a fixed pure-Python loop on the same clock (``host reference``) and
+gives the host work per step in units of it, which stays comparable across hosts of different
+speed. ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
 would slow) and prints the N functions with the most own time (``--cprofile-sort cumulative``:
 with the most time including their callees).
 
@@ -237,6 +239,25 @@ def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
     named["engine"] = [s - sum(v[i] for v in named.values()) for i, s in enumerate(steps)]
     print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
           + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items()))
+    loop = _reference_loop_s(phases.clock)
+    print(f"host reference: {REFERENCE_ADDS:,} Python additions take {loop * 1e3:.3f} ms on this clock; "
+          f"host work per step = {statistics.median(host) / loop:.3f} of them")
+
+
+REFERENCE_ADDS = 10**6
+
+
+def _reference_loop_s(clock) -> float:
+    """Median time of a fixed pure-Python loop on ``clock``: this host's speed at the kind of
+    work the control plane does, so host work per step can be compared across hosts whose
+    speed differs (the H200 hosts have differed by 2x from one session to the next)."""
+    times = []
+    for _ in range(7):
+        t, x = clock(), 0
+        for i in range(REFERENCE_ADDS):
+            x += i
+        times.append(clock() - t)
+    return statistics.median(times)
 
 
 if __name__ == "__main__":
