@@ -25,7 +25,7 @@ import torch
 try:
     from triton import knobs
     from triton.runtime import driver
-except ImportError:  # a Triton before 3.4 (no knobs): every launch takes ``kernel[grid]``
+except ImportError:  # a Triton without these (older releases): every launch takes ``kernel[grid]``
     knobs = driver = None
 
 _I32 = range(-(2**31), 2**31)
