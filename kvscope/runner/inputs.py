@@ -55,6 +55,8 @@ class BlockTables:
         # again, and while no row was taken their rows are the same (a dropped sequence comes
         # back only through a new row).
         self._last: tuple[np.ndarray, np.ndarray] | None = None
+        # What the last update appended: (the row's index in its step, first column, end).
+        self.appended: list[tuple[int, int, int]] = []
 
     def update(self, out: SchedulerOutput) -> np.ndarray:
         """Apply ``out``'s deltas; returns each scheduled request's row, in step order.
@@ -65,6 +67,7 @@ class BlockTables:
         for seq_id in chain(out.finished_seq_ids, out.preempted_seq_ids):
             self._drop(seq_id)
         reqs, cols = out.requests, out.columns
+        self.appended = appended = []
         for i in cols.table_changed.tolist():
             r = reqs[i]
             row = self.rows.get(r.seq_id)
@@ -81,6 +84,7 @@ class BlockTables:
                     self._widen(end)
                 self.table[row, start:end] = new
                 self.lengths[row] = end
+                appended.append((i, start, end))
         seq_ids = cols.seq_id
         # (The scheduler's steady decode steps share one seq_id array: identity answers first.)
         if self._last is not None and (self._last[0] is seq_ids or np.array_equal(self._last[0], seq_ids)):
@@ -118,9 +122,11 @@ class BlockTables:
         self.table = grown
 
 
-def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables) -> StepInputs:
+def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables,
+                      table_rows: np.ndarray | None = None) -> StepInputs:
     """Apply ``out``'s block-table deltas to ``tables`` (the caller's, kept across its steps),
-    then pack the step. A decode-only step (one token per row, the steady state) takes a
+    then pack the step; ``table_rows``: what ``tables.update(out)`` returned, where the caller
+    applied them already. A decode-only step (one token per row, the steady state) takes a
     shorter path: each numpy call costs microseconds of fixed overhead, whatever its size."""
     cols = out.columns
     q_lens, starts, input_ids = cols.num_new_tokens, cols.start, cols.token_ids
@@ -128,7 +134,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int, tables: BlockTables
     ctx = starts + q_lens
     cu_k = np.zeros(b + 1, dtype=np.int32)
     np.cumsum(ctx, out=cu_k[1:])
-    table_rows = tables.update(out)
+    if table_rows is None:
+        table_rows = tables.update(out)
     block_tables = tables.pack(table_rows)
     decode_only = t == b  # every row has at least one token
     if decode_only:
