@@ -124,10 +124,12 @@ class _EagerGraphs(DecodeGraphs):
     def _capture_all(self) -> None:
         self.graphs = {g: _ReplayEagerly(self, g) for g in self.buckets}
         self.batches: list[int] = []
+        self.advanced = 0  # replays on inputs moved on in place, not uploaded
 
-    def run(self, layout: PackedLayout) -> torch.Tensor:
-        self.batches.append(layout.num_seqs)
-        return super().run(layout)
+    def run(self, b: int, layout: PackedLayout | None) -> torch.Tensor:
+        self.batches.append(b)
+        self.advanced += layout is None
+        return super().run(b, layout)
 
 
 def _with_graphs(llm) -> _EagerGraphs:
@@ -156,4 +158,5 @@ def test_decode_through_the_graph_inputs_gives_the_eager_tokens(async_scheduling
         llm.shutdown()
     assert runs[1] == runs[0]
     assert sum(r.replays for r in graphs.graphs.values()) == len(graphs.batches) > 10
+    assert 0 < graphs.advanced < len(graphs.batches), "no step moved its inputs on in place, or every one did"
     assert {graphs.bucket(b) - b for b in graphs.batches} - {0}, "no step was padded to its bucket"

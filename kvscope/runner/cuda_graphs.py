@@ -9,6 +9,11 @@ the replay before it: a step's upload never overwrites inputs a running graph st
 Only decode-only steps whose batch fits a bucket and whose block tables fit the captured
 width replay a graph; anything else runs eagerly (never a crash).
 
+A steady step (the same rows as the graph step before it, each one token on, all sampled) is
+not uploaded at all: :meth:`DecodeGraphs.advance` moves the last step's inputs on by one in
+place (:mod:`kvscope.kernels.decode_advance`), from the tokens it sampled and the blocks the
+step appends, which come up in a small buffer of their own (``new_blocks``).
+
 With a ``head`` (the LM head and the sampler's captured draw), each bucket also has a second
 graph of the whole step, from the inputs through the head to the sampled tokens, replayed
 instead of the first when the step's rows can draw there
@@ -28,6 +33,7 @@ import torch
 
 from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.decode_advance import advance_decode_inputs
 from kvscope.runner.inputs import StepInputs
 from kvscope.runner.packed_inputs import DecodeViews, PackedLayout, decode_views, packed_decode_bytes
 
@@ -59,6 +65,10 @@ class DecodeGraphs:
         self.inputs = torch.zeros(packed_decode_bytes(n, self.width), dtype=torch.uint8, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.tables = StaticTables(self.inputs, n, self.width)
+        # A steady step's new blocks, int32 [3, count] flattened (rows, columns, ids): bytes, so
+        # that a pinned staging buffer's bytes copy into it as they are.
+        self.new_block_bytes = torch.zeros(3 * n * 4, dtype=torch.uint8, device=device)
+        self._new_blocks = self.new_block_bytes.view(torch.int32)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The graphs of whole steps that end in the draw, by bucket, and their tokens (int64
@@ -70,6 +80,8 @@ class DecodeGraphs:
         self._token_views: dict[int, torch.Tensor] = {}
         self._forward = forward
         self._head = head
+        # (compiles the advance's one kernel variant now, changing nothing: no rows)
+        self.advance(0, self._bucket_views[n].input_ids, None, 0)
         self._capture_all()
 
     def _meta(self, g: int) -> AttentionMetadata:
@@ -119,20 +131,32 @@ class DecodeGraphs:
         """The input ids of a batch of ``b`` in :attr:`inputs`: the placeholders are filled there."""
         return self._batch_views(b)[1]
 
-    def run(self, layout: PackedLayout) -> torch.Tensor:
-        """Replay on the step packed (``layout``) in :attr:`inputs`; returns hidden ``[B, H]``."""
-        g, _, hidden = self._batch_views(layout.num_seqs)
-        self.tables.write(layout)
+    def advance(self, b: int, sampled: torch.Tensor, new_blocks: np.ndarray | None, num_new: int) -> None:
+        """Move the inputs of the last step run here (``b`` rows) on by one step, in place:
+        ``sampled`` are its tokens; ``new_blocks`` the ``num_new`` blocks this step appends
+        (``[3, num_new]``: batch rows, columns, ids), already copied into ``new_block_bytes``."""
+        v = self._bucket_views[self.bucket(b)]
+        advance_decode_inputs(v.input_ids, v.positions, v.slot_mapping, v.context_lens, v.cu_seqlens_k,
+                              self.tables.table, sampled, self._new_blocks, num_new, b, self.block_size)
+        if num_new:
+            self.tables.grown(new_blocks[0], new_blocks[1] + 1)
+
+    def run(self, b: int, layout: PackedLayout | None) -> torch.Tensor:
+        """Replay on the step of ``b`` rows packed (``layout``) in :attr:`inputs`, or, with no
+        layout, on the inputs :meth:`advance` moved on; returns hidden ``[B, H]``."""
+        g, _, hidden = self._batch_views(b)
+        if layout is not None:
+            self.tables.write(layout)
         self.graphs[g].replay()
         return hidden
 
-    def run_and_draw(self, layout: PackedLayout) -> torch.Tensor:
-        """Replay the whole step, head and draw included, on the step packed (``layout``) in
-        :attr:`inputs`; returns the tokens ``[B]``."""
-        g = self._batch_views(layout.num_seqs)[0]
-        self.tables.write(layout)
+    def run_and_draw(self, b: int, layout: PackedLayout | None) -> torch.Tensor:
+        """:meth:`run` of the whole step, head and draw included; returns the tokens ``[B]``."""
+        g = self._batch_views(b)[0]
+        if layout is not None:
+            self.tables.write(layout)
         self.draws[g].replay()
-        return self._tokens(layout.num_seqs)
+        return self._tokens(b)
 
     def _tokens(self, b: int) -> torch.Tensor:
         v = self._token_views.get(b)
@@ -188,3 +212,7 @@ class StaticTables:
         if stale > w:
             rows[:, w:stale].fill_(-1)
         self._written[:b] = w
+
+    def grown(self, rows: np.ndarray, widths: np.ndarray) -> None:
+        """Rows ``rows`` now hold ids up to columns ``widths`` (written on the device)."""
+        self._written[rows] = np.maximum(self._written[rows], widths)

@@ -153,6 +153,9 @@ class ModelRunner:
         self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
         self._sampled_params: list[SamplingParams] | None = None  # and their sampling parameters
         self._row_numbers = np.arange(config.max_num_seqs)
+        # The last step's table rows and starts, when it ran a decode graph: a steady step
+        # after it moves that graph's inputs on (_advance).
+        self._graph_step: tuple[np.ndarray, np.ndarray] | None = None
         # Tensor parallelism with async scheduling: rank 0 broadcasts each step's sampled tokens
         # on the device, so every rank fills the next step's placeholders without a readback.
         self.share_sampled = config.async_scheduling and tp_size > 1
@@ -290,9 +293,20 @@ class ModelRunner:
             flat = into[: layout.nbytes].copy_(flat, non_blocking=copied is not None)
         elif copied is not None:
             flat = flat.to(self.device, non_blocking=True)
+        self._record(copied)
+        return flat
+
+    def _upload_bytes(self, a: np.ndarray, into: torch.Tensor) -> None:
+        """``a``'s bytes to the start of the CUDA bytes ``into`` (the rest of ``into`` gets
+        whatever the staging buffer holds past them), through a pinned staging buffer."""
+        buf, host, copied = self._staging_buffer(into.numel())
+        host[: a.nbytes] = a.reshape(-1).view(np.uint8)
+        into.copy_(buf[: into.numel()], non_blocking=True)
+        self._record(copied)
+
+    def _record(self, copied: torch.cuda.Event | None) -> None:
         if copied is not None:  # (naming the device skips torch's slower search for the current one)
             copied.record(torch.cuda.current_stream(self.device))
-        return flat
 
     def _first(self, n: int) -> np.ndarray:
         """``np.arange(n)`` as a view of one made once (and grown if a step ever has more rows)."""
@@ -355,8 +369,17 @@ class ModelRunner:
 
         The placeholder input ids take the previous step's sampled rows on the device; in the
         steady state (the same sequences as the last step, in order, all sampled) they are
-        those tokens, as they stand."""
-        x = build_step_inputs(out, self.block_size, self.block_tables)
+        those tokens, as they stand. A steady step right after a graph step is not packed at
+        all: the graph's inputs move on by one on the device (:meth:`_advance`)."""
+        table_rows = self.block_tables.update(out)
+        step = self._advance(out, table_rows)
+        if step is None:
+            step = self._pack(out, table_rows)
+        self._graph_step = (table_rows, out.columns.start) if step.graphs is not None else None
+        return step
+
+    def _pack(self, out: SchedulerOutput, table_rows: np.ndarray) -> "_PreparedStep":
+        x = build_step_inputs(out, self.block_size, self.block_tables, table_rows)
         fill, src, steady = self._placeholder_sources(x)
         graphs = self.graphs if self.graphs is not None and self.graphs.can_run(x) else None
         layout = PackedLayout.of(x, fill.size, None if graphs is None else graphs.bucket(x.num_seqs))
@@ -369,19 +392,44 @@ class ModelRunner:
             ids = self._last_sample if graphs is None else ids.copy_(self._last_sample)
         elif fill.size:
             ids[d.fill] = self._last_sample[d.src]
-        return _PreparedStep(x, graphs, layout, d, ids)
+        return _PreparedStep(x.table_rows, x.num_seqs, x.num_tokens, x.logits_indices.size, graphs, layout, d,
+                             ids, x)
+
+    def _advance(self, out: SchedulerOutput, table_rows: np.ndarray) -> "_PreparedStep | None":
+        """A steady step that follows a graph step, on that graph's inputs moved on by one on
+        the device; None where the step must be packed. Steady here means: the same rows as
+        the last step (``BlockTables`` handed back the very same rows array), which sampled
+        all of them, each one decode token further on, all sampling, and every block the step
+        appends within the graphs' tables."""
+        last, graphs, cols = self._graph_step, self.graphs, out.columns
+        b = table_rows.size
+        if (last is None or last[0] is not table_rows or table_rows is not self._sampled_rows
+                or cols.token_ids.size != b or not cols.sample.all() or not np.array_equal(cols.start, last[1] + 1)):
+            return None
+        spans = self.block_tables.appended
+        num_new = sum(end - start for _, start, end in spans)
+        if num_new:
+            if max(end for _, _, end in spans) > graphs.width:
+                return None
+            new = np.empty((3, num_new), dtype=np.int32)
+            new[0] = [i for i, start, end in spans for _ in range(start, end)]
+            new[1] = [c for _, start, end in spans for c in range(start, end)]
+            new[2] = self.block_tables.table[table_rows[new[0]], new[1]]
+            self._upload_bytes(new, graphs.new_block_bytes)
+        graphs.advance(b, self._last_sample, new if num_new else None, num_new)
+        return _PreparedStep(table_rows, b, b, b, graphs, None, None, None, None)
 
     def _forward_rows(self, step: "_PreparedStep") -> torch.Tensor | None:
         """Run the model on a prepared step; returns the hidden rows to sample (or None)."""
-        x, d = step.x, step.d
+        d = step.d
         if step.graphs is not None:
-            hidden = step.graphs.run(step.layout)
+            hidden = step.graphs.run(step.num_seqs, step.layout)
         else:
-            with forward_context(self._metadata(x, d)), self._threads():
+            with forward_context(self._metadata(step.x, d)), self._threads():
                 hidden = self._forward(step.ids, d.positions)
-        if len(x.logits_indices) == x.num_tokens:
+        if step.num_logits == step.num_tokens:
             return hidden
-        if len(x.logits_indices):
+        if step.num_logits:
             return hidden[d.logits_indices]
         return None
 
@@ -397,20 +445,22 @@ class ModelRunner:
         any other step runs the forward (a graph of it, or eagerly) and samples after it."""
         t0 = time.perf_counter()
         step = self._prepare(out)
-        x, cols = step.x, out.columns
-        if x.logits_indices.size == x.num_seqs:  # every row samples (steady decode): nothing to select
-            sampled, table_rows, seq_ids, index = out.requests, x.table_rows, cols.seq_id, cols.output_index
+        cols = out.columns
+        every_row = step.num_logits == step.num_seqs
+        if every_row:  # every row samples (steady decode): nothing to select
+            sampled, table_rows, seq_ids, index = out.requests, step.table_rows, cols.seq_id, cols.output_index
         else:
             sample = cols.sample
             sampled = [r for r in out.requests if r.sample]
-            table_rows, seq_ids, index = x.table_rows[sample], cols.seq_id[sample], cols.output_index[sample]
+            table_rows, seq_ids, index = step.table_rows[sample], cols.seq_id[sample], cols.output_index[sample]
         params = self._params_of(sampled, table_rows is self._sampled_rows)
         index = index.tolist()
         t1 = time.perf_counter()
         prepare_s = t1 - t0
         use_graph = step.graphs is not None
-        if use_graph and step.graphs.draws and x.logits_indices.size == x.num_seqs:
-            s = self.sampler.sample_captured(params, index, lambda: step.graphs.run_and_draw(step.layout))
+        if use_graph and step.graphs.draws and every_row:
+            s = self.sampler.sample_captured(
+                params, index, lambda: step.graphs.run_and_draw(step.num_seqs, step.layout))
             if s is not None:
                 t2 = time.perf_counter()
                 return self._launched(s, table_rows, seq_ids, prepare_s, t2 - t1, t2, use_graph, {})
@@ -512,12 +562,16 @@ class _LaunchedStep:
                           timings=timings, cuda_graph=self._graph, errors=self._errors)
 
 
-@dataclass
+@dataclass(slots=True)
 class _PreparedStep:
     """A step whose inputs are on the device, ready to run (``ModelRunner._prepare``)."""
 
-    x: StepInputs
+    table_rows: np.ndarray  # each row's BlockTables row
+    num_seqs: int
+    num_tokens: int
+    num_logits: int  # rows sampled
     graphs: DecodeGraphs | None  # the decode graphs, where one runs this step
-    layout: PackedLayout
+    layout: PackedLayout | None  # where its inputs were packed; None: the graph's, moved on (_advance)
     d: DeviceInputs | None  # the step's views of its uploaded inputs, where something reads them
-    ids: torch.Tensor  # the input ids the forward reads
+    ids: torch.Tensor | None  # the input ids the forward reads (None: the graph's own)
+    x: StepInputs | None  # the packed step (None when moved on)
