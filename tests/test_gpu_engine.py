@@ -202,20 +202,23 @@ def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
 
 
 def _compiled_variants() -> int:
-    """Compiled variants of the paged-attention and sampling kernels in this process, on every device."""
+    """Compiled variants of the paged-attention, sampling and decode-advance kernels in this
+    process, on every device."""
+    from kvscope.kernels import decode_advance as da
     from kvscope.kernels import gluon_attention as ga
     from kvscope.kernels import triton_attention as ta
     from kvscope.kernels import triton_sampling as ts
 
     kernels = (ga._prefill_kernel, ta._paged_attention_kernel, ta._merge_splits_kernel, ta._store_kvcache_kernel,
-               ts._chunk_mass_kernel, ts._pick_kernel)
+               ts._chunk_mass_kernel, ts._pick_kernel, da._advance_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
 def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path):
     """Start-up compiles every attention and sampling kernel variant a run uses (fresh prefill
-    and mixed steps by dummy steps, decode by graph capture, the sampler's by a launch of each),
-    so nothing compiles inside a timed run. Steps of every size used to start their packed
+    and mixed steps by dummy steps, decode by graph capture, the sampler's by a launch of each,
+    the decode graphs' input advance by a launch on no rows), so nothing compiles inside a timed
+    run. Steps of every size used to start their packed
     inputs at other byte alignments and give other block-table widths, each a variant of its
     own compiled mid-run. A shape no other test uses (one KV head of 64 for four query heads,
     32-slot pages, a vocabulary not a multiple of 16), so the process's earlier compiles do not
