@@ -39,6 +39,11 @@ def _supported(index: int) -> bool:
 def pdl_options(device: torch.device) -> dict[str, bool]:
     """Launch options for a kernel with a ``PDL`` constexpr on ``device``'s tensors:
     ``{"PDL": True, "launch_pdl": True}`` where PDL runs, else ``{"PDL": False}``."""
-    if USE_PDL and device.type == "cuda" and _supported(device.index or 0):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    pdl = USE_PDL and device.type == "cuda" and _supported(device.index or 0)
+    return {"PDL": pdl, **launch_options(pdl)}
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch attribute that goes with a ``PDL`` constexpr of ``pdl``, for launches that
+    pass the constexpr as an argument (:class:`~kvscope.kernels.launch.Launcher`)."""
+    return {"launch_pdl": True} if pdl else {}
