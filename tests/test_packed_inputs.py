@@ -160,3 +160,34 @@ def test_decode_through_the_graph_inputs_gives_the_eager_tokens(async_scheduling
     assert sum(r.replays for r in graphs.graphs.values()) == len(graphs.batches) > 10
     assert 0 < graphs.advanced < len(graphs.batches), "no step moved its inputs on in place, or every one did"
     assert {graphs.bucket(b) - b for b in graphs.batches} - {0}, "no step was padded to its bucket"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graph_inputs_moved_on_in_place_survive_preemption_joins_and_aborts(async_scheduling):
+    """The steady steps that move the graph's inputs on in place (``ModelRunner._advance``)
+    between steps that break the batch: requests that join as others end, preemptions in a
+    pool too small for all of them, and a request aborted by a hook mid-run. Tokens against
+    the eager path's (seeded rows draw the same whatever they are batched with)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randrange(10, 40), ignore_eos=True)
+              for i in range(len(prompts))]
+    runs, preemptions = [], []
+    for use_graphs in (False, True):
+        llm = make_llm(block_size=4, max_num_seqs=4, max_model_len=96, num_kv_blocks=24,
+                       async_scheduling=async_scheduling)
+        graphs = _with_graphs(llm) if use_graphs else None
+        engine = llm.llm_engine
+
+        def abort_one(info, engine=engine):
+            if info.step == 12 and "3" in engine.requests:
+                engine.abort_request("3")
+
+        llm.hooks.add("step.end", abort_one)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        preemptions.append(sum(o.metrics.num_preemptions for o in outs))
+        llm.shutdown()
+    assert runs[1] == runs[0]
+    assert runs[0][3][1] == "abort" and min(preemptions) > 0
+    assert 0 < graphs.advanced < len(graphs.batches)
