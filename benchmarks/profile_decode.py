@@ -22,7 +22,9 @@ The script needs nothing from its folder, so one copy of it can time two checkou
 (before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
-(``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call.
+(``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call. It also
+counts the steps whose graph inputs the runner moved on in place instead of uploading them
+(``ModelRunner._advance``; 0 on CPU, where no graph runs, and on trees without it).
 After the phases it times a fixed pure-Python loop on the same clock (``host reference``) and
 gives the host work per step in units of it, which stays comparable across hosts of different
 speed. ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
@@ -106,6 +108,9 @@ class _Phases:
         sched, ex = engine.scheduler, engine.executor
         sched.schedule = self._timed("schedule", sched.schedule)
         sched.update_from_output = self._timed("update", sched.update_from_output)
+        self.advanced = 0  # steps whose graph inputs moved on in place (trees with ModelRunner._advance)
+        if hasattr(ex, "_advance"):
+            ex._advance = self._counted(ex._advance)
         if not cuda and hasattr(ex, "_forward"):
             ex._forward = self._timed("forward", ex._forward)
         if not async_scheduling:  # (execute calls execute_async: wrap only the one the engine calls)
@@ -121,6 +126,13 @@ class _Phases:
         for k in RUNNER_TIMINGS:
             if k in result.timings:
                 self.runner[k].append(result.timings[k])
+
+    def _counted(self, advance):
+        def wrapper(*a, **kw):
+            step = advance(*a, **kw)
+            self.advanced += self.recording and step is not None
+            return step
+        return wrapper
 
     def _timed(self, name, fn, then=None):
         def wrapper(*a, **kw):
@@ -238,7 +250,8 @@ def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
         named["launch"] = [a - b for a, b in zip(named["launch"], named["forward"])]
     named["engine"] = [s - sum(v[i] for v in named.values()) for i, s in enumerate(steps)]
     print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
-          + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items()))
+          + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items())
+          + f"; graph inputs advanced in place in {phases.advanced} of {len(steps)} steps")
     loop = _reference_loop_s(phases.clock)
     print(f"host reference: {REFERENCE_ADDS:,} Python additions take {loop * 1e3:.3f} ms on this clock; "
           f"host work per step = {statistics.median(host) / loop:.3f} of them")
