@@ -72,12 +72,18 @@ def copy_bandwidth() -> float:
 KV_BYTES = {"auto": 2, "fp8": 1, "fp8_e4m3": 1}  # bytes per KV element (auto: the bf16 weights' type)
 
 
+def kv_bytes_per_token(cfg: dict, kv_bytes: int = 2) -> int:
+    """K and V of one token in every layer (``kv_bytes`` per cached element)."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * kv_bytes
+
+
 def roofline_tok_s(cfg, prompts, outs, steps: int, bw: float, kv_bytes: int = 2) -> float:
     """Output tokens per second if each step only had to read the weights and the KV history
     (``kv_bytes`` per cached element: 2 for bf16, 1 for an fp8 KV cache)."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_per_tok = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * kv_bytes
+    kv_per_tok = kv_bytes_per_token(cfg, kv_bytes)
     h, i, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     per_layer = h * (heads * head_dim) * 2 + 2 * h * (cfg["num_key_value_heads"] * head_dim) + 3 * h * i
     weight_bytes = 2 * (L * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2))

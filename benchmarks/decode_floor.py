@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_throughput import copy_bandwidth, roofline_tok_s, workload  # noqa: E402
+from bench_throughput import copy_bandwidth, kv_bytes_per_token, roofline_tok_s, workload  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
 
@@ -99,15 +99,13 @@ def main() -> None:
     cfg = json.loads(Path(args.config, "config.json").read_text())
     prompts, outs = workload()
     rows, history = decode_steps(prompts, outs)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
     bw = copy_bandwidth()
     gemm_s, head_s = time_gemms(cfg, ROWS)
     for m, g, hd in zip(ROWS, gemm_s, head_s):
         print(f"{m:4d} rows: the layers' GEMMs {g * 1e3:.3f} ms, the LM head {hd * 1e3:.3f} ms")
     gemms = float(np.interp(rows, ROWS, gemm_s).sum())
     heads = float(np.interp(rows, ROWS, head_s).sum())
-    kv = float(history.sum()) * kv_per_token / bw
+    kv = float(history.sum()) * kv_bytes_per_token(cfg) / bw
     floor = gemms + heads + kv + args.prefill_s
     roof = roofline_tok_s(cfg, prompts, outs, len(rows), bw)
     tokens = sum(outs)
