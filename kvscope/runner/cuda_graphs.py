@@ -81,7 +81,7 @@ class DecodeGraphs:
         self._forward = forward
         self._head = head
         # (compiles the advance's one kernel variant now, changing nothing: no rows)
-        self.advance(0, self._bucket_views[n].input_ids, None, 0)
+        self.advance(0, self._bucket_views[n].input_ids, None)
         self._capture_all()
 
     def _meta(self, g: int) -> AttentionMetadata:
@@ -131,11 +131,12 @@ class DecodeGraphs:
         """The input ids of a batch of ``b`` in :attr:`inputs`: the placeholders are filled there."""
         return self._batch_views(b)[1]
 
-    def advance(self, b: int, sampled: torch.Tensor, new_blocks: np.ndarray | None, num_new: int) -> None:
+    def advance(self, b: int, sampled: torch.Tensor, new_blocks: np.ndarray | None) -> None:
         """Move the inputs of the last step run here (``b`` rows) on by one step, in place:
-        ``sampled`` are its tokens; ``new_blocks`` the ``num_new`` blocks this step appends
-        (``[3, num_new]``: batch rows, columns, ids), already copied into ``new_block_bytes``."""
+        ``sampled`` are its tokens; ``new_blocks`` the blocks this step appends (``[3, count]``:
+        batch rows, columns, ids; None for none), already copied into ``new_block_bytes``."""
         v = self._bucket_views[self.bucket(b)]
+        num_new = 0 if new_blocks is None else new_blocks.shape[1]
         advance_decode_inputs(v.input_ids, v.positions, v.slot_mapping, v.context_lens, v.cu_seqlens_k,
                               self.tables.table, sampled, self._new_blocks, num_new, b, self.block_size)
         if num_new:

@@ -406,17 +406,16 @@ class ModelRunner:
         if (last is None or last[0] is not table_rows or table_rows is not self._sampled_rows
                 or cols.token_ids.size != b or not cols.sample.all() or not np.array_equal(cols.start, last[1] + 1)):
             return None
-        spans = self.block_tables.appended
-        num_new = sum(end - start for _, start, end in spans)
-        if num_new:
+        spans, new = self.block_tables.appended, None
+        if spans:
             if max(end for _, _, end in spans) > graphs.width:
                 return None
-            new = np.empty((3, num_new), dtype=np.int32)
+            new = np.empty((3, sum(end - start for _, start, end in spans)), dtype=np.int32)
             new[0] = [i for i, start, end in spans for _ in range(start, end)]
             new[1] = [c for _, start, end in spans for c in range(start, end)]
             new[2] = self.block_tables.table[table_rows[new[0]], new[1]]
             self._upload_bytes(new, graphs.new_block_bytes)
-        graphs.advance(b, self._last_sample, new if num_new else None, num_new)
+        graphs.advance(b, self._last_sample, new)
         return _PreparedStep(table_rows, b, b, b, graphs, None, None, None, None)
 
     def _forward_rows(self, step: "_PreparedStep") -> torch.Tensor | None:
