@@ -32,9 +32,8 @@ def _steady_pair(rng: np.random.Generator, b: int):
                                [int(rng.integers(0, 10_000))] if (s + 1) % BLOCK == 0 else [], False, False, True)
               for i, s in enumerate(starts)]
     x1 = build_step_inputs(SchedulerOutput(step=2, requests=second), BLOCK, tables_seen)
-    spans = tables_seen.appended
-    new = np.array([[i, c, x1.block_tables[i, c]] for i, start, end in spans for c in range(start, end)],
-                   dtype=np.int32).reshape(-1, 3).T
+    index, column = tables_seen.appended
+    new = np.stack([index, column, x1.block_tables[index, column]]).astype(np.int32)
     return x0, x1, new
 
 

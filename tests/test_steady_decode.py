@@ -4,9 +4,12 @@ twice on the same workload, once with ``steady_decode`` off, must produce the sa
 SchedulerOutputs (rows, columns, preemptions, finished ids), the same block events in the same
 order, the same outputs, and each request's first and last token times from the step that
 post-processed them, across block boundaries, finishes (length, EOS), preemption,
-waiting requests, prefix caching, aborts, both policies, sync and async."""
+waiting requests, prefix caching, aborts, both policies, sync and async. With nothing watching
+block events (``watch_blocks=False``: the block manager then updates the pool as whole arrays),
+the pool itself and the runner's block tables are compared after every step instead."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import astuple
 
 import numpy as np
@@ -30,7 +33,19 @@ class _Tok:
         return " ".join(map(str, ids))
 
 
-def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, caching, async_scheduling, abort_at):
+def _pool(engine) -> tuple:
+    """The block pool's state and every request's table, scheduler's and runner's."""
+    bm, runner_tables = engine.scheduler.block_manager, engine.executor.block_tables
+    tables = {}
+    for seq_id, req in engine.scheduler.requests.items():
+        runner = runner_tables.get(seq_id) if seq_id in runner_tables.rows else None
+        tables[seq_id] = (list(req.block_table), req.num_sent_blocks, runner)
+    return (list(bm.free), bm.ref_count.tolist(), bm.block_hash.tolist(), sorted(bm.used),
+            dict(bm.hash_to_block), bm.num_cached_blocks, tables)
+
+
+def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, caching, async_scheduling, abort_at,
+         watch_blocks=True):
     config = EngineConfig.from_kwargs(
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
         scheduling_policy=policy, enable_prefix_caching=caching, async_scheduling=async_scheduling)
@@ -39,13 +54,16 @@ def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, cachi
     engine.scheduler.steady_decode = steady
     engine.validate_every_step = True
     steps, events, outputs = [], [], []
-    engine.hooks.add_block_sink(events)
+    if watch_blocks:
+        engine.hooks.add_block_sink(events)
 
     def on_scheduled(scheduler_output, **_):
         out = scheduler_output
         cols = out.columns
         steps.append((out.step, [astuple(r) for r in out.requests], list(out.preempted_seq_ids),
                       list(out.finished_seq_ids), cols, StepColumns.from_rows(out.requests)))
+        if not watch_blocks:  # (the last step's pool, once its deltas reached the runner)
+            events.append(_pool(engine))
 
     engine.hooks.add("step.scheduled", on_scheduled)
     first_token, last_token = {}, {}  # request -> the ``now`` of its first and last post-processed token
@@ -93,18 +111,19 @@ def _check_same(**kw):
 def test_long_decode_takes_the_steady_path_across_block_boundaries():
     prompts = [[1 + (i * 7 + j) % 60 for j in range(5 + 3 * i)] for i in range(6)]
     reqs = [(p, 20 + 9 * i) for i, p in enumerate(prompts)]  # finishes at different steps
-    for async_scheduling in (False, True):
+    for async_scheduling, watch_blocks in itertools.product((False, True), (False, True)):
         num_steady, num_steps = _check_same(reqs=reqs, block_size=4, num_blocks=200, max_num_seqs=8,
                                             policy="unified", caching=True, async_scheduling=async_scheduling,
-                                            abort_at=None)
+                                            abort_at=None, watch_blocks=watch_blocks)
         assert num_steady > num_steps * 0.6  # all but the prefill and the steps after a finish
 
 
 def test_preemption_under_a_small_pool():
     reqs = [([1 + i, 2, 3, 4, 5], 40) for i in range(4)]
-    for async_scheduling in (False, True):
+    for async_scheduling, watch_blocks in itertools.product((False, True), (False, True)):
         num_steady, _ = _check_same(reqs=reqs, block_size=4, num_blocks=24, max_num_seqs=4, policy="unified",
-                                    caching=False, async_scheduling=async_scheduling, abort_at=30)
+                                    caching=False, async_scheduling=async_scheduling, abort_at=30,
+                                    watch_blocks=watch_blocks)
         assert num_steady > 0
 
 
@@ -119,15 +138,16 @@ def test_preemption_under_a_small_pool():
     caching=st.booleans(),
     async_scheduling=st.booleans(),
     abort_at=st.one_of(st.none(), st.integers(1, 30)),
+    watch_blocks=st.booleans(),
 )
 @example(reqs=[([1, 2, 3], 30), ([2, 3], 30)], block_size=2, spare_blocks=0, max_num_seqs=2,
-         policy="unified", caching=False, async_scheduling=True, abort_at=None)
+         policy="unified", caching=False, async_scheduling=True, abort_at=None, watch_blocks=False)
 def test_steady_path_decides_as_the_general_path(reqs, block_size, spare_blocks, max_num_seqs, policy, caching,
-                                                 async_scheduling, abort_at):
+                                                 async_scheduling, abort_at, watch_blocks):
     longest = max(len(p) + m for p, m in reqs)
     _check_same(reqs=reqs, block_size=block_size, num_blocks=-(-longest // block_size) + spare_blocks,
                 max_num_seqs=max_num_seqs, policy=policy, caching=caching, async_scheduling=async_scheduling,
-                abort_at=abort_at)
+                abort_at=abort_at, watch_blocks=watch_blocks)
 
 
 def _trace(steady: bool, async_scheduling: bool):

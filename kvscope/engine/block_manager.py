@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import xxhash
@@ -157,6 +157,27 @@ class BlockManager:
         for _ in range(remaining):
             req.block_table.append(self._take_free(req))
         return True
+
+    def append_blocks(self, reqs: Sequence[Request]) -> list[int]:
+        """One free block onto the end of each of ``reqs``' tables, in order: what ``allocate``
+        does for each in turn when each needs exactly one more block (a steady decode step's
+        rows that cross into a new block), as whole-array updates. The caller checked that
+        enough blocks are free. While anything watches block events it goes block by block,
+        so the events come in the same order."""
+        hooks = self.hooks
+        if hooks is not None and hooks.wants_block_events():
+            ids = [self._take_free(req) for req in reqs]
+        else:
+            free = self.free
+            ids = [free.popitem(last=False)[0] for _ in reqs]
+            taken = np.array(ids, dtype=np.int64)
+            for b in taken[self.block_hash[taken] != NO_HASH].tolist():
+                self._uncache(b)
+            self.ref_count[taken] = 1
+            self.used.update(ids)
+        for req, b in zip(reqs, ids):
+            req.block_table.append(b)
+        return ids
 
     def free_request(self, req: Request) -> None:
         """Release ``request``'s blocks, last block first, so a prefix's head outlives its tail in the cache."""

@@ -38,6 +38,8 @@ from kvscope.engine.request import Request, RequestStatus
 from kvscope.engine.scheduler_output import PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput, StepColumns
 
 _NONE: tuple[int, ...] = ()  # the usual decode row's new block ids (shared, never mutated)
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)  # a steady step's appended blocks when no row crosses (read-only)
+_NO_BLOCKS.flags.writeable = False
 
 
 def _unsent_blocks(req: Request) -> list[int] | tuple[int, ...]:
@@ -131,11 +133,17 @@ class Scheduler:
         if len(cross) > bm.num_free_blocks:  # the general path preempts
             return False
         new_ids: list = [_NONE] * n
+        appended = _NO_BLOCKS
         if len(cross):
-            for i in cross.tolist():  # one block each, allocated in row order as the general path does
-                req = running[i]
-                bm.allocate(req, int(start[i]) + 1)
-                new_ids[i] = _unsent_blocks(req)
+            # One block each, taken in row order as the general path takes them. Every row's
+            # earlier blocks went to the runner with the last step, so its delta is this block.
+            rows = cross.tolist()
+            crossing = [running[i] for i in rows]
+            blocks = bm.append_blocks(crossing)
+            for i, req, b in zip(rows, crossing, blocks):
+                req.num_sent_blocks += 1
+                new_ids[i] = [b]
+            appended = np.array(blocks, dtype=np.int64)
             batch.capacity[cross] += bm.block_size
         tokens: list[int] = []
         starts = start.tolist()
@@ -146,7 +154,7 @@ class Scheduler:
             req.num_pending += 1
         batch.end = start + 1
         index = start - batch.index_base
-        out.requests = DecodeRows(batch.reqs, tokens, starts, new_ids, index.tolist())
+        out.requests = DecodeRows(batch.reqs, tokens, starts, new_ids, index.tolist(), appended)
         out.columns = StepColumns(
             seq_id=batch.seq_id, start=start, num_new_tokens=batch.ones, sample=batch.all_true,
             token_ids=np.array(tokens, dtype=np.int64), table_changed=cross, output_index=index,

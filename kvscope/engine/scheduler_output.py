@@ -94,13 +94,17 @@ class DecodeRows(Sequence[ScheduledRequest]):
     would have built; the first iteration builds them all and keeps them (one row read by
     index, as the runner reads the few whose tables grew, is built alone)."""
 
-    __slots__ = ("_reqs", "_tokens", "_starts", "_new_block_ids", "_output_index", "_rows")
+    __slots__ = ("_reqs", "_tokens", "_starts", "_new_block_ids", "_output_index", "_rows", "appended")
 
     def __init__(self, reqs: Sequence, tokens: list[int], starts: list[int],
-                 new_block_ids: list[Sequence[int]], output_index: list[int]) -> None:
+                 new_block_ids: list[Sequence[int]], output_index: list[int], appended: np.ndarray) -> None:
         self._reqs, self._tokens, self._starts = reqs, tokens, starts
         self._new_block_ids, self._output_index = new_block_ids, output_index
         self._rows: list[ScheduledRequest] | None = None
+        # int64 [K]: the one block id each row of ``StepColumns.table_changed`` appends (a steady
+        # step's row crosses into one new block at most, and never starts its table over), so
+        # the runner can apply the step's deltas as whole arrays.
+        self.appended = appended
 
     def __len__(self) -> int:
         return len(self._reqs)

@@ -3,10 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
-from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.engine.scheduler_output import DecodeRows, SchedulerOutput
+
+
+class Appended(NamedTuple):
+    """The blocks the last ``BlockTables.update`` appended, one entry each: the step's row
+    that took it, and its column in that row's table (the runner's graphs append the same)."""
+
+    index: np.ndarray   # int64 [N]
+    column: np.ndarray  # int64 [N]
 
 
 @dataclass
@@ -55,19 +64,26 @@ class BlockTables:
         # again, and while no row was taken their rows are the same (a dropped sequence comes
         # back only through a new row).
         self._last: tuple[np.ndarray, np.ndarray] | None = None
-        # What the last update appended: (the row's index in its step, first column, end).
-        self.appended: list[tuple[int, int, int]] = []
+        self.appended = Appended(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
     def update(self, out: SchedulerOutput) -> np.ndarray:
         """Apply ``out``'s deltas; returns each scheduled request's row, in step order.
 
         Only the rows with a delta (``StepColumns.table_changed``) are visited one by one; a
-        new request always brings its first blocks, so every other row already exists.
+        new request always brings its first blocks, so every other row already exists. A
+        steady decode step of the same sequences as the last step (``DecodeRows``, one block
+        at most per row, ``DecodeRows.appended``) is applied as whole arrays.
         """
         for seq_id in chain(out.finished_seq_ids, out.preempted_seq_ids):
             self._drop(seq_id)
         reqs, cols = out.requests, out.columns
-        self.appended = appended = []
+        last = self._last
+        if type(reqs) is DecodeRows and last is not None and last[0] is cols.seq_id:
+            rows = last[1]
+            self._append_one_each(cols.table_changed, rows[cols.table_changed], reqs.appended)
+            return rows
+        index: list[int] = []
+        columns: list[int] = []
         for i in cols.table_changed.tolist():
             r = reqs[i]
             row = self.rows.get(r.seq_id)
@@ -84,14 +100,25 @@ class BlockTables:
                     self._widen(end)
                 self.table[row, start:end] = new
                 self.lengths[row] = end
-                appended.append((i, start, end))
-        seq_ids = cols.seq_id
+                index += [i] * len(new)
+                columns += range(start, end)
+        self.appended = Appended(np.array(index, dtype=np.int64), np.array(columns, dtype=np.int64))
+        seq_ids, last = cols.seq_id, self._last  # (a row taken above forgot the last rows)
         # (The scheduler's steady decode steps share one seq_id array: identity answers first.)
-        if self._last is not None and (self._last[0] is seq_ids or np.array_equal(self._last[0], seq_ids)):
-            return self._last[1]
+        if last is not None and (last[0] is seq_ids or np.array_equal(last[0], seq_ids)):
+            return last[1]
         rows = np.fromiter(map(self.rows.__getitem__, seq_ids.tolist()), dtype=np.int64, count=len(reqs))
         self._last = (seq_ids, rows)
         return rows
+
+    def _append_one_each(self, index: np.ndarray, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Append ``blocks[k]`` to table row ``rows[k]`` (the step's row ``index[k]``)."""
+        columns = self.lengths[rows]
+        if columns.size and columns.max() >= self.table.shape[1]:
+            self._widen(int(columns.max()) + 1)
+        self.table[rows, columns] = blocks
+        self.lengths[rows] = columns + 1
+        self.appended = Appended(index, columns)
 
     def get(self, seq_id: int) -> list[int]:
         """One request's table as the runner holds it (tests compare it with the scheduler's)."""

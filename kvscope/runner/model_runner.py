@@ -406,14 +406,14 @@ class ModelRunner:
         if (last is None or last[0] is not table_rows or table_rows is not self._sampled_rows
                 or cols.token_ids.size != b or not cols.sample.all() or not np.array_equal(cols.start, last[1] + 1)):
             return None
-        spans, new = self.block_tables.appended, None
-        if spans:
-            if max(end for _, _, end in spans) > graphs.width:
+        index, column = self.block_tables.appended
+        new = None
+        if index.size:
+            if column.max() >= graphs.width:
                 return None
-            new = np.empty((3, sum(end - start for _, start, end in spans)), dtype=np.int32)
-            new[0] = [i for i, start, end in spans for _ in range(start, end)]
-            new[1] = [c for _, start, end in spans for c in range(start, end)]
-            new[2] = self.block_tables.table[table_rows[new[0]], new[1]]
+            new = np.empty((3, index.size), dtype=np.int32)
+            new[0], new[1] = index, column
+            new[2] = self.block_tables.table[table_rows[index], column]
             self._upload_bytes(new, graphs.new_block_bytes)
         graphs.advance(b, self._last_sample, new)
         return _PreparedStep(table_rows, b, b, b, graphs, None, None, None, None)
