@@ -40,8 +40,9 @@ def _pool(engine) -> tuple:
     for seq_id, req in engine.scheduler.requests.items():
         runner = runner_tables.get(seq_id) if seq_id in runner_tables.rows else None
         tables[seq_id] = (list(req.block_table), req.num_sent_blocks, runner)
-    return (list(bm.free), bm.ref_count.tolist(), bm.block_hash.tolist(), sorted(bm.used),
-            dict(bm.hash_to_block), bm.num_cached_blocks, tables)
+    hashed = bm.block_hash != -1
+    return (list(bm.free), bm.ref_count.tolist(), bm.block_hash.tolist(), bm.block_tokens[hashed].tolist(),
+            sorted(bm.used), dict(bm.hash_to_block), bm.num_cached_blocks, tables)
 
 
 def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, caching, async_scheduling, abort_at,

@@ -209,6 +209,42 @@ class BlockManager:
             self.hash_to_block[h] = b
             self._emit("block.hashed", b, req)
 
+    def hash_filled_blocks(self, reqs: Sequence[Request]) -> None:
+        """``hash_computed_blocks`` of each of ``reqs`` in turn, for a steady decode step's rows
+        whose input token ended a block. The usual row (that block the only one to register,
+        the next in its chain of hashes) costs one hash, and the blocks' tokens are written to
+        the pool in one array operation. While anything watches block events it goes row by
+        row, so the events keep their order."""
+        if not self.enable_prefix_caching:
+            return
+        if self.hooks is not None and self.hooks.wants_block_events():
+            for req in reqs:
+                self.hash_computed_blocks(req)
+            return
+        bs, block_hash, registered = self.block_size, self.block_hash, self.hash_to_block
+        ids: list[int] = []
+        tokens: list[list[int]] = []
+        for req in reqs:
+            i, chain = req.num_hashed_blocks, req.block_hashes
+            if len(chain) != i or self.num_full_computed_blocks(req) != i + 1:
+                self.hash_computed_blocks(req)
+                continue
+            # (A block no hash of this request's chain covers yet came from the free pool, which
+            # took its old hash off it: only a cache hit brings a hashed block, and counts it.)
+            req.num_hashed_blocks = i + 1
+            b = req.block_table[i]
+            block = req.token_ids[i * bs:(i + 1) * bs]
+            h = hash_block(block, chain[i - 1] if i else NO_HASH)
+            chain.append(h)
+            if h in registered:
+                continue  # the same content was computed twice in one step; keep the first copy
+            block_hash[b] = h
+            registered[h] = b
+            ids.append(b)
+            tokens.append(block)
+        if ids:  # (unhashed blocks belong to one request each: no row above read these)
+            self.block_tokens[ids] = tokens
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""
         for b in [b for b in self.hash_to_block.values() if self.ref_count[b] == 0]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import repeat
 
 import numpy as np
 
@@ -336,18 +335,20 @@ class Scheduler:
         live = self.requests
         running = RequestStatus.RUNNING
         cols = out.columns  # (read as columns: a steady decode step's rows are never built here)
-        for seq_id, sample in zip(cols.seq_id.tolist(), cols.sample.tolist()):
-            req = live.get(seq_id)
+        step_reqs = [live.get(seq_id) for seq_id in cols.seq_id.tolist()]  # None: finished or aborted since
+        # Every row's blocks are hashed before any row finishes (the steady path does the same).
+        # Hash only when a block just filled (never past a token still in flight).
+        for req in step_reqs:
+            if bs and req is not None and req.status is running:
+                full = req.num_computed_tokens
+                if full > len(req.token_ids):
+                    full = len(req.token_ids)
+                if full // bs > req.num_hashed_blocks:
+                    bm.hash_computed_blocks(req)
+        for req, seq_id, sample in zip(step_reqs, cols.seq_id.tolist(), cols.sample.tolist()):
             if req is None:
                 continue  # finished or aborted while this step was in flight: its work is dropped
             ids = req.token_ids
-            # Hash only when a block just filled (never past a token still in flight).
-            if bs:
-                full = req.num_computed_tokens
-                if full > len(ids):
-                    full = len(ids)
-                if full // bs > req.num_hashed_blocks and req.status is running:
-                    bm.hash_computed_blocks(req)
             m = req.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
@@ -384,16 +385,15 @@ class Scheduler:
         so a row's blocks need hashing only when its input token was the last of a block."""
         progressed, finished = [], []
         bm = self.block_manager
-        if bm.enable_prefix_caching:
-            filled = ((out.columns.start + 1) % bm.block_size == 0).tolist()
-        else:
-            filled = repeat(False)
-        done, running = RequestStatus.FINISHED, RequestStatus.RUNNING
-        for req, full in zip(out.requests.reqs, filled):
+        reqs = out.requests.reqs
+        if bm.enable_prefix_caching:  # (before any row finishes, as on the general path)
+            running = RequestStatus.RUNNING
+            filled = np.flatnonzero((out.columns.start + 1) % bm.block_size == 0).tolist()
+            bm.hash_filled_blocks([r for r in map(reqs.__getitem__, filled) if r.status is running])
+        done = RequestStatus.FINISHED
+        for req in reqs:
             if req.status is done:
                 continue  # finished or aborted while this step was in flight: its work is dropped
-            if full and req.status is running:
-                bm.hash_computed_blocks(req)
             token = tokens[req.seq_id]
             ids = req.token_ids
             ids.append(token)
