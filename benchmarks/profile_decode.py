@@ -25,9 +25,10 @@ On CUDA the runner's ``sample_s`` includes the read back (the wait for the token
 (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call. It also
 counts the steps whose graph inputs the runner moved on in place instead of uploading them
 (``ModelRunner._advance``; 0 on CPU, where no graph runs, and on trees without it).
-After the phases it times a fixed pure-Python loop on the same clock (``host reference``) and
-gives the host work per step in units of it, which stays comparable across hosts of different
-speed. ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
+It times a fixed pure-Python loop on the same clock (``host reference``) before and after the
+timed steps and gives the host work per step in units of their mean, which stays comparable
+across hosts of different speed; when the two differ by more than a fifth, the host changed
+speed during the run, and it says so. ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
 would slow) and prints the N functions with the most own time (``--cprofile-sort cumulative``:
 with the most time including their callees).
 
@@ -201,13 +202,14 @@ def main() -> None:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         gc.collect()
+        reference_before = _reference_loop_s(clock)
         phases.recording = True
         steps = phases.t["step"]
         step = phases._timed("step", engine.step)
         for _ in range(args.steps):
             step()
         phases.recording = False
-        _report(args, steps, phases, cuda)
+        _report(args, steps, phases, cuda, reference_before)
         if args.cprofile:
             profiler = cProfile.Profile()
             profiler.enable()
@@ -227,7 +229,7 @@ def main() -> None:
         llm.shutdown()
 
 
-def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
+def _report(args, steps: list[float], phases: _Phases, cuda: bool, reference_before: float) -> None:
     ms = lambda xs: statistics.median(xs) * 1e3
     t = phases.t
     # What is not the host's own work: on CUDA the wait for the device, known only as a whole
@@ -252,9 +254,13 @@ def _report(args, steps: list[float], phases: _Phases, cuda: bool) -> None:
     print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
           + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items())
           + f"; graph inputs advanced in place in {phases.advanced} of {len(steps)} steps")
-    loop = _reference_loop_s(phases.clock)
-    print(f"host reference: {REFERENCE_ADDS:,} Python additions take {loop * 1e3:.3f} ms on this clock; "
-          f"host work per step = {statistics.median(host) / loop:.3f} of them")
+    after = _reference_loop_s(phases.clock)
+    loop = (reference_before + after) / 2
+    changed = max(reference_before, after) > 1.2 * min(reference_before, after)
+    print(f"host reference: {REFERENCE_ADDS:,} Python additions take {reference_before * 1e3:.3f} ms on this "
+          f"clock before the timed steps, {after * 1e3:.3f} ms after"
+          + (" (the host changed speed during the run)" if changed else "") + "; "
+          f"host work per step = {statistics.median(host) / loop:.3f} of their mean")
 
 
 REFERENCE_ADDS = 10**6
