@@ -218,13 +218,12 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path)
     """Start-up compiles every attention and sampling kernel variant a run uses (fresh prefill
     and mixed steps by dummy steps, decode by graph capture, the sampler's by a launch of each,
     the decode graphs' input advance by a launch on no rows), so nothing compiles inside a timed
-    run. Steps of every size used to start their packed
-    inputs at other byte alignments and give other block-table widths, each a variant of its
-    own compiled mid-run. A shape no other test uses (one KV head of 64 for four query heads,
-    32-slot pages, a vocabulary not a multiple of 16), so the process's earlier compiles do not
-    hide a variant; on sm_90 its fresh prefills take the Gluon kernel and its mixed steps the
-    Triton kernel.
-    The rows are greedy, random at one or at several temperatures, seeded, and top-k."""
+    run. Steps of every size used to start their packed inputs at other byte alignments and
+    give other block-table widths, each a variant of its own compiled mid-run. A shape no other
+    test uses (one KV head of 64 for four query heads, 32-slot pages, a vocabulary not a
+    multiple of 16), so the process's earlier compiles do not hide a variant; on sm_90 its fresh
+    prefills take the Gluon kernel and its mixed steps the Triton kernel. The rows are greedy,
+    random at one or at several temperatures, seeded, and top-k."""
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **{**SHAPE, "num_attention_heads": 4,
                                                                "num_key_value_heads": 1, "head_dim": 64,
                                                                "vocab_size": 520})
