@@ -7,9 +7,13 @@ exactly what the CPU side of the engine adds to every forward pass.
 
 On a shared machine wall time swings with the neighbours' load, so besides the mean it prints
 the median over windows of ``block_size`` steps (each window holds one step where every
-sequence crosses into a new block) and the process's CPU time per step. A full garbage
-collection owed to the setup is run before the clock starts, so it does not land in the timed
-steps; the collections the steps themselves cause are counted in.
+sequence crosses into a new block) and the process's CPU time per step. It also prints the
+lower-quartile window on this thread's clock, split into the scheduler's ``schedule`` and
+``update_from_output``, and the host reference (``profile_decode.reference_loop_s``) before and
+after the timed steps: the 2-core machine's speed has swung by 2x between processes, and this
+is the figure to compare across them. A full garbage collection owed to the setup is run before
+the clock starts, so it does not land in the timed steps; the collections the steps themselves
+cause are counted in.
 """
 from __future__ import annotations
 
@@ -19,12 +23,17 @@ import gc
 import pstats
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.runner.null_executor import NullExecutor
 from kvscope.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profile_decode import describe_reference, reference_loop_s  # noqa: E402
 
 
 class _NoTokenizer:
@@ -66,19 +75,22 @@ def main() -> None:
 
         recorder = Recorder(engine, args.record)
         recorder.start()
+    phases = _thread_phases(engine.scheduler, ("schedule", "update_from_output"))
     gc.collect()
+    reference_before = reference_loop_s(time.thread_time)
     profiler = cProfile.Profile() if args.profile else None
     if profiler is not None:
         profiler.enable()
-    windows = []
+    windows, thread_windows = [], []
     c0 = time.process_time()
     t0 = time.perf_counter()
     for start in range(0, args.steps, args.block_size):
-        tw = time.perf_counter()
+        tw, tt, before = time.perf_counter(), time.thread_time(), dict(phases)
         n = min(args.block_size, args.steps - start)
         for _ in range(n):
             engine.step()
         windows.append((time.perf_counter() - tw) / n)
+        thread_windows.append(((time.thread_time() - tt) / n, *((phases[k] - before[k]) / n for k in phases)))
     dt = (time.perf_counter() - t0) / args.steps
     cpu = (time.process_time() - c0) / args.steps
     if profiler is not None:
@@ -90,8 +102,26 @@ def main() -> None:
           + (f", recording at {args.record!r}" if args.record else ""))
     print(f"  median of {len(windows)} windows: {statistics.median(windows) * 1e6:.0f} us/step; "
           f"cpu time {cpu * 1e6:.0f} us/step")
+    step, schedule, update = sorted(thread_windows)[len(thread_windows) // 4]
+    print(f"  thread clock, lower-quartile window: {step * 1e6:.0f} us/step (schedule {schedule * 1e6:.0f}, "
+          f"update {update * 1e6:.0f})")
+    print("  " + describe_reference(reference_before, reference_loop_s(time.thread_time), step))
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+
+
+def _thread_phases(scheduler, names: tuple[str, ...]) -> dict[str, float]:
+    """Wrap ``scheduler``'s methods ``names`` to add their thread-clock seconds to the dict returned."""
+    spent = dict.fromkeys(names, 0.0)
+    for name in names:
+        def timed(*a, _fn=getattr(scheduler, name), _name=name, **kw):
+            t = time.thread_time()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_name] += time.thread_time() - t
+        setattr(scheduler, name, timed)
+    return spent
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -202,7 +203,7 @@ def main() -> None:
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
         gc.collect()
-        reference_before = _reference_loop_s(clock)
+        reference_before = reference_loop_s(clock)
         phases.recording = True
         steps = phases.t["step"]
         step = phases._timed("step", engine.step)
@@ -254,22 +255,16 @@ def _report(args, steps: list[float], phases: _Phases, cuda: bool, reference_bef
     print(f"{args.seqs} seqs, phases (median ms): " + ", ".join(f"{k} {ms(v):.3f}" for k, v in named.items())
           + "; runner's own timings: " + ", ".join(f"{k} {ms(v):.3f}" for k, v in phases.runner.items())
           + f"; graph inputs advanced in place in {phases.advanced} of {len(steps)} steps")
-    after = _reference_loop_s(phases.clock)
-    loop = (reference_before + after) / 2
-    changed = max(reference_before, after) > 1.2 * min(reference_before, after)
-    print(f"host reference: {REFERENCE_ADDS:,} Python additions take {reference_before * 1e3:.3f} ms on this "
-          f"clock before the timed steps, {after * 1e3:.3f} ms after"
-          + (" (the host changed speed during the run)" if changed else "") + "; "
-          f"host work per step = {statistics.median(host) / loop:.3f} of their mean")
+    print(describe_reference(reference_before, reference_loop_s(phases.clock), statistics.median(host)))
 
 
 REFERENCE_ADDS = 10**6
 
 
-def _reference_loop_s(clock) -> float:
-    """Median time of a fixed pure-Python loop on ``clock``: this host's speed at the kind of
-    work the control plane does, so host work per step can be compared across hosts whose
-    speed differs (the H200 hosts have differed by 2x from one session to the next)."""
+def reference_loop_s(clock: Callable[[], float]) -> float:
+    """Median time, on ``clock``, of seven runs of ``REFERENCE_ADDS`` Python additions: the host's
+    speed at the kind of work the control plane does, so host work per step compares across hosts,
+    and across processes of one host, whose speed differs (bench_control_plane.py uses it too)."""
     times = []
     for _ in range(7):
         t, x = clock(), 0
@@ -277,6 +272,16 @@ def _reference_loop_s(clock) -> float:
             x += i
         times.append(clock() - t)
     return statistics.median(times)
+
+
+def describe_reference(before: float, after: float, per_step: float) -> str:
+    """One line: the reference before and after the measured steps (flagged when they differ
+    by more than a fifth) and ``per_step`` seconds in units of their mean."""
+    changed = max(before, after) > 1.2 * min(before, after)
+    return (f"host reference: {REFERENCE_ADDS:,} Python additions take {before * 1e3:.3f} ms on this clock "
+            f"before the timed steps, {after * 1e3:.3f} ms after"
+            + (" (the host changed speed during the run)" if changed else "")
+            + f"; host work per step = {per_step / ((before + after) / 2):.3f} of their mean")
 
 
 if __name__ == "__main__":
