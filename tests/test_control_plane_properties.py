@@ -179,7 +179,7 @@ def test_block_manager_refcounts_match_tables(ops, block_size, num_blocks):
             bm.free_request(seq)
             del seqs[slot]
         elif op == "hash" and seq is not None:
-            bm.hash_computed_blocks(seq)
+            bm.hash_computed_blocks([seq])
         check_pool(bm, list(seqs.values()))
     for seq in list(seqs.values()):
         bm.free_request(seq)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -191,58 +191,36 @@ class BlockManager:
         req.block_table = []
         req.num_hashed_blocks = 0
 
-    def hash_computed_blocks(self, req: Request) -> None:
-        """Register every newly full, computed block of ``request`` in the prefix cache."""
+    def hash_computed_blocks(self, reqs: Iterable[Request]) -> None:
+        """Register every newly full, computed block of each of ``reqs``, in order, in the prefix
+        cache. A step hashes its rows' blocks in one call, so the blocks' tokens go into the pool
+        in one array write at the end (a block no hash covers yet belongs to one request, so
+        nothing in the call reads them before), unless something watches block events: then each
+        block's tokens are in place when its event is emitted."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
-            b = req.block_table[i]
-            req.num_hashed_blocks = i + 1
-            if self.block_hash.item(b) != NO_HASH:
-                continue
-            h = self.block_hash_of(req, i)
-            if h in self.hash_to_block:
-                continue  # the same content was computed twice in one step; keep the first copy
-            self.block_hash[b] = h
-            self.block_tokens[b] = req.block_tokens(i, bs)
-            self.hash_to_block[h] = b
-            self._emit("block.hashed", b, req)
-
-    def hash_filled_blocks(self, reqs: Sequence[Request]) -> None:
-        """``hash_computed_blocks`` of each of ``reqs`` in turn, for a steady decode step's rows
-        whose input token ended a block. The usual row (that block the only one to register,
-        the next in its chain of hashes) costs one hash, and the blocks' tokens are written to
-        the pool in one array operation. While anything watches block events it goes row by
-        row, so the events keep their order."""
-        if not self.enable_prefix_caching:
-            return
-        if self.hooks is not None and self.hooks.wants_block_events():
-            for req in reqs:
-                self.hash_computed_blocks(req)
-            return
-        bs, block_hash, registered = self.block_size, self.block_hash, self.hash_to_block
+        watched = self.hooks is not None and self.hooks.wants_block_events()
         ids: list[int] = []
         tokens: list[list[int]] = []
         for req in reqs:
-            i, chain = req.num_hashed_blocks, req.block_hashes
-            if len(chain) != i or self.num_full_computed_blocks(req) != i + 1:
-                self.hash_computed_blocks(req)
-                continue
-            # (A block no hash of this request's chain covers yet came from the free pool, which
-            # took its old hash off it: only a cache hit brings a hashed block, and counts it.)
-            req.num_hashed_blocks = i + 1
-            b = req.block_table[i]
-            block = req.token_ids[i * bs:(i + 1) * bs]
-            h = hash_block(block, chain[i - 1] if i else NO_HASH)
-            chain.append(h)
-            if h in registered:
-                continue  # the same content was computed twice in one step; keep the first copy
-            block_hash[b] = h
-            registered[h] = b
-            ids.append(b)
-            tokens.append(block)
-        if ids:  # (unhashed blocks belong to one request each: no row above read these)
+            for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
+                b = req.block_table[i]
+                req.num_hashed_blocks = i + 1
+                if self.block_hash.item(b) != NO_HASH:
+                    continue
+                h = self.block_hash_of(req, i)
+                if h in self.hash_to_block:
+                    continue  # the same content was computed twice in one step; keep the first copy
+                self.block_hash[b] = h
+                self.hash_to_block[h] = b
+                if watched:
+                    self.block_tokens[b] = req.block_tokens(i, bs)
+                    self._emit("block.hashed", b, req)
+                else:
+                    ids.append(b)
+                    tokens.append(req.block_tokens(i, bs))
+        if ids:
             self.block_tokens[ids] = tokens
 
     def reset_prefix_cache(self) -> bool:

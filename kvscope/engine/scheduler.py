@@ -335,17 +335,15 @@ class Scheduler:
         live = self.requests
         running = RequestStatus.RUNNING
         cols = out.columns  # (read as columns: a steady decode step's rows are never built here)
-        step_reqs = [live.get(seq_id) for seq_id in cols.seq_id.tolist()]  # None: finished or aborted since
-        # Every row's blocks are hashed before any row finishes (the steady path does the same).
-        # Hash only when a block just filled (never past a token still in flight).
-        for req in step_reqs:
-            if bs and req is not None and req.status is running:
-                full = req.num_computed_tokens
-                if full > len(req.token_ids):
-                    full = len(req.token_ids)
-                if full // bs > req.num_hashed_blocks:
-                    bm.hash_computed_blocks(req)
-        for req, seq_id, sample in zip(step_reqs, cols.seq_id.tolist(), cols.sample.tolist()):
+        seq_ids = cols.seq_id.tolist()
+        step_reqs = [live.get(seq_id) for seq_id in seq_ids]  # None: finished or aborted since
+        # Every row's blocks are hashed before any row finishes (the steady path does the same),
+        # only where a block just filled (never past a token still in flight).
+        if bs:
+            bm.hash_computed_blocks([
+                req for req in step_reqs if req is not None and req.status is running
+                and min(req.num_computed_tokens, len(req.token_ids)) // bs > req.num_hashed_blocks])
+        for req, seq_id, sample in zip(step_reqs, seq_ids, cols.sample.tolist()):
             if req is None:
                 continue  # finished or aborted while this step was in flight: its work is dropped
             ids = req.token_ids
@@ -389,7 +387,7 @@ class Scheduler:
         if bm.enable_prefix_caching:  # (before any row finishes, as on the general path)
             running = RequestStatus.RUNNING
             filled = np.flatnonzero((out.columns.start + 1) % bm.block_size == 0).tolist()
-            bm.hash_filled_blocks([r for r in map(reqs.__getitem__, filled) if r.status is running])
+            bm.hash_computed_blocks([r for r in map(reqs.__getitem__, filled) if r.status is running])
         done = RequestStatus.FINISHED
         for req in reqs:
             if req.status is done:
