@@ -28,9 +28,9 @@ counts the steps whose graph inputs the runner moved on in place instead of uplo
 It times a fixed pure-Python loop on the same clock (``host reference``) before and after the
 timed steps and gives the host work per step in units of their mean, which stays comparable
 across hosts of different speed; when the two differ by more than a fifth, the host changed
-speed during the run, and it says so. ``--cprofile N`` then runs as many steps again under cProfile (after the timed ones, which it
-would slow) and prints the N functions with the most own time (``--cprofile-sort cumulative``:
-with the most time including their callees).
+speed during the run, and it says so. ``--cprofile N`` then runs as many steps again under
+cProfile (after the timed ones, which it would slow) and prints the N functions with the most
+own time (``--cprofile-sort cumulative``: with the most time including their callees).
 
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-0.6b --seqs 256 --prompt 900
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
