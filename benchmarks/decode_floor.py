@@ -15,9 +15,10 @@ row for every request with more than ``t`` output tokens) it takes:
 - the step's KV history at the copy bandwidth, as the roofline counts it;
 
 and adds ``--prefill-s``, the prefill and mixed steps' time (``profile_step_kinds.py`` measures
-it in the workload). It prints each part, the floor's tok/s and its share of the roofline, and
-what a ``--target`` share of the roofline leaves per decode step for everything the floor
-leaves out.
+it in the workload). It prints each part, the floor's tok/s and its share of the roofline, the
+decode steps' floor in ``profile_step_kinds.py``'s row buckets (so a measured run's excess can
+be read off bucket by bucket), and what a ``--target`` share of the roofline leaves per decode
+step for everything the floor leaves out.
 
     python benchmarks/decode_floor.py --config benchmarks/configs/qwen3-small-kv --prefill-s 0.285
 """
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import copy_bandwidth, kv_bytes_per_token, roofline_tok_s, workload  # noqa: E402
+from profile_step_kinds import ROW_BUCKETS, bucket_name  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
 
@@ -45,6 +47,17 @@ def decode_steps(prompts: list[list[int]], outs: list[int]) -> tuple[np.ndarray,
     steps = np.arange(max(outs))
     live = outs_a[None, :] > steps[:, None]  # [steps, requests]
     return live.sum(1), (live * (lens[None, :] + steps[:, None])).sum(1)
+
+
+def by_bucket(rows: np.ndarray, seconds: np.ndarray) -> str:
+    """Per-step ``seconds`` by ``ROW_BUCKETS`` of ``rows``: each bucket's median step, step count
+    and total, worded as ``profile_step_kinds.py`` words the measured ones."""
+    parts = []
+    for bucket in ROW_BUCKETS:
+        s = seconds[(rows >= bucket[0]) & (rows <= bucket[1])]
+        if s.size:
+            parts.append(f"{bucket_name(bucket)} rows {np.median(s) * 1e3:.2f} ms ({s.size} steps, {s.sum():.3f} s)")
+    return ", ".join(parts)
 
 
 def _graph_ms(fn, replays: int = 20) -> float:
@@ -103,9 +116,9 @@ def main() -> None:
     gemm_s, head_s = time_gemms(cfg, ROWS)
     for m, g, hd in zip(ROWS, gemm_s, head_s):
         print(f"{m:4d} rows: the layers' GEMMs {g * 1e3:.3f} ms, the LM head {hd * 1e3:.3f} ms")
-    gemms = float(np.interp(rows, ROWS, gemm_s).sum())
-    heads = float(np.interp(rows, ROWS, head_s).sum())
-    kv = float(history.sum()) * kv_bytes_per_token(cfg) / bw
+    per_step = (np.interp(rows, ROWS, gemm_s), np.interp(rows, ROWS, head_s),
+                history * kv_bytes_per_token(cfg) / bw)
+    gemms, heads, kv = (float(part.sum()) for part in per_step)
     floor = gemms + heads + kv + args.prefill_s
     roof = roofline_tok_s(cfg, prompts, outs, len(rows), bw)
     tokens = sum(outs)
@@ -113,6 +126,7 @@ def main() -> None:
     print(f"decode GEMMs {gemms:.3f} s, LM head {heads:.3f} s, KV at the copy bandwidth {kv:.3f} s, "
           f"prefill and mixed steps {args.prefill_s:.3f} s")
     print(f"floor {floor:.3f} s -> {tokens / floor:,.0f} tok/s, {tokens / floor / roof:.1%} of the roofline")
+    print("decode floor by rows (as profile_step_kinds.py files the measured steps): " + by_bucket(rows, sum(per_step)))
     left = tokens / (args.target * roof) - floor
     print(f"{args.target:.0%} of the roofline leaves {left:.3f} s for all else: {left / len(rows) * 1e6:.0f} µs "
           "per decode step")

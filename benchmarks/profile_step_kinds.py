@@ -6,7 +6,8 @@ the kind of step the device was running: the one it launched itself when steppin
 synchronously, the one launched a step earlier under ``--async-scheduling`` (a step's wall time
 is then mostly the wait for that one). Kinds: ``prefill`` (every row a prompt chunk), ``mixed``
 (prompt chunks beside decode rows) and ``decode``; decode steps are also split by their number
-of rows, as medians.
+of rows, as medians, with each bucket's step count and total (``decode_floor.py`` prints its
+floor in the same buckets).
 
 ``--no-pdl`` launches the Triton kernels without programmatic dependent launch, for A/B runs in
 one call (``kvscope.kernels.pdl.USE_PDL``); ``--captured-draw`` captures the LM head and the
@@ -66,9 +67,15 @@ class StepKinds:
                 bucket = next(b for b in ROW_BUCKETS if b[0] <= rows <= b[1])
                 by_rows.setdefault(bucket, []).append(dt)
         kinds = ", ".join(f"{k} {len(v)} steps {sum(v):.3f} s" for k, v in by_kind.items())
-        rows = ", ".join(f"{lo}{'+' if hi >= 1 << 30 else f'-{hi}'} rows {statistics.median(v) * 1e3:.2f} ms"
-                         for (lo, hi), v in sorted(by_rows.items(), reverse=True))
+        rows = ", ".join(f"{bucket_name(b)} rows {statistics.median(v) * 1e3:.2f} ms ({len(v)} steps, {sum(v):.3f} s)"
+                         for b, v in sorted(by_rows.items(), reverse=True))
         return f"{kinds}\ndecode step medians: {rows}"
+
+
+def bucket_name(bucket: tuple[int, int]) -> str:
+    """``200+`` or ``8-31``: how the reports here and in ``decode_floor.py`` name a row bucket."""
+    lo, hi = bucket
+    return f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
 
 
 def main() -> None:
