@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import copy_bandwidth, kv_bytes_per_token, roofline_tok_s, workload  # noqa: E402
-from profile_step_kinds import ROW_BUCKETS, bucket_name  # noqa: E402
+from profile_step_kinds import describe_decode_steps  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
 
@@ -47,17 +47,6 @@ def decode_steps(prompts: list[list[int]], outs: list[int]) -> tuple[np.ndarray,
     steps = np.arange(max(outs))
     live = outs_a[None, :] > steps[:, None]  # [steps, requests]
     return live.sum(1), (live * (lens[None, :] + steps[:, None])).sum(1)
-
-
-def by_bucket(rows: np.ndarray, seconds: np.ndarray) -> str:
-    """Per-step ``seconds`` by ``ROW_BUCKETS`` of ``rows``: each bucket's median step, step count
-    and total, worded as ``profile_step_kinds.py`` words the measured ones."""
-    parts = []
-    for bucket in ROW_BUCKETS:
-        s = seconds[(rows >= bucket[0]) & (rows <= bucket[1])]
-        if s.size:
-            parts.append(f"{bucket_name(bucket)} rows {np.median(s) * 1e3:.2f} ms ({s.size} steps, {s.sum():.3f} s)")
-    return ", ".join(parts)
 
 
 def _graph_ms(fn, replays: int = 20) -> float:
@@ -126,7 +115,8 @@ def main() -> None:
     print(f"decode GEMMs {gemms:.3f} s, LM head {heads:.3f} s, KV at the copy bandwidth {kv:.3f} s, "
           f"prefill and mixed steps {args.prefill_s:.3f} s")
     print(f"floor {floor:.3f} s -> {tokens / floor:,.0f} tok/s, {tokens / floor / roof:.1%} of the roofline")
-    print("decode floor by rows (as profile_step_kinds.py files the measured steps): " + by_bucket(rows, sum(per_step)))
+    print("decode floor by rows (as profile_step_kinds.py files the measured steps): "
+          + describe_decode_steps(rows.tolist(), sum(per_step).tolist()))
     left = tokens / (args.target * roof) - floor
     print(f"{args.target:.0%} of the roofline leaves {left:.3f} s for all else: {left / len(rows) * 1e6:.0f} µs "
           "per decode step")

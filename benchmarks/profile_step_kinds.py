@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
@@ -60,22 +61,25 @@ class StepKinds:
 
     def report(self) -> str:
         by_kind: dict[str, list[float]] = {}
-        by_rows: dict[tuple[int, int], list[float]] = {}
+        decode_rows, decode_s = [], []
         for (kind, rows), dt in self.times:
             by_kind.setdefault(kind, []).append(dt)
             if kind == "decode":
-                bucket = next(b for b in ROW_BUCKETS if b[0] <= rows <= b[1])
-                by_rows.setdefault(bucket, []).append(dt)
+                decode_rows.append(rows)
+                decode_s.append(dt)
         kinds = ", ".join(f"{k} {len(v)} steps {sum(v):.3f} s" for k, v in by_kind.items())
-        rows = ", ".join(f"{bucket_name(b)} rows {statistics.median(v) * 1e3:.2f} ms ({len(v)} steps, {sum(v):.3f} s)"
-                         for b, v in sorted(by_rows.items(), reverse=True))
-        return f"{kinds}\ndecode step medians: {rows}"
+        return f"{kinds}\ndecode step medians: {describe_decode_steps(decode_rows, decode_s)}"
 
 
-def bucket_name(bucket: tuple[int, int]) -> str:
-    """``200+`` or ``8-31``: how the reports here and in ``decode_floor.py`` name a row bucket."""
-    lo, hi = bucket
-    return f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
+def describe_decode_steps(rows: Sequence[int], seconds: Sequence[float]) -> str:
+    """Decode steps (``rows`` and ``seconds`` per step) by ``ROW_BUCKETS``: each bucket's median
+    step, step count and total; ``decode_floor.py`` words its floor with it too."""
+    by_rows: dict[tuple[int, int], list[float]] = {}
+    for n, dt in zip(rows, seconds):
+        by_rows.setdefault(next(b for b in ROW_BUCKETS if b[0] <= n <= b[1]), []).append(dt)
+    return ", ".join(f"{lo}{'+' if hi >= 1 << 30 else f'-{hi}'} rows {statistics.median(v) * 1e3:.2f} ms "
+                     f"({len(v)} steps, {sum(v):.3f} s)"
+                     for (lo, hi), v in sorted(by_rows.items(), reverse=True))
 
 
 def main() -> None:
