@@ -27,6 +27,12 @@ def fused_kernels(x: torch.Tensor) -> ModuleType | None:
     return _triton_module("triton_fused") if x.is_cuda and USE_FUSED_KERNELS else None
 
 
+def linear_kernels(x: torch.Tensor) -> ModuleType | None:
+    """:mod:`kvscope.kernels.triton_linear` under the same conditions as :func:`fused_kernels`
+    (it decides per call whether its kernel or ``F.linear`` does the matmul), else ``None``."""
+    return _triton_module("triton_linear") if x.is_cuda and USE_FUSED_KERNELS else None
+
+
 def sampling_kernels(device: torch.device, use_triton: bool | None = None) -> ModuleType | None:
     """:mod:`kvscope.kernels.triton_sampling` on a CUDA device under the same conditions as
     :func:`fused_kernels`, else ``None`` (the sampler's torch code). ``use_triton=True`` asks for

@@ -15,12 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvscope.kernels.fused import linear_kernels
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias``, by the packed copy of ``weight`` when there is one."""
+    """``x @ weight.T + bias``, by the packed copy of ``weight`` when there is one; on CUDA a
+    decode step's few rows take kvscope's own kernel (:mod:`kvscope.kernels.triton_linear`)."""
     if packed is None:
-        return F.linear(x, weight, bias)
+        kernels = linear_kernels(x)
+        return F.linear(x, weight, bias) if kernels is None else kernels.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
