@@ -22,7 +22,8 @@ The script needs nothing from its folder, so one copy of it can time two checkou
 (before/after in one call): ``cd CHECKOUT && PYTHONPATH=$PWD python /tmp/profile_decode.py ...``.
 On CUDA the runner's ``sample_s`` includes the read back (the wait for the tokens).
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
-(``kvscope.runner.cuda_graphs.CAPTURE_DRAW``), for A/B runs of one tree in one call. It also
+(``kvscope.runner.cuda_graphs.CAPTURE_DRAW``) and ``--cublas`` sends every matmul to cuBLAS
+(``kvscope.kernels.triton_linear.USE_SKINNY_LINEAR``), for A/B runs of one tree in one call. It also
 counts the steps whose graph inputs the runner moved on in place instead of uploading them
 (``ModelRunner._advance``; 0 on CPU, where no graph runs, and on trees without it).
 It times a fixed pure-Python loop on the same clock (``host reference``) before and after the
@@ -57,17 +58,23 @@ from torch.profiler import ProfilerActivity, profile
 RUNNER_TIMINGS = ("prepare_s", "forward_s", "sample_s")
 
 
-def add_captured_draw(ap: argparse.ArgumentParser) -> None:
-    """The A/B flag of the profiling scripts that captures the draw in the decode graphs."""
+def add_ab_flags(ap: argparse.ArgumentParser) -> None:
+    """The A/B flags the profiling scripts share: each turns one engine default around."""
     ap.add_argument("--captured-draw", action="store_true",
                     help="capture the LM head and the draw in the decode graphs (CAPTURE_DRAW)")
+    ap.add_argument("--cublas", action="store_true",
+                    help="every matmul through F.linear, none through kvscope's own for few rows "
+                         "(triton_linear.USE_SKINNY_LINEAR)")
 
 
-def apply_captured_draw(args: argparse.Namespace) -> None:
-    """Set ``cuda_graphs.CAPTURE_DRAW`` as ``--captured-draw`` asks, before an engine is built."""
+def apply_ab_flags(args: argparse.Namespace) -> None:
+    """Set the switches :func:`add_ab_flags`'s flags ask for, before an engine is built."""
     if args.captured_draw:
         from kvscope.runner import cuda_graphs
         cuda_graphs.CAPTURE_DRAW = True
+    if args.cublas:
+        from kvscope.kernels import triton_linear
+        triton_linear.USE_SKINNY_LINEAR = False
 
 
 def write_checkpoint(config_dir: str, out_dir: Path, device: str, tiny: bool, vocab: int, layers: int) -> None:
@@ -167,7 +174,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size with --tiny")
     ap.add_argument("--layers", type=int, default=1, help="decoder layers with --tiny")
     ap.add_argument("--eager", action="store_true")
-    add_captured_draw(ap)
+    add_ab_flags(ap)
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the torch profiler's table")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
@@ -178,7 +185,7 @@ def main() -> None:
     ap.add_argument("--clock", default="wall", choices=("wall", "thread"),
                     help="thread: time phases in this thread's CPU time (CPU runs on a shared machine)")
     args = ap.parse_args()
-    apply_captured_draw(args)
+    apply_ab_flags(args)
     from kvscope import LLM, SamplingParams
 
     cuda = args.device == "cuda"

@@ -8,7 +8,8 @@ replayed right behind another one did: benchmarks/RESULTS.md, session 16). The s
 decode steps, unprofiled (wall time per step) and again under the torch profiler, and prints
 the device's busy and idle time per step and the neighbour pairs that idle the most.
 ``--captured-draw`` captures the LM head and the draw in the decode graphs
-(``cuda_graphs.CAPTURE_DRAW``) and ``--sync`` steps synchronously, for A/B runs in one call.
+(``cuda_graphs.CAPTURE_DRAW``), ``--cublas`` sends every matmul to cuBLAS
+(``triton_linear.USE_SKINNY_LINEAR``) and ``--sync`` steps synchronously, for A/B runs in one call.
 
     python benchmarks/profile_gaps.py --config benchmarks/configs/qwen3-0.6b --seqs 32
     python benchmarks/profile_gaps.py --config benchmarks/configs/qwen3-0.6b --seqs 32 --captured-draw
@@ -25,7 +26,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from profile_decode import add_captured_draw, apply_captured_draw, prefill, write_checkpoint
+from profile_decode import add_ab_flags, apply_ab_flags, prefill, write_checkpoint
 
 
 def idle_gaps(events: list) -> tuple[float, float, list[tuple[float, str, str]]]:
@@ -49,11 +50,11 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=900)
     ap.add_argument("--steps", type=int, default=30)
-    add_captured_draw(ap)
+    add_ab_flags(ap)
     ap.add_argument("--sync", action="store_true", help="step synchronously (default: async scheduling)")
     ap.add_argument("--pairs", type=int, default=8, help="neighbour pairs to list")
     args = ap.parse_args()
-    apply_captured_draw(args)
+    apply_ab_flags(args)
     from kvscope import LLM, SamplingParams
 
     rng = random.Random(0)
@@ -80,7 +81,7 @@ def main() -> None:
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     span, busy, gaps = idle_gaps(events)
     n = args.steps
-    mode = f"{'synchronous' if args.sync else 'async scheduling'}, draw {'in the graph' if args.captured_draw else 'eager'}"
+    mode = f"{'synchronous' if args.sync else 'async scheduling'}, draw {'in the graph' if args.captured_draw else 'eager'}" + (", cuBLAS only" if args.cublas else "")
     print(f"{args.config}, {args.seqs} seqs, {mode}: {wall:.3f} ms per decode step unprofiled; profiled "
           f"{span / n / 1e3:.3f} ms per step, device busy {busy / n / 1e3:.3f}, idle "
           f"{sum(g for g, _, _ in gaps) / n / 1e3:.3f} ({len(gaps) / n:.0f} gaps per step)")

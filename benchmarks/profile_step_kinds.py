@@ -11,7 +11,8 @@ floor in the same buckets).
 
 ``--no-pdl`` launches the Triton kernels without programmatic dependent launch, for A/B runs in
 one call (``kvscope.kernels.pdl.USE_PDL``); ``--captured-draw`` captures the LM head and the
-draw in the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``).
+draw in the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``); ``--cublas`` sends
+every matmul to cuBLAS (``kvscope.kernels.triton_linear.USE_SKINNY_LINEAR``).
 
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
@@ -28,7 +29,7 @@ from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
-from profile_decode import add_captured_draw, apply_captured_draw  # noqa: E402
+from profile_decode import add_ab_flags, apply_ab_flags  # noqa: E402
 
 ROW_BUCKETS = ((200, 1 << 30), (128, 199), (64, 127), (32, 63), (8, 31), (1, 7))
 
@@ -87,12 +88,12 @@ def main() -> None:
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
-    add_captured_draw(ap)
+    add_ab_flags(ap)
     args = ap.parse_args()
     if args.no_pdl:
         from kvscope.kernels import pdl
         pdl.USE_PDL = False
-    apply_captured_draw(args)
+    apply_ab_flags(args)
     from kvscope import LLM, SamplingParams
 
     prompts, outs = workload()
@@ -105,7 +106,8 @@ def main() -> None:
         kinds = StepKinds(llm.llm_engine, args.async_scheduling)
         seconds = timed_generate(llm, prompts, outs)
         mode = "async scheduling" if args.async_scheduling else "synchronous"
-        knobs = (", no PDL" if args.no_pdl else "") + (", captured draw" if args.captured_draw else "")
+        knobs = ((", no PDL" if args.no_pdl else "") + (", captured draw" if args.captured_draw else "")
+                 + (", cuBLAS only" if args.cublas else ""))
         print(f"{args.config}, {mode}{knobs}: {sum(outs) / seconds:,.0f} output tok/s, "
               f"{seconds:.3f} s, {len(kinds.times)} steps")
         print(kinds.report())
