@@ -3,11 +3,14 @@ float64 torch reference, and the dispatch that decides when the layers take it.
 
 Tiers, as in test_fused_kernels.py (``triton_testing`` says why the interpreter runs in a
 subprocess):
-- CPU, Triton interpreter: fp32/fp16, odd sizes, one to three K splits, with and without bias.
+- CPU, Triton interpreter: fp32/fp16, odd sizes, one to three K splits, with and without bias;
+  whole tiny models with every layer matmul through the kernel.
 - CPU, sm_90 compile check of the real launches at Qwen3-0.6B's shapes, in bf16.
 - GPU (``-m gpu``): bf16 at model shapes, CUDA-graph replay behind a PDL kernel, the dispatch.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,6 +80,30 @@ def test_interpreted_shapes_and_bad_input() -> None:
         tlin.skinny_linear(torch.randn(tlin.TILE_ROWS + 1, 300), w)
     with pytest.raises(ValueError, match="features"):
         tlin.skinny_linear(torch.randn(2, 299), w)
+
+
+@interpreted_only
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
+def test_interpreted_model_through_the_kernel(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole fp32 model with every layer matmul sent through the kernel by the layers'
+    dispatch (as a decode step's few rows are on CUDA; Qwen2's q/k/v with biases) matches the
+    model on F.linear."""
+    from test_fused_kernels import run_model, tiny_model
+
+    from kvscope.layers import weight_layout
+
+    model = tiny_model(arch, torch.float32, "cpu")
+    seqs = [(0, 3, None), (0, 4, None)]
+    ref = run_model(model, seqs)
+    shapes = []
+
+    def through_kernel(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        shapes.append(tuple(w.shape))
+        return tlin.skinny_linear(x, w, b)
+
+    monkeypatch.setattr(weight_layout, "linear_kernels", lambda x: SimpleNamespace(linear=through_kernel))
+    assert rel_err(run_model(model, seqs), ref) < 1e-5
+    assert len(shapes) == 4 * len(model.model.layers)
 
 
 @pytest.mark.slow
