@@ -93,7 +93,8 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
     """At least ``blocks`` arrival counts on ``device``, zero between launches (each launch's
     last programs reset theirs). A larger buffer is made only on an eager call (CUDA graphs are
     captured after a warm-up run of the same shapes); the smaller ones stay alive, as a
-    captured graph may point at them."""
+    captured graph may point at them. Every launch on a device shares them, so two launches
+    must not run at once on two streams: the engine runs one stream per device."""
     made = _counters_made.setdefault(device, [])
     if not made or made[-1].numel() < blocks:
         made.append(torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device))
