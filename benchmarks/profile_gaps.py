@@ -81,7 +81,8 @@ def main() -> None:
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     span, busy, gaps = idle_gaps(events)
     n = args.steps
-    mode = f"{'synchronous' if args.sync else 'async scheduling'}, draw {'in the graph' if args.captured_draw else 'eager'}" + (", cuBLAS only" if args.cublas else "")
+    mode = (f"{'synchronous' if args.sync else 'async scheduling'}, draw {'in the graph' if args.captured_draw else 'eager'}"
+            + (", cuBLAS only" if args.cublas else ""))
     print(f"{args.config}, {args.seqs} seqs, {mode}: {wall:.3f} ms per decode step unprofiled; profiled "
           f"{span / n / 1e3:.3f} ms per step, device busy {busy / n / 1e3:.3f}, idle "
           f"{sum(g for g, _, _ in gaps) / n / 1e3:.3f} ({len(gaps) / n:.0f} gaps per step)")

@@ -415,7 +415,8 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SMs of ``device`` (0 off CUDA): how many programs a launch keeps resident."""
     if device.type != "cuda":
         return 0
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -431,7 +432,7 @@ def choose_num_splits(meta: AttentionMetadata, num_kv_heads: int, device: torch.
     kernel variants get compiled.
     """
     programs = meta.num_seqs * num_kv_heads
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if not meta.decode_only or programs == 0 or programs >= 2 * sms:
         return 1
     most = max(1, meta.max_seqlen_k // (2 * block_n))

@@ -18,14 +18,13 @@ captured in a CUDA graph as one kernel.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
+from kvscope.kernels.triton_attention import sm_count
 
 # Set False to take F.linear (cuBLAS) at every row count (A/B comparisons; the measured
 # difference is in benchmarks/RESULTS.md).
@@ -101,11 +100,6 @@ def _counters(device: torch.device, blocks: int) -> torch.Tensor:
     return made[-1]
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes :func:`skinny_linear` for ``x @ weight.T``: on CUDA, at
     most ``MAX_ROWS`` rows, a contiguous half-precision weight whose programs all fit on the
@@ -115,7 +109,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     n, k = weight.shape
     programs = triton.cdiv(n, BLOCK_N) * triton.cdiv(k, BLOCK_K)
-    return programs <= PROGRAMS_PER_SM * _sm_count(x.device.index or 0)
+    return programs <= PROGRAMS_PER_SM * sm_count(x.device)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
