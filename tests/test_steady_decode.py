@@ -205,3 +205,27 @@ def test_a_steady_steps_rows_read_by_index_equal_its_rows_read_in_order():
                 rows[len(rows)]
         engine.scheduler.update_from_output(out, engine.executor.execute(out), 0.0)
     assert seen > 5
+
+
+def test_a_summary_recording_builds_no_row_of_a_steady_step():
+    """``DecodeRows`` exist so that a steady step costs no per-row object; a ``summary``
+    recording (its step.end hook, and the request ids the engine takes for it) must read such a
+    step as columns too, or recording would add a Python object per row and step."""
+    from kvscope.engine.scheduler_output import DecodeRows
+    from kvscope.trace.recorder import Recorder
+
+    config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), _Tok(), max_model_len=256, eos_token_ids=[0])
+    for i in range(3):
+        engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    recorder = Recorder(engine, "summary")
+    trace = recorder.start()
+    built = []
+    engine.hooks.add("step.end", lambda info: built.append(
+        info.scheduler_output.requests._rows is not None
+        if isinstance(info.scheduler_output.requests, DecodeRows) else None))
+    while engine.has_unfinished_requests():
+        engine.step()
+    recorder.stop()
+    assert built.count(False) > 5 and True not in built
+    assert trace.steps.num_decode_seqs.iloc[-1] == 3

@@ -26,6 +26,8 @@ class DecodeBatch:
     index_base: np.ndarray   # int64 [B]: num_prompt_tokens - 1 (a row's output_index is start - it)
     ones: np.ndarray         # int64 [B] of 1, read-only: every steady step's num_new_tokens
     all_true: np.ndarray     # bool [B], read-only: every steady step's sample
+    all_false: np.ndarray    # bool [B], read-only: every steady step's is_prefill
+    zeros: np.ndarray        # int64 [B] of 0, read-only: every steady step's num_cached_tokens
 
     @classmethod
     def after(cls, running: list[Request], cols: StepColumns, block_size: int) -> "DecodeBatch | None":
@@ -39,7 +41,9 @@ class DecodeBatch:
         if not np.array_equal(seq_id, cols.seq_id):
             return None
         ones, all_true = np.ones(n, dtype=np.int64), np.ones(n, dtype=bool)
-        ones.flags.writeable = all_true.flags.writeable = False  # shared by the columns of many steps
+        all_false, zeros = np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64)
+        for column in (ones, all_true, all_false, zeros):
+            column.flags.writeable = False  # shared by the columns of many steps
         return cls(
             reqs=reqs,
             seq_id=cols.seq_id,
@@ -49,4 +53,6 @@ class DecodeBatch:
             index_base=np.fromiter((r.num_prompt_tokens - 1 for r in reqs), dtype=np.int64, count=n),
             ones=ones,
             all_true=all_true,
+            all_false=all_false,
+            zeros=zeros,
         )

@@ -358,7 +358,7 @@ class LLMEngine:
         if not (self.hooks.active("step.end") or self.hooks.active("step.scheduled")):
             return None
         live = self.scheduler.requests
-        return {i: live[i].request_id for i in chain((r.seq_id for r in out.requests), out.preempted_seq_ids)
+        return {i: live[i].request_id for i in chain(out.columns.seq_id.tolist(), out.preempted_seq_ids)
                 if i in live}
 
     def _step_sync(self) -> tuple[list[Request], list[Request]]:

@@ -157,6 +157,7 @@ class Scheduler:
         out.columns = StepColumns(
             seq_id=batch.seq_id, start=start, num_new_tokens=batch.ones, sample=batch.all_true,
             token_ids=np.array(tokens, dtype=np.int64), table_changed=cross, output_index=index,
+            is_prefill=batch.all_false, num_cached_tokens=batch.zeros,
         )
         return True
 

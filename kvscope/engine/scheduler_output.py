@@ -54,6 +54,8 @@ class StepColumns:
     token_ids: np.ndarray       # int64 [T]: every row's tokens, concatenated
     table_changed: np.ndarray   # int64 [K]: the rows with a block-table delta (new ids or a restart)
     output_index: np.ndarray    # int64 [B]: each row's ScheduledRequest.output_index
+    is_prefill: np.ndarray      # bool [B]
+    num_cached_tokens: np.ndarray  # int64 [B]
 
     @classmethod
     def from_rows(cls, rows: list[ScheduledRequest]) -> "StepColumns":
@@ -65,6 +67,8 @@ class StepColumns:
         tokens: list[int] = []
         changed: list[int] = []
         index: list[int] = []
+        prefill: list[bool] = []
+        cached: list[int] = []
         for i, r in enumerate(rows):
             seq_ids.append(r.seq_id)
             starts.append(r.start)
@@ -73,6 +77,8 @@ class StepColumns:
             tokens += t
             sample.append(r.sample)
             index.append(r.output_index)
+            prefill.append(r.is_prefill)
+            cached.append(r.num_cached_tokens)
             if r.new_block_ids or r.resumed_from_preemption:
                 changed.append(i)
         return cls(
@@ -83,14 +89,17 @@ class StepColumns:
             token_ids=np.array(tokens, dtype=np.int64),
             table_changed=np.array(changed, dtype=np.int64),
             output_index=np.array(index, dtype=np.int64),
+            is_prefill=np.array(prefill, dtype=bool),
+            num_cached_tokens=np.array(cached, dtype=np.int64),
         )
 
 
 class DecodeRows(Sequence[ScheduledRequest]):
     """The rows of a steady decode step (one per running request, each one token that samples),
     made only when read: the scheduler plans such a step as columns, and the runner and the
-    scheduler's post-processing read those, so a step nobody inspects row by row (no trace, no
-    ``step.scheduled`` hook) builds no per-row object. The rows are those the general path
+    scheduler's post-processing read those, and so does a ``summary`` trace: a step nobody
+    inspects row by row (no ``blocks`` or ``full`` trace, no ``step.scheduled`` hook) builds no
+    per-row object. The rows are those the general path
     would have built; the first iteration builds them all and keeps them (one row read by
     index, as the runner reads the few whose tables grew, is built alone)."""
 

@@ -112,7 +112,6 @@ class Recorder:
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
-        self._ahead_flags: tuple[np.ndarray, np.ndarray] | None = None  # its rows' _row_flags
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
@@ -224,7 +223,8 @@ class Recorder:
         bm = self.engine.block_manager
         rows, cols = out.requests, out.columns
         lens = cols.num_new_tokens
-        sched, (prefill, cached) = self._step_rows(info) if self._blocks else (None, _row_flags(rows))
+        prefill, cached = cols.is_prefill, cols.num_cached_tokens
+        sched = self._step_rows(info) if self._blocks else None
         prefill_seqs = int(np.count_nonzero(prefill))
         prefill_tokens = int(lens[prefill].sum()) if prefill_seqs else 0
         admitted = np.flatnonzero(cols.start == cached).tolist()  # admissions: start right after the cached prefix
@@ -265,41 +265,38 @@ class Recorder:
                 warn_detached(fn, "trace listener")
                 self._listeners.pop(key, None)
 
-    def _step_rows(self, info: "StepInfo") -> tuple[Scheduled, tuple[np.ndarray, np.ndarray]]:
-        """Step n's rows and their ``_row_flags``: built once, when they were launched, in this
+    def _step_rows(self, info: "StepInfo") -> Scheduled:
+        """Step n's rows: built once, when they were launched, in this
         record or (async) in the previous one. A step launched before the recording began is
         built now, and its tokens go into the baseline, which predates their write."""
         for step, _, out, request_ids in self._launches:
             if step == info.step:
-                flags = _row_flags(out.requests)
-                return self._scheduled(out, request_ids, flags), flags
+                return self._scheduled(out, request_ids)
         ahead = self._ahead
         if ahead is not None and ahead.step == info.step:
-            return ahead.rows, self._ahead_flags
+            return ahead.rows
         out = info.scheduler_output
         # Its decode inputs were sampled by the step before the recording: each the token at its
         # row's start (-1 stays for a request aborted meanwhile).
         reqs, ids = self.engine.requests, info.request_ids
-        flags = _row_flags(out.requests)
-        sched = self._scheduled(out, ids, flags, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start]
+        sched = self._scheduled(out, ids, {r.seq_id: reqs[ids[r.seq_id]].token_ids[r.start]
                                                   for r in out.requests
                                                   if r.token_ids[-1] == PLACEHOLDER and ids[r.seq_id] in reqs})
         with self.lock:  # (only the first steps of a recording: the dense state is made again)
             base = self._dense_baseline()
             base.write(sched)
             self.baseline = base.sparse()
-        return sched, flags
+        return sched
 
     def _scheduled(self, out: "SchedulerOutput", request_ids: dict[int, str],
-                   flags: tuple[np.ndarray, np.ndarray], sampled: dict[int, int] | None = None) -> Scheduled:
+                   sampled: dict[int, int] | None = None) -> Scheduled:
         """The step's rows, told against the step encoded before; ``sampled`` fills its
         ``PLACEHOLDER`` inputs (see :func:`_filled`)."""
         cols = out.columns
-        prefill, cached = flags
         seq_ids, code = cols.seq_id, self._request_ids.code
         return self._rows.encode(
             seq_ids, lambda rows: [code(request_ids[s]) for s in seq_ids[rows].tolist()], cols.start,
-            cols.num_new_tokens, cached, prefill, cols.sample,
+            cols.num_new_tokens, cols.num_cached_tokens, cols.is_prefill, cols.sample,
             cols.token_ids if sampled is None else _filled(cols, sampled),
         )
 
@@ -318,8 +315,7 @@ class Recorder:
             if launched == step:
                 launches.append(Launch(step, k, rec.scheduled))
             elif launched > step:
-                self._ahead_flags = _row_flags(out.requests)
-                launches.append(Launch(launched, k, self._scheduled(out, request_ids, self._ahead_flags, sampled)))
+                launches.append(Launch(launched, k, self._scheduled(out, request_ids, sampled)))
             # (an older launch failed and was rolled back: its events stay, as idle ones)
         self._launches.clear()
         rec.launches = tuple(launches)
@@ -355,12 +351,6 @@ class Recorder:
                 oldest = self.records[0].step
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
-
-
-def _row_flags(rows: list) -> tuple[np.ndarray, np.ndarray]:
-    """``is_prefill`` and ``num_cached_tokens`` of a step's rows, as columns."""
-    return (np.array([r.is_prefill for r in rows], dtype=bool),
-            np.array([r.num_cached_tokens for r in rows], dtype=np.int32))
 
 
 def _unchanged_or(queue: list[str], last: list[str] | None) -> list[str]:
