@@ -554,3 +554,38 @@ def test_a_step_end_hook_that_steps_the_engine_leaves_the_records_in_order(async
     for step in blocks.step_ids:
         snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
         assert all(np.array_equal(snap[k], replay[k]) for k in snap)
+
+
+class _Cycle:
+    """Garbage only the cyclic collector frees."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_recording_keeps_full_collections_off_the_heap_it_started_on():
+    """While recording, the heap that existed when the recording started is frozen (a full
+    collection in the engine's thread would walk it all); what is made meanwhile is collected
+    as usual; stopping thaws it without forcing a collection, and nested recordings thaw only
+    when the last one stops."""
+    import gc
+    import weakref
+
+    assert gc.get_freeze_count() == 0, "a recording (or a freeze) was left behind by an earlier test"
+    llm = make_llm()
+    old = _Cycle()
+    gone = weakref.ref(old)
+    del old
+    with llm.record(level="blocks"):
+        with llm.record(level="summary"):
+            llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)
+            new = _Cycle()
+            new_gone = weakref.ref(new)
+            del new
+            gc.collect()
+            assert new_gone() is None, "what is made while recording is collected as usual"
+        gc.collect()
+        assert gone() is not None, "the heap from before the recording must be frozen while it runs"
+    assert gc.get_freeze_count() == 0 and gone() is not None, "stopping thaws, and forces no collection"
+    gc.collect()
+    assert gone() is None

@@ -21,6 +21,7 @@ import pandas as pd
 
 from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
+from kvscope.trace import frozen_heap
 from kvscope.trace.event_log import EventLog, RequestIds
 from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
@@ -116,6 +117,7 @@ class Recorder:
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
         self._started = False
+        self._holds_heap = False
         bm = engine.block_manager
         shards = getattr(engine.executor, "kv_shards", None)
         kv_shards = shards() if shards is not None else None
@@ -152,6 +154,8 @@ class Recorder:
             hooks.add("request.finished", self._on_finished),
             hooks.add("step.end", self._on_step_end, first=True),
         ]
+        frozen_heap.hold()  # (see frozen_heap: no full collection walks the heap while recording)
+        self._holds_heap = True
         return self.trace
 
     def stop(self) -> None:
@@ -167,6 +171,9 @@ class Recorder:
         for req in list(self._requests.values()):
             req.freeze()
         self.engine = None
+        if self._holds_heap:
+            self._holds_heap = False
+            frozen_heap.release(collect=False)
 
     def __enter__(self) -> "Trace":
         return self.start()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import ipywidgets as W
 
 from kvscope.trace.trace import Trace
-from kvscope.widgets import frozen_heap
+from kvscope.trace import frozen_heap
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
@@ -358,7 +358,7 @@ class Dashboard:
             self._refresh()
             self._set_status()
         finally:
-            frozen_heap.release()
+            frozen_heap.release(collect=True)
 
     def __enter__(self) -> "Dashboard":
         return self
