@@ -589,3 +589,26 @@ def test_a_recording_keeps_full_collections_off_the_heap_it_started_on():
     assert gc.get_freeze_count() == 0 and gone() is not None, "stopping thaws, and forces no collection"
     gc.collect()
     assert gone() is None
+
+
+def test_a_recording_started_mid_run_knows_the_tokens_of_blocks_not_yet_full():
+    """A block that is not full has no hash and the block manager keeps no copy of its tokens:
+    a recording that starts while it is in use must take them from its sequence."""
+    llm = make_llm(block_size=4)
+    prompts, params = _workload(seed=3, n=3, stops=False)
+    engine = llm.llm_engine
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    for _ in range(3):
+        llm.step()
+    partial = []  # (block, the tokens it holds) for each running sequence's last block, if not full
+    for req in engine.scheduler.running:
+        n = req.num_computed_tokens
+        if n % 4:
+            partial.append((req.block_table[(n - 1) // 4], list(req.token_ids[n - n % 4:n])))
+    assert partial
+    with llm.record("blocks") as trace:
+        llm.step()
+    first = trace.step_ids[0]
+    for block, tokens in partial:
+        assert trace.block_tokens(first, block)[:len(tokens)] == tokens

@@ -83,22 +83,6 @@ class PoolState:
     tables: dict[str, list[int]]  # request id -> block table, for requests holding blocks
     computed: dict[str, int]      # request id -> tokens with K/V
 
-    @classmethod
-    def capture(cls, engine: "LLMEngine") -> "PoolState":
-        """The control plane now: array copies, plus the tables of the running sequences."""
-        bm = engine.block_manager
-        state = cls(bm.ref_count.copy(), bm.block_hash.copy(), bm.block_tokens.copy(), {}, {})
-        bs = bm.block_size
-        for seq in engine.scheduler.running:
-            table = list(seq.block_table)
-            state.tables[seq.request_id] = table
-            state.computed[seq.request_id] = seq.num_computed_tokens
-            for i, b in enumerate(table):  # unhashed blocks keep no copy of their tokens
-                if bm.block_hash[b] == NO_HASH:
-                    toks = seq.token_ids[i * bs:min((i + 1) * bs, seq.num_computed_tokens)]
-                    state.contents[b, :len(toks)] = toks
-        return state
-
     @property
     def block_size(self) -> int:
         return self.contents.shape[1]
@@ -253,6 +237,24 @@ class SparsePool:
     contents: np.ndarray    # [len(block_ids), block_size]
     tables: dict[str, list[int]]
     computed: dict[str, int]
+
+    @classmethod
+    def capture(cls, engine: "LLMEngine") -> "SparsePool":
+        """The control plane now: copies of its used and cached blocks' rows (never a whole
+        GPU-sized pool's), plus the tables of the running sequences."""
+        bm = engine.block_manager
+        ids = np.flatnonzero((bm.ref_count > 0) | (bm.block_hash != NO_HASH))
+        pool = cls(len(bm.ref_count), ids, bm.ref_count[ids], bm.block_hash[ids], bm.block_tokens[ids], {}, {})
+        bs = bm.block_size
+        for seq in engine.scheduler.running:
+            table = list(seq.block_table)
+            pool.tables[seq.request_id] = table
+            pool.computed[seq.request_id] = seq.num_computed_tokens
+            for i, b in enumerate(table):  # unhashed blocks keep no copy of their tokens
+                if bm.block_hash[b] == NO_HASH:
+                    toks = seq.token_ids[i * bs:min((i + 1) * bs, seq.num_computed_tokens)]
+                    pool.contents[np.searchsorted(ids, b), :len(toks)] = toks
+        return pool
 
     def expand(self) -> PoolState:
         """The dense state (new arrays and tables: a replay may advance it)."""

@@ -146,7 +146,7 @@ class Recorder:
                 self._touch(rid)
         hooks = self.engine.hooks
         if self._blocks:
-            self.baseline = PoolState.capture(self.engine).sparse()
+            self.baseline = SparsePool.capture(self.engine)
             self._handles.append(hooks.add("step.scheduled", self._on_scheduled))
             self._handles.append(hooks.add_block_sink(self._pending))
         self._handles += [
