@@ -2,10 +2,14 @@
 (:class:`AttentionMetadata`) and the backend interface (:class:`AttentionBackend`)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+# The kernels compute softmaxes with exp2: a score scaled by this gives exp(score) as exp2.
+LOG2E = math.log2(math.e)
 
 
 @dataclass

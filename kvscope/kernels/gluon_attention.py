@@ -39,9 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.base import LOG2E, AttentionMetadata
 
-_LOG2E = 1.4426950408889634
 # Triton 3.6 names the CTA-wide barrier thread_barrier; later versions call it barrier.
 # Inside a warp-specialised partition it spans that partition's warps only.
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
@@ -265,7 +264,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (triton.cdiv(meta.max_seqlen_q, block_m), q.shape[1], meta.num_seqs)
     _prefill_kernel[grid](
         q, k_desc, v_desc, out, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         meta.block_tables.stride(0), GROUP=q.shape[1] // num_kv_heads, D=head_dim, BS=block_size,
         BM=block_m, BN=block_n, STAGES=num_stages, num_warps=num_warps,
         maxnreg=_launch_registers(num_warps),

@@ -35,7 +35,7 @@ from kvscope.kernels import attention_configs
 from kvscope.kernels.attention_configs import (DECODE_CONFIG, GLUON_PREFILL_CONFIG,
                                                MIXED_CONFIG, PREFILL_CONFIG,
                                                KernelConfig)
-from kvscope.kernels.base import AttentionMetadata
+from kvscope.kernels.base import LOG2E, AttentionMetadata
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, pdl_options
 
 try:
@@ -43,7 +43,6 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper ops (before 3.6): every step runs the Triton kernel
     gluon_attention = None
 
-_LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
 _SEQ_CHUNK = tl.constexpr(256)  # sequences a program scans per load to find its own
 
@@ -499,7 +498,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_acc, part_m, part_l,
         meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
         _scale_arg(k_scale, k_cache), _scale_arg(v_scale, k_cache),
-        meta.num_seqs, num_splits, num_q_heads, scale * _LOG2E,
+        meta.num_seqs, num_splits, num_q_heads, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         PAGE_SIZE=meta.block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvscope.kernels.base import LOG2E
 from kvscope.kernels.launch import launcher
 from kvscope.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_options, pdl_options
 
 SEEDED = 1 << 31  # a seeded row's third counter word: no unseeded step number reaches it
-LOG2E = 1.4426950408889634
 _CHUNK = 4096  # vocabulary entries per program of the first launch
 _OPTIONS = {pdl: {"num_warps": 4, **launch_options(pdl)} for pdl in (False, True)}  # both kernels', by PDL
 
