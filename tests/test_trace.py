@@ -81,6 +81,31 @@ def _assert_replay_equals_snapshot(run: Run) -> None:
             np.testing.assert_array_equal(replay[k], snap[k], err_msg=f"{k} at step {step}")
 
 
+def test_each_block_event_carries_the_count_and_hash_it_leaves(run):
+    """Walked in order from the pool the ``full`` snapshot saw after the step before, each event
+    of a step changes its block's count by its kind (taken +1, freed -1) and carries the count
+    it leaves; a hashed event carries the hash it leaves, an evicted one the hash it drops. The
+    walk ends at the step's own snapshot."""
+    delta = {"block.allocated": 1, "block.shared": 1, "block.reused": 1, "block.freed": -1}
+    events = run.blocks.block_events
+    steps = run.full.step_ids
+    for prev, step in zip(steps, steps[1:]):
+        pool = run.full.pool_arrays(prev)
+        ref, hashes = pool["ref_count"].copy(), pool["block_hash"].copy()
+        for ev in events[events.step == step].itertuples():
+            b = ev.block_id
+            ref[b] += delta.get(ev.event, 0)
+            assert ev.ref_count == ref[b], (step, ev)
+            if ev.event == "block.hashed":
+                hashes[b] = ev.block_hash
+            elif ev.event == "block.evicted":
+                assert ev.block_hash == hashes[b], (step, ev)
+                hashes[b] = -1
+        after = run.full.pool_arrays(step)
+        np.testing.assert_array_equal(ref, after["ref_count"], err_msg=f"ref_count at step {step}")
+        np.testing.assert_array_equal(hashes, after["block_hash"], err_msg=f"block_hash at step {step}")
+
+
 def test_workload_shares_prefixes_preempts_and_chunks(run):
     events = run.blocks.block_events["event"].value_counts()
     assert events["block.shared"] > 0 and events["block.reused"] > 0 and events["block.evicted"] > 0

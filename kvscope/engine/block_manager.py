@@ -180,16 +180,26 @@ class BlockManager:
         return ids
 
     def free_request(self, req: Request) -> None:
-        """Release ``request``'s blocks, last block first, so a prefix's head outlives its tail in the cache."""
-        for b in reversed(req.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                self.used.discard(b)
-                self.free[b] = None
-                self.num_cached_blocks += int(self.block_hash[b] != NO_HASH)
-            self._emit("block.freed", b, req)
+        """Release ``request``'s blocks, last block first, so a prefix's head outlives its tail in
+        the cache. As whole arrays (a batch that finishes together frees thousands of blocks):
+        a table never holds a block twice, so each block's count drops by one."""
+        ids = np.array(req.block_table[::-1], dtype=np.int64)
         req.block_table = []
         req.num_hashed_blocks = 0
+        if not len(ids):
+            return
+        self.ref_count[ids] -= 1
+        left = self.ref_count[ids]
+        gone = ids[left == 0]
+        hashes = self.block_hash[ids]
+        gone_list = gone.tolist()
+        self.used.difference_update(gone_list)
+        self.free.update(dict.fromkeys(gone_list))
+        self.num_cached_blocks += int(np.count_nonzero(self.block_hash[gone] != NO_HASH))
+        hooks = self.hooks
+        if hooks is not None and (hooks.block_sinks or hooks.active("block.freed")):
+            hooks.emit_blocks("block.freed", self.step, ids.tolist(), req.request_id, left.tolist(),
+                              [None if h == NO_HASH else h for h in hashes.tolist()])
 
     def hash_computed_blocks(self, reqs: Iterable[Request]) -> None:
         """Register every newly full, computed block of each of ``reqs``, in order, in the prefix

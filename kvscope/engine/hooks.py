@@ -31,7 +31,7 @@ class BlockEvent(NamedTuple):
     block_id: int
     request_id: str | None
     ref_count: int          # after the event
-    block_hash: int | None  # None for evicted blocks (the engine clears the hash first)
+    block_hash: int | None  # None while the block has none (an evicted block's is the one it loses)
     engine_step: int        # the engine's step counter when it fired (< the record's step: idle)
 
 
@@ -154,6 +154,22 @@ class HookRegistry:
         if event in self._hooks:
             self.fire(event, step=step, block_id=block_id, request_id=request_id,
                       ref_count=ref_count, block_hash=block_hash)
+
+    def emit_blocks(
+        self, event: str, step: int, block_ids: list[int], request_id: str | None, ref_counts: list[int],
+        block_hashes: list[int | None],
+    ) -> None:
+        """Several block events of one kind and one request, in order, as :meth:`emit_block`
+        would give them one by one; the block manager has applied all of them already."""
+        sinks = self.block_sinks
+        if sinks:
+            events = [_new_tuple(BlockEvent, (event, b, request_id, c, h, step))
+                      for b, c, h in zip(block_ids, ref_counts, block_hashes)]
+            for sink in sinks:
+                sink += events
+        if event in self._hooks:
+            for b, c, h in zip(block_ids, ref_counts, block_hashes):
+                self.fire(event, step=step, block_id=b, request_id=request_id, ref_count=c, block_hash=h)
 
     def fire(self, name: str, **payload: Any) -> None:
         fns = self._hooks.get(name)

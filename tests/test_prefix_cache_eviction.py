@@ -1,0 +1,50 @@
+"""The free pool is a least-recently-freed queue of cached blocks, and a request frees its blocks
+last first: when blocks must be evicted, a finished prompt loses its tail before its head, so
+a later request with the same prompt still finds the head in the prefix cache. The truth is
+counted off the pool's size and the prompts' blocks, independently of the block manager."""
+from __future__ import annotations
+
+import pytest
+
+from kvscope.config import EngineConfig
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.runner.null_executor import NullExecutor
+from kvscope.sampling_params import SamplingParams
+
+BLOCK = 4
+NUM_BLOCKS = 12
+
+
+class _Tok:
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _run(engine: LLMEngine, prompt: list[int]) -> int:
+    """Generate one token for ``prompt``; its prefix-cache hit in tokens."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    hit = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                hit = out.num_cached_tokens
+    return hit
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eviction_takes_a_finished_prompts_tail_before_its_head(async_scheduling):
+    config = EngineConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=256,
+                                      async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), _Tok(), max_model_len=64, eos_token_ids=[0])
+    engine.validate_every_step = True
+    a = [1 + i % 50 for i in range(4 * BLOCK + 1)]  # 4 full blocks + 1 token: 5 blocks, 4 cached after
+    assert _run(engine, a) == 0
+    # B takes every block A never touched (7), then A's partial last block, then evicts 2 more
+    # of A's: with the tail freed first, those are A's blocks 3 and 2, and blocks 0-1 stay cached.
+    untouched = NUM_BLOCKS - 5
+    b = [51 + i % 10 for i in range((untouched + 3) * BLOCK - 2)]
+    assert -(-len(b) // BLOCK) == untouched + 3
+    assert _run(engine, b) == 0
+    assert _run(engine, a) == 2 * BLOCK
