@@ -1,7 +1,8 @@
-"""The free pool is a least-recently-freed queue of cached blocks, and a request frees its blocks
-last first: when blocks must be evicted, a finished prompt loses its tail before its head, so
-a later request with the same prompt still finds the head in the prefix cache. The truth is
-counted off the pool's size and the prompts' blocks, independently of the block manager."""
+"""What the prefix cache gives back, counted off the prompts and the pool's size independently
+of the block manager: a hit needs the block's tokens, not only its hash; and the free pool is a
+least-recently-freed queue into which a request frees its blocks last first, so when blocks
+must be evicted a finished prompt loses its tail before its head, and a later request with the
+same prompt still finds the head."""
 from __future__ import annotations
 
 import pytest
@@ -48,3 +49,18 @@ def test_eviction_takes_a_finished_prompts_tail_before_its_head(async_scheduling
     assert -(-len(b) // BLOCK) == untouched + 3
     assert _run(engine, b) == 0
     assert _run(engine, a) == 2 * BLOCK
+
+
+def test_a_hash_collision_is_no_hit(monkeypatch):
+    """A cached block is a hit only if its tokens are the request's, whatever the hashes say:
+    with a hash that collides for every block of the same position, a different prompt of the
+    same length must find nothing in the cache."""
+    import kvscope.engine.block_manager as bm_module
+
+    monkeypatch.setattr(bm_module, "hash_block", lambda tokens, prev: (prev * 31 + 7) % (1 << 62))
+    config = EngineConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=256)
+    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), _Tok(), max_model_len=64, eos_token_ids=[0])
+    a = [1 + i % 50 for i in range(3 * BLOCK + 1)]
+    assert _run(engine, a) == 0
+    assert _run(engine, a) == 3 * BLOCK  # the same prompt: a real hit
+    assert _run(engine, [t + 1 for t in a]) == 0
