@@ -189,12 +189,12 @@ class BlockManager:
             return
         self.ref_count[ids] -= 1
         left = self.ref_count[ids]
-        gone = ids[left == 0]
         hashes = self.block_hash[ids]
-        gone_list = gone.tolist()
-        self.used.difference_update(gone_list)
-        self.free.update(dict.fromkeys(gone_list))
-        self.num_cached_blocks += int(np.count_nonzero(self.block_hash[gone] != NO_HASH))
+        zero = left == 0
+        gone = ids[zero].tolist()
+        self.used.difference_update(gone)
+        self.free.update(dict.fromkeys(gone))
+        self.num_cached_blocks += int(np.count_nonzero(hashes[zero] != NO_HASH))
         hooks = self.hooks
         if hooks is not None and (hooks.block_sinks or hooks.active("block.freed")):
             hooks.emit_blocks("block.freed", self.step, ids.tolist(), req.request_id, left.tolist(),
