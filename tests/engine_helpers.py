@@ -40,3 +40,20 @@ def watch_launches(llm: LLM) -> tuple[dict[int, dict[str, list[int]]], list[bool
 
     runner.execute_async = watched
     return tables, ahead
+
+
+class NumberTokenizer:
+    """A tokenizer for engines over token ids only (a ``NullExecutor``'s): id 0 is EOS, and a
+    text is its ids written out."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+class Cycle:
+    """Garbage only the cyclic collector frees (for tests of a frozen heap)."""
+
+    def __init__(self) -> None:
+        self.me = self

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_helpers import NumberTokenizer
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.runner.null_executor import NullExecutor
@@ -14,13 +15,6 @@ from kvscope.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 12
-
-
-class _Tok:
-    eos_token_id = 0
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _run(engine: LLMEngine, prompt: list[int]) -> int:
@@ -38,7 +32,7 @@ def _run(engine: LLMEngine, prompt: list[int]) -> int:
 def test_eviction_takes_a_finished_prompts_tail_before_its_head(async_scheduling):
     config = EngineConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=256,
                                       async_scheduling=async_scheduling)
-    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), _Tok(), max_model_len=64, eos_token_ids=[0])
+    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), NumberTokenizer(), max_model_len=64, eos_token_ids=[0])
     engine.validate_every_step = True
     a = [1 + i % 50 for i in range(4 * BLOCK + 1)]  # 4 full blocks + 1 token: 5 blocks, 4 cached after
     assert _run(engine, a) == 0
@@ -59,7 +53,7 @@ def test_a_hash_collision_is_no_hit(monkeypatch):
 
     monkeypatch.setattr(bm_module, "hash_block", lambda tokens, prev: (prev * 31 + 7) % (1 << 62))
     config = EngineConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=256)
-    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), _Tok(), max_model_len=64, eos_token_ids=[0])
+    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), NumberTokenizer(), max_model_len=64, eos_token_ids=[0])
     a = [1 + i % 50 for i in range(3 * BLOCK + 1)]
     assert _run(engine, a) == 0
     assert _run(engine, a) == 3 * BLOCK  # the same prompt: a real hit

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from engine_helpers import NumberTokenizer
 from kvscope.config import EngineConfig
 from kvscope.engine.llm_engine import LLMEngine
 from kvscope.engine.scheduler_output import StepColumns
@@ -24,13 +25,6 @@ from kvscope.runner.null_executor import NullExecutor
 from kvscope.sampling_params import SamplingParams
 
 VOCAB = 64
-
-
-class _Tok:
-    eos_token_id = 0
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 def _pool(engine) -> tuple:
@@ -50,7 +44,7 @@ def _run(steady: bool, reqs, block_size, num_blocks, max_num_seqs, policy, cachi
     config = EngineConfig.from_kwargs(
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
         scheduling_policy=policy, enable_prefix_caching=caching, async_scheduling=async_scheduling)
-    engine = LLMEngine(config, NullExecutor(num_blocks, VOCAB, block_size, eos_every=29), _Tok(),
+    engine = LLMEngine(config, NullExecutor(num_blocks, VOCAB, block_size, eos_every=29), NumberTokenizer(),
                        max_model_len=256, eos_token_ids=[0])
     engine.scheduler.steady_decode = steady
     engine.validate_every_step = True
@@ -156,7 +150,7 @@ def _trace(steady: bool, async_scheduling: bool):
 
     config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256,
                                       async_scheduling=async_scheduling)
-    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4, eos_every=29), _Tok(), max_model_len=256, eos_token_ids=[0])
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4, eos_every=29), NumberTokenizer(), max_model_len=256, eos_token_ids=[0])
     engine.scheduler.steady_decode = steady
     recorder = Recorder(engine, "blocks")
     trace = recorder.start()
@@ -188,7 +182,7 @@ def test_a_steady_steps_rows_read_by_index_equal_its_rows_read_in_order():
     from kvscope.engine.scheduler_output import DecodeRows
 
     config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
-    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), _Tok(), max_model_len=256, eos_token_ids=[0])
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), NumberTokenizer(), max_model_len=256, eos_token_ids=[0])
     for i in range(3):
         engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     seen = 0
@@ -215,7 +209,7 @@ def test_a_summary_recording_builds_no_row_of_a_steady_step():
     from kvscope.trace.recorder import Recorder
 
     config = EngineConfig.from_kwargs(block_size=4, max_num_seqs=4, max_num_batched_tokens=256)
-    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), _Tok(), max_model_len=256, eos_token_ids=[0])
+    engine = LLMEngine(config, NullExecutor(40, VOCAB, 4), NumberTokenizer(), max_model_len=256, eos_token_ids=[0])
     for i in range(3):
         engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     recorder = Recorder(engine, "summary")

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 from pandas.testing import assert_frame_equal
 
-from engine_helpers import greedy, make_llm, token_ids, watch_launches
+from engine_helpers import Cycle, greedy, make_llm, token_ids, watch_launches
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
@@ -581,13 +581,6 @@ def test_a_step_end_hook_that_steps_the_engine_leaves_the_records_in_order(async
         assert all(np.array_equal(snap[k], replay[k]) for k in snap)
 
 
-class _Cycle:
-    """Garbage only the cyclic collector frees."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-
 def test_a_recording_keeps_full_collections_off_the_heap_it_started_on():
     """While recording, the heap that existed when the recording started is frozen (a full
     collection in the engine's thread would walk it all); what is made meanwhile is collected
@@ -598,13 +591,13 @@ def test_a_recording_keeps_full_collections_off_the_heap_it_started_on():
 
     assert gc.get_freeze_count() == 0, "a recording (or a freeze) was left behind by an earlier test"
     llm = make_llm()
-    old = _Cycle()
+    old = Cycle()
     gone = weakref.ref(old)
     del old
     with llm.record(level="blocks"):
         with llm.record(level="summary"):
             llm.generate([[5, 6, 7, 8]], greedy(4), use_tqdm=False)
-            new = _Cycle()
+            new = Cycle()
             new_gone = weakref.ref(new)
             del new
             gc.collect()

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("anywidget")
 pytest.importorskip("plotly")
 
-from engine_helpers import greedy, make_llm, token_ids, watch_launches  # noqa: E402
+from engine_helpers import Cycle, greedy, make_llm, token_ids, watch_launches  # noqa: E402
 from pool_reference import bucket_summary  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
@@ -300,13 +300,6 @@ def test_a_slider_move_while_an_update_waits_for_the_lock_is_not_undone():
     dash.detach()
 
 
-class _Cycle:
-    """A reference cycle: only the cyclic garbage collector frees it."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-
 def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     """Objects that existed when the first live dashboard attached are frozen until the last one
     detaches, which collects those that became garbage; a freeze the program made itself is
@@ -316,7 +309,7 @@ def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
 
     assert gc.get_freeze_count() == 0, "a live dashboard (or a freeze) was left behind by an earlier test"
     llm = make_llm(**ENGINE)
-    old = _Cycle()
+    old = Cycle()
     gone = weakref.ref(old)
     first = Dashboard(llm, interval=0.001, max_load=1.0)
     del old
@@ -327,7 +320,7 @@ def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     first.detach()
     gc.collect()
     assert gone() is not None, "still frozen: the second dashboard is live"
-    new = _Cycle()
+    new = Cycle()
     new_gone = weakref.ref(new)
     del new
     gc.collect()
@@ -338,12 +331,12 @@ def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     # The program's own freeze, told apart by what the collector frees (the freeze count itself
     # drops whenever another thread frees a frozen object): a cycle frozen by the program stays
     # frozen through an attach and a detach, and one made after it is not frozen by the attach.
-    mine = _Cycle()
+    mine = Cycle()
     mine_gone = weakref.ref(mine)
     gc.freeze()
     try:
         del mine
-        later = _Cycle()
+        later = Cycle()
         later_gone = weakref.ref(later)
         dash = Dashboard(llm, interval=0.001, max_load=1.0)
         del later
