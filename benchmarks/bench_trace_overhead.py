@@ -99,11 +99,14 @@ def timing_hooks(hooks: HookRegistry) -> Iterator[list[float]]:
             spent[0] += time.perf_counter() - t
         return wrapper
 
-    hooks.fire, hooks.emit_block = timed(hooks.fire), timed(hooks.emit_block)  # hooks, and block sinks
+    names = ("fire", "emit_block", "emit_blocks")  # hooks, and block sinks' events and batches
+    for name in names:
+        setattr(hooks, name, timed(getattr(hooks, name)))
     try:
         yield spent
     finally:
-        del hooks.fire, hooks.emit_block
+        for name in names:
+            delattr(hooks, name)
 
 
 def hook_share(llm: LLM, prompts: list[list[int]], params: SamplingParams, level: str) -> tuple[float, float]:

@@ -6,10 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from engine_helpers import greedy, make_llm
-from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
-from kvscope.trace.event_log import COLUMNS, EventLog, RequestIds
+from engine_helpers import NumberTokenizer, greedy, make_llm
+from kvscope.config import EngineConfig
+from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent, BlockEvents
+from kvscope.engine.llm_engine import LLMEngine
+from kvscope.runner.null_executor import NullExecutor
+from kvscope.sampling_params import SamplingParams
+from kvscope.trace.event_log import COLUMNS, EventLog, RequestIds, num_events
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 from bench_trace_scale import deep_sizeof  # noqa: E402
@@ -96,3 +102,64 @@ def test_a_value_beyond_its_packed_column_is_refused_not_wrapped(field, value):
     event = _edge_events()[0]._replace(**{field: value})
     with pytest.raises(OverflowError):
         EventLog.pack([event], RequestIds())
+
+
+def _sink_run(reqs, block_size: int, num_blocks: int, async_scheduling: bool, abort_at: int | None,
+              hooked: bool) -> tuple[list, list, list]:
+    """One NullExecutor run; what a tuple sink, a column sink and (``hooked``) a hook on every
+    block event saw. A block hook makes the block manager go block by block."""
+    config = EngineConfig.from_kwargs(block_size=block_size, max_num_seqs=4, max_num_batched_tokens=64,
+                                      async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(num_blocks, 64, block_size, eos_every=23), NumberTokenizer(),
+                       max_model_len=256, eos_token_ids=[0])
+    engine.validate_every_step = True
+    tuples: list[BlockEvent] = []
+    columns: list = []
+    called: list[BlockEvent] = []
+    engine.hooks.add_block_sink(tuples)
+    engine.hooks.add_block_sink(columns, columns=True)
+    for kind in BLOCK_EVENTS if hooked else ():
+        engine.hooks.add(kind, lambda kind=kind, **e: called.append(BlockEvent(
+            kind, e["block_id"], e["request_id"], e["ref_count"], e["block_hash"], e["step"])))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0)) for p, m in reqs]
+    n = 0
+    while engine.has_unfinished_requests():
+        n += 1
+        if n == abort_at:
+            engine.abort_request(ids[len(ids) // 2])
+        engine.step()
+        assert n < 2000
+    engine.reset_prefix_cache()
+    return tuples, columns, called
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reqs=st.lists(st.tuples(st.lists(st.integers(1, 3), min_size=1, max_size=24), st.integers(1, 24)),
+                  min_size=1, max_size=8),
+    block_size=st.sampled_from([1, 2, 4]),
+    spare_blocks=st.integers(0, 12),
+    async_scheduling=st.booleans(),
+    abort_at=st.one_of(st.none(), st.integers(1, 20)),
+)
+def test_a_sink_sees_the_same_events_however_they_are_delivered(reqs, block_size, spare_blocks, async_scheduling,
+                                                                abort_at):
+    """The block manager hands a block sink its batches whole (``BlockEvents``) and a block hook
+    each event as it happens, going block by block. Both must give the same events in the same
+    order: a column sink's batches expanded, and packed, equal a tuple sink's events, and those
+    equal the run's with a hook on every block event, whose calls equal them too. Prompts of
+    few distinct tokens in a small pool give prefix hits, evictions and preemptions."""
+    longest = max(len(p) + m for p, m in reqs)
+    kw = dict(reqs=reqs, block_size=block_size, num_blocks=-(-longest // block_size) + spare_blocks,
+              async_scheduling=async_scheduling, abort_at=abort_at)
+    tuples, columns, _ = _sink_run(hooked=False, **kw)
+    expanded = [e for item in columns for e in (item.expand() if isinstance(item, BlockEvents) else [item])]
+    assert expanded == tuples
+    assert list(EventLog.pack(columns, RequestIds())) == tuples
+    assert num_events(columns) == len(tuples)
+    hooked_tuples, hooked_columns, called = _sink_run(hooked=True, **kw)
+    assert hooked_tuples == tuples and called == tuples
+    batches = {item.event for item in columns if isinstance(item, BlockEvents)}
+    if any(e.event == "block.allocated" for e in tuples):  # (the first takes fresh blocks: a batch)
+        assert "block.allocated" in batches
+    assert {item.event for item in hooked_columns if isinstance(item, BlockEvents)} <= {"block.freed"}

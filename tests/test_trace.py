@@ -400,9 +400,9 @@ def test_levels_attach_only_their_hooks():
     llm = make_llm(block_size=4)
     prompts, params = _workload(n=2)
     with llm.record("summary") as summary:
-        assert not llm.hooks.wants_block_events() and not llm.hooks.active("step.scheduled")
+        assert not llm.hooks.block_sinks and not llm.hooks.active("step.scheduled")
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.hooks.wants_block_events()  # nothing listens once recording stops
+    assert not llm.hooks.block_sinks  # nothing listens once recording stops
     assert not any(llm.hooks.active(name) for name in HOOK_POINTS)
     assert len(summary.steps) and len(summary.requests) == 2
     for read in (lambda: summary.block_events, lambda: summary.pool_arrays(1), summary.kv_events):

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from itertools import islice
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 import xxhash
 
+from kvscope.engine.hooks import NO_HASH, BlockEvents
 from kvscope.engine.request import Request
 
 if TYPE_CHECKING:
     from kvscope.engine.hooks import HookRegistry
 
-NO_HASH = -1
 _HASH_MASK = (1 << 63) - 1
 
 
@@ -141,41 +142,73 @@ class BlockManager:
         remaining = max(0, -(-num_tokens // self.block_size) - len(req.block_table) - len(cached))
         if new_from_free + remaining > len(self.free):
             return False
+        if cached:
+            self._claim_cached(req, cached)
+        if remaining:
+            req.block_table += self._take_free_blocks([req] * remaining)
+        return True
+
+    def _claim_cached(self, req: Request, cached: list[int]) -> None:
+        """Put a prefix-cache hit's blocks into ``req``'s table: a live block shared (ref_count
+        + 1), a cached free one reused. Block sinks get the events in batches, one per run of
+        one kind; a block hook gets each as it happens."""
+        hooks = self.hooks
+        per_block = hooks is not None and hooks.has_block_hooks()
+        runs: list[tuple[str, list[int]]] = []
         for b in cached:
             if self.ref_count[b] > 0:
                 self.ref_count[b] += 1
-                self._emit("block.shared", b, req)
+                kind = "block.shared"
             else:
                 del self.free[b]
                 self.num_cached_blocks -= 1
                 self.ref_count[b] = 1
                 self.used.add(b)
-                self._emit("block.reused", b, req)
+                kind = "block.reused"
             req.block_table.append(b)
             req.num_hashed_blocks += 1
-        for _ in range(remaining):
-            req.block_table.append(self._take_free(req))
-        return True
+            if per_block:
+                self._emit(kind, b, req)
+            elif runs and runs[-1][0] == kind:
+                runs[-1][1].append(b)
+            else:
+                runs.append((kind, [b]))
+        if hooks is not None and hooks.block_sinks:
+            for kind, ids in runs:
+                taken = np.array(ids, dtype=np.int64)
+                hooks.emit_blocks(BlockEvents(kind, taken, req.request_id, self.ref_count[taken],
+                                              self.block_hash[taken], self.step))
 
     def append_blocks(self, reqs: Sequence[Request]) -> list[int]:
         """One free block onto the end of each of ``reqs``' tables, in order: what ``allocate``
         does for each in turn when each needs exactly one more block (a steady decode step's
-        rows that cross into a new block), as whole-array updates. The caller checked that
-        enough blocks are free. While anything watches block events it goes block by block,
-        so the events come in the same order."""
-        hooks = self.hooks
-        if hooks is not None and hooks.wants_block_events():
-            ids = [self._take_free(req) for req in reqs]
-        else:
-            free = self.free
-            ids = [free.popitem(last=False)[0] for _ in reqs]
-            taken = np.array(ids, dtype=np.int64)
-            for b in taken[self.block_hash[taken] != NO_HASH].tolist():
-                self._uncache(b)
-            self.ref_count[taken] = 1
-            self.used.update(ids)
+        rows that cross into a new block). The caller checked that enough blocks are free."""
+        ids = self._take_free_blocks(reqs)
         for req, b in zip(reqs, ids):
             req.block_table.append(b)
+        return ids
+
+    def _take_free_blocks(self, reqs: Sequence[Request]) -> list[int]:
+        """A free block for each of ``reqs``, in order, as :meth:`_take_free` takes them one by
+        one, but with one array update, their ``block.allocated`` events one batch. Block by
+        block instead where events must come one at a time: for a block hook (it may read the
+        pool at each event), or when a block sink must see evictions between the allocations."""
+        free, hooks, block_hash = self.free, self.hooks, self.block_hash
+        n = len(reqs)
+        sinks = hooks is not None and bool(hooks.block_sinks)
+        if hooks is not None and (hooks.has_block_hooks() or sinks and any(
+                block_hash.item(b) != NO_HASH for b in islice(free, n))):
+            return [self._take_free(req) for req in reqs]
+        ids = [free.popitem(last=False)[0] for _ in range(n)]
+        for b in ids:
+            if block_hash.item(b) != NO_HASH:
+                self._uncache(b)
+        self.ref_count[ids] = 1
+        self.used.update(ids)
+        if sinks:
+            taken = np.array(ids, dtype=np.int64)
+            hooks.emit_blocks(BlockEvents("block.allocated", taken, [r.request_id for r in reqs],
+                                          self.ref_count[taken], block_hash[taken], self.step))
         return ids
 
     def free_request(self, req: Request) -> None:
@@ -197,40 +230,54 @@ class BlockManager:
         self.num_cached_blocks += int(np.count_nonzero(hashes[zero] != NO_HASH))
         hooks = self.hooks
         if hooks is not None and (hooks.block_sinks or hooks.active("block.freed")):
-            hooks.emit_blocks("block.freed", self.step, ids.tolist(), req.request_id, left.tolist(),
-                              [None if h == NO_HASH else h for h in hashes.tolist()])
+            hooks.emit_blocks(BlockEvents("block.freed", ids, req.request_id, left, hashes, self.step))
 
     def hash_computed_blocks(self, reqs: Iterable[Request]) -> None:
         """Register every newly full, computed block of each of ``reqs``, in order, in the prefix
         cache. A step hashes its rows' blocks in one call, so the blocks' tokens go into the pool
         in one array write at the end (a block no hash covers yet belongs to one request, so
-        nothing in the call reads them before), unless something watches block events: then each
-        block's tokens are in place when its event is emitted."""
+        nothing in the call reads them before), and their ``block.hashed`` events go to the block
+        sinks as one batch; but for a block hook each block's tokens are in place when its event
+        is emitted."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        watched = self.hooks is not None and self.hooks.wants_block_events()
+        hooks = self.hooks
+        per_block = hooks is not None and hooks.has_block_hooks()
+        block_hash, hash_to_block = self.block_hash, self.hash_to_block
         ids: list[int] = []
         tokens: list[list[int]] = []
+        owners: list[str] = []
         for req in reqs:
+            table, hashes, token_ids = req.block_table, req.block_hashes, req.token_ids
             for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
-                b = req.block_table[i]
+                b = table[i]
                 req.num_hashed_blocks = i + 1
-                if self.block_hash.item(b) != NO_HASH:
+                if block_hash.item(b) != NO_HASH:
                     continue
-                h = self.block_hash_of(req, i)
-                if h in self.hash_to_block:
+                block = token_ids[i * bs:(i + 1) * bs]
+                if len(hashes) == i:  # (the common case: the request's next block, hashed here first)
+                    h = hash_block(block, hashes[-1] if i else NO_HASH)
+                    hashes.append(h)
+                else:
+                    h = self.block_hash_of(req, i)
+                if h in hash_to_block:
                     continue  # the same content was computed twice in one step; keep the first copy
-                self.block_hash[b] = h
-                self.hash_to_block[h] = b
-                if watched:
-                    self.block_tokens[b] = req.block_tokens(i, bs)
+                block_hash[b] = h
+                hash_to_block[h] = b
+                if per_block:
+                    self.block_tokens[b] = block
                     self._emit("block.hashed", b, req)
                 else:
                     ids.append(b)
-                    tokens.append(req.block_tokens(i, bs))
+                    tokens.append(block)
+                    owners.append(req.request_id)
         if ids:
-            self.block_tokens[ids] = tokens
+            taken = np.array(ids, dtype=np.int64)
+            self.block_tokens[taken] = tokens
+            if hooks is not None and hooks.block_sinks:
+                hooks.emit_blocks(BlockEvents("block.hashed", taken, owners, self.ref_count[taken],
+                                              block_hash[taken], self.step))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""

@@ -6,7 +6,9 @@ detached; the engine goes on.
 
 Block events are the busiest hook points (a prefill step of a large batch fires thousands), so
 besides hooks they go to *block sinks*: plain lists that receive each event as a
-:class:`BlockEvent` with no Python call per event. The recorder uses one.
+:class:`BlockEvent` with no Python call per event. A sink added with ``columns=True`` (the
+recorder's) receives the block manager's batches whole, as one :class:`BlockEvents` each, so
+not even a tuple is built per event.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import itertools
 import traceback
 import warnings
 from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
 
 BLOCK_EVENTS: tuple[str, ...] = (
     "block.allocated",  # a free block taken (its old cached content, if any, evicted first)
@@ -33,6 +37,34 @@ class BlockEvent(NamedTuple):
     ref_count: int          # after the event
     block_hash: int | None  # None while the block has none (an evicted block's is the one it loses)
     engine_step: int        # the engine's step counter when it fired (< the record's step: idle)
+
+
+NO_HASH = -1  # a block without a hash, in the hash column of :class:`BlockEvents`
+
+
+class BlockEvents(NamedTuple):
+    """Several block events of one kind at once, in order, as columns: what a sink added with
+    ``columns=True`` receives for each batch the block manager emits (a request's freed blocks,
+    a step's newly full blocks, an admission's fresh blocks)."""
+
+    event: str
+    block_id: np.ndarray               # int64
+    request_id: str | list[str]        # one request for every event, or one per event
+    ref_count: np.ndarray              # after each event
+    block_hash: np.ndarray             # int64; NO_HASH where the block has none
+    engine_step: int
+
+    def __len__(self) -> int:  # (the number of events, not of fields)
+        return len(self.block_id)
+
+    def expand(self) -> list[BlockEvent]:
+        """The events one by one, as a tuple sink receives them."""
+        rids = self.request_id
+        rids = itertools.repeat(rids) if isinstance(rids, str) else rids
+        event, step = self.event, self.engine_step
+        return [_new_tuple(BlockEvent, (event, b, r, c, None if h == NO_HASH else h, step))
+                for b, r, c, h in zip(self.block_id.tolist(), rids, self.ref_count.tolist(),
+                                      self.block_hash.tolist())]
 
 
 HOOK_POINTS: tuple[str, ...] = (
@@ -79,8 +111,10 @@ class HookRegistry:
     def __init__(self) -> None:
         self._hooks: dict[str, dict[int, Hook]] = {}
         self._keys = itertools.count()
-        self._sinks: dict[int, list[BlockEvent]] = {}
-        self.block_sinks: tuple[list[BlockEvent], ...] = ()  # read by the block manager per event
+        self._sinks: dict[int, tuple[list, bool]] = {}  # key -> (sink, columns)
+        self.block_sinks: tuple[list, ...] = ()  # every sink; read by the block manager per event
+        self._tuple_sinks: tuple[list[BlockEvent], ...] = ()
+        self._column_sinks: tuple[list, ...] = ()
 
     def add(self, name: str, fn: Hook, first: bool = False) -> HookHandle:
         """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``. ``first``: before
@@ -111,19 +145,27 @@ class HookRegistry:
 
     __call__ = hooks
 
-    def add_block_sink(self, sink: list[BlockEvent]) -> HookHandle:
-        """Append every block event to ``sink`` (a list) until the handle is removed."""
+    def add_block_sink(self, sink: list, columns: bool = False) -> HookHandle:
+        """Append every block event to ``sink`` (a list) until the handle is removed: each as a
+        :class:`BlockEvent`, or with ``columns=True`` each batch as one :class:`BlockEvents`
+        (events emitted alone still come as ``BlockEvent``)."""
         if not isinstance(sink, list):
             raise TypeError(f"a block sink must be a list, got {type(sink).__name__}")
         key = next(self._keys)
-        self._sinks[key] = sink
-        self.block_sinks = tuple(self._sinks.values())
+        self._sinks[key] = (sink, bool(columns))
+        self._sinks_changed()
         return HookHandle(self, _SINK, key)
+
+    def _sinks_changed(self) -> None:
+        sinks = self._sinks.values()
+        self.block_sinks = tuple(s for s, _ in sinks)
+        self._tuple_sinks = tuple(s for s, columns in sinks if not columns)
+        self._column_sinks = tuple(s for s, columns in sinks if columns)
 
     def _remove(self, name: str, key: int) -> None:
         if name == _SINK:
             self._sinks.pop(key, None)
-            self.block_sinks = tuple(self._sinks.values())
+            self._sinks_changed()
             return
         fns = self._hooks.get(name)
         if fns is not None:
@@ -134,14 +176,14 @@ class HookRegistry:
     def active(self, name: str) -> bool:
         return name in self._hooks
 
-    def wants_block_events(self) -> bool:
-        """Whether any block hook or block sink is attached."""
-        return bool(self.block_sinks) or any(n.startswith("block.") for n in self._hooks)
+    def has_block_hooks(self) -> bool:
+        """Whether a hook (code that may read the pool) is attached to any block event."""
+        return any(n.startswith("block.") for n in self._hooks)
 
     def clear(self) -> None:
         self._hooks.clear()
         self._sinks.clear()
-        self.block_sinks = ()
+        self._sinks_changed()
 
     def emit_block(
         self, event: str, step: int, block_id: int, request_id: str | None, ref_count: int,
@@ -155,21 +197,18 @@ class HookRegistry:
             self.fire(event, step=step, block_id=block_id, request_id=request_id,
                       ref_count=ref_count, block_hash=block_hash)
 
-    def emit_blocks(
-        self, event: str, step: int, block_ids: list[int], request_id: str | None, ref_counts: list[int],
-        block_hashes: list[int | None],
-    ) -> None:
-        """Several block events of one kind and one request, in order, as :meth:`emit_block`
-        would give them one by one; the block manager has applied all of them already."""
-        sinks = self.block_sinks
-        if sinks:
-            events = [_new_tuple(BlockEvent, (event, b, request_id, c, h, step))
-                      for b, c, h in zip(block_ids, ref_counts, block_hashes)]
-            for sink in sinks:
-                sink += events
-        if event in self._hooks:
-            for b, c, h in zip(block_ids, ref_counts, block_hashes):
-                self.fire(event, step=step, block_id=b, request_id=request_id, ref_count=c, block_hash=h)
+    def emit_blocks(self, batch: BlockEvents) -> None:
+        """Several block events of one kind, in order, as :meth:`emit_block` would give them one
+        by one; the block manager has applied all of them already."""
+        hooked = batch.event in self._hooks
+        events = batch.expand() if self._tuple_sinks or hooked else []
+        for sink in self._tuple_sinks:
+            sink += events
+        for sink in self._column_sinks:
+            sink.append(batch)
+        for e in events if hooked else ():
+            self.fire(e.event, step=e.engine_step, block_id=e.block_id, request_id=e.request_id,
+                      ref_count=e.ref_count, block_hash=e.block_hash)
 
     def fire(self, name: str, **payload: Any) -> None:
         fns = self._hooks.get(name)

@@ -18,10 +18,10 @@ from typing import overload
 
 import numpy as np
 
-from kvscope.engine.hooks import BLOCK_EVENTS, BlockEvent
+from kvscope.engine.hooks import BLOCK_EVENTS, NO_HASH, BlockEvent, BlockEvents
 from kvscope.trace.narrow import narrow_dtype, narrow_values
 
-NONE = -1  # a missing request id or block hash in the decoded columns
+NONE = NO_HASH  # a missing request id or block hash in the decoded columns (as in a batch's hashes)
 # The decoded columns and their dtypes (a column's values must fit its dtype).
 COLUMNS: dict[str, np.dtype] = {name: np.dtype(t) for name, t in (
     ("event", np.uint8), ("block_id", np.int32), ("request", np.int32), ("ref_count", np.int32),
@@ -50,6 +50,13 @@ class RequestIds:
             self.names.append(request_id)
         return i
 
+    def codes(self, request_ids: Sequence[str | None]) -> list[int]:
+        """:meth:`code` of each (known ids are looked up in one pass)."""
+        found = list(map(self._index.get, request_ids))
+        if None in found:
+            found = [self.code(r) if c is None else c for r, c in zip(request_ids, found)]
+        return found
+
 
 @lru_cache(maxsize=None)
 def _row_dtype(*field_dtypes: np.dtype) -> np.dtype:
@@ -69,23 +76,43 @@ class EventLog(Sequence[BlockEvent]):
         self.rows, self.hashes, self.first_step, self.requests = rows, hashes, first_step, requests
 
     @classmethod
-    def pack(cls, events: Sequence[BlockEvent], requests: RequestIds) -> "EventLog":
-        """The events as one array; the hot path of a recording (once per step)."""
-        if not events:
+    def pack(cls, items: Sequence[BlockEvent | BlockEvents], requests: RequestIds) -> "EventLog":
+        """The events, given one by one or in batches (a ``columns=True`` block sink's list), as
+        one array; the hot path of a recording (once per step). The decoded columns are gathered
+        as flat lists (a batch's with ``tolist``: a step may hold hundreds of small batches) and
+        become arrays once."""
+        if not items:
             return cls(np.zeros(0, _row_dtype(*(np.dtype(np.uint8),) * len(_FIELDS))), _NO_HASHES, 0, requests)
-        code = requests.code
-        kind, block, rid, ref, hashes, step = zip(*events)
-        first = step[0]
-        event = [_CODES[k] if h is None else _CODES[k] | _HAS_HASH for k, h in zip(kind, hashes)]
-        request = [code(r) + 1 for r in rid]
-        offsets = [s - first for s in step]
-        columns = (event, block, request, ref, offsets)
-        dtypes = (np.dtype(np.uint8), _field(block, COLUMNS["block_id"]), _field(request, COLUMNS["request"]),
-                  _field(ref, COLUMNS["ref_count"]), _field(offsets, COLUMNS["engine_step"]))
-        rows = np.empty(len(events), _row_dtype(*dtypes))
-        for name, values in zip(_FIELDS, columns):
-            rows[name] = values
-        return cls(rows, np.array([h for h in hashes if h is not None], np.int64), first, requests)
+        event: list[int] = []
+        block: list[int] = []
+        request: list[int] = []
+        ref: list[int] = []
+        hashes: list[int] = []
+        step: list[int] = []
+        run: list[BlockEvent] = []
+        for item in [*items, None]:
+            if type(item) is BlockEvents or item is None:
+                if run:  # the events given one by one since the last batch
+                    kind, b, rid, c, h, s = zip(*run)
+                    event += map(_CODES.__getitem__, kind)
+                    block += b
+                    request += requests.codes(rid)
+                    ref += c
+                    hashes += [NONE if x is None else x for x in h]
+                    step += s
+                    run = []
+                if item is not None:
+                    n, rid = len(item.block_id), item.request_id
+                    event += [_CODES[item.event]] * n
+                    block += item.block_id.tolist()
+                    request += [requests.code(rid)] * n if isinstance(rid, str) else requests.codes(rid)
+                    ref += item.ref_count.tolist()
+                    hashes += item.block_hash.tolist()
+                    step += [item.engine_step] * n
+            else:
+                run.append(item)
+        return cls.from_columns(requests, event=event, block_id=block, request=request, ref_count=ref,
+                                block_hash=hashes, engine_step=step)
 
     @classmethod
     def from_columns(cls, requests: RequestIds, **columns: np.ndarray) -> "EventLog":
@@ -97,15 +124,10 @@ class EventLog(Sequence[BlockEvent]):
         has = h != NONE
         steps = np.asarray(columns["engine_step"], np.int64)
         first = int(steps[0]) if len(steps) else 0
-        fields = (np.asarray(columns["event"], np.uint8) | np.where(has, _HAS_HASH, 0).astype(np.uint8),
-                  narrow_values(np.asarray(columns["block_id"]), COLUMNS["block_id"]),
-                  narrow_values(np.asarray(columns["request"], np.int64) + 1, COLUMNS["request"]),
-                  narrow_values(np.asarray(columns["ref_count"]), COLUMNS["ref_count"]),
-                  narrow_values(steps - first, COLUMNS["engine_step"]))
-        rows = np.empty(len(h), _row_dtype(*(f.dtype for f in fields)))
-        for name, values in zip(_FIELDS, fields):
-            rows[name] = values
-        return cls(rows, h[has], first, requests)
+        fields = [np.asarray(columns["event"], np.uint8) | np.where(has, _HAS_HASH, 0).astype(np.uint8),
+                  np.asarray(columns["block_id"]), np.asarray(columns["request"], np.int64) + 1,
+                  np.asarray(columns["ref_count"]), steps - first]
+        return cls(_rows(fields), h[has], first, requests)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -149,3 +171,21 @@ class EventLog(Sequence[BlockEvent]):
 
 
 _NO_HASHES = np.zeros(0, np.int64)
+
+
+def num_events(items: Sequence[BlockEvent | BlockEvents]) -> int:
+    """How many events a ``columns=True`` block sink's list holds."""
+    return sum(len(item) if type(item) is BlockEvents else 1 for item in items)
+
+
+def _rows(fields: list[np.ndarray]) -> np.ndarray:
+    """The packed rows of ``_FIELDS`` (the event code with its hash bit, the rest decoded but
+    for ``request`` + 1 and the step less the first), each field in its narrowest dtype."""
+    event, *rest = fields
+    dtypes = [narrow_dtype(int(f.min()), int(f.max()), COLUMNS[name]) if len(f) else np.dtype(np.uint8)
+              for name, f in zip(_FIELDS[1:], rest)]
+    rows = np.empty(len(event), _row_dtype(np.dtype(np.uint8), *dtypes))
+    for name, values in zip(_FIELDS, fields):
+        rows[name] = values
+    return rows
+

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
-from kvscope.engine.hooks import BlockEvent, HookHandle, warn_detached
+from kvscope.engine.hooks import BlockEvent, BlockEvents, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace import frozen_heap
-from kvscope.trace.event_log import EventLog, RequestIds
+from kvscope.trace.event_log import EventLog, RequestIds, num_events
 from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.scheduled import RowEncoder, RowTable
@@ -107,7 +107,7 @@ class Recorder:
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
-        self._pending: list[BlockEvent] = []  # the engine's sink; packed into an EventLog per record
+        self._pending: list[BlockEvent | BlockEvents] = []  # the engine's sink; packed into an EventLog per record
         self._request_ids = RequestIds()  # shared by all records' event logs and scheduled rows
         self._rows = RowEncoder(RowTable(self._request_ids))  # each step's rows told against the step before
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
@@ -148,7 +148,7 @@ class Recorder:
         if self._blocks:
             self.baseline = SparsePool.capture(self.engine)
             self._handles.append(hooks.add("step.scheduled", self._on_scheduled))
-            self._handles.append(hooks.add_block_sink(self._pending))
+            self._handles.append(hooks.add_block_sink(self._pending, columns=True))
         self._handles += [
             hooks.add("request.added", self._on_added),
             hooks.add("request.finished", self._on_finished),
@@ -223,7 +223,7 @@ class Recorder:
         self._finished.append((step, request_id))
 
     def _on_scheduled(self, scheduler_output: "SchedulerOutput", request_ids: dict[int, str], **_: Any) -> None:
-        self._launches.append((scheduler_output.step, len(self._pending), scheduler_output, request_ids))
+        self._launches.append((scheduler_output.step, num_events(self._pending), scheduler_output, request_ids))
 
     def _on_step_end(self, info: "StepInfo") -> None:
         out = info.scheduler_output
