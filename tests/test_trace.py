@@ -630,3 +630,38 @@ def test_a_recording_started_mid_run_knows_the_tokens_of_blocks_not_yet_full():
     first = trace.step_ids[0]
     for block, tokens in partial:
         assert trace.block_tokens(first, block)[:len(tokens)] == tokens
+
+
+@pytest.mark.parametrize("chunk_steps, chunk_events", [(64, 1 << 16), (1, 1 << 16), (3, 1 << 16), (64, 5)])
+def test_block_events_are_the_same_however_their_packing_is_chunked(monkeypatch, chunk_steps, chunk_events):
+    """A recording packs its records' block events a chunk of records at a time: when the chunk
+    is full (in steps or events), before a record leaves the ring buffer, and when the trace is
+    read. Reading the trace while the engine runs (from a step.end hook, every few steps), chunks
+    of every size, and a ring buffer all give each step the same events as one pack at the end."""
+    def record(max_steps: int, read_every: int | None) -> tuple[Trace, list[pd.DataFrame]]:
+        llm = _tight_llm(async_scheduling=True)
+        reads: list[pd.DataFrame] = []
+        with llm.record("blocks", max_steps) as trace:
+            def read(info, **_):
+                if read_every and info.step % read_every == 0:
+                    reads.append(trace.block_events)
+            with llm.hooks({"step.end": read}):
+                llm.generate(*_workload(), use_tqdm=False)
+        return trace, reads
+
+    whole, _ = record(10_000, None)
+    monkeypatch.setattr("kvscope.trace.recorder.CHUNK_STEPS", chunk_steps)
+    monkeypatch.setattr("kvscope.trace.recorder.CHUNK_EVENTS", chunk_events)
+    chunked, reads = record(10_000, 4)
+    assert len(whole.step_ids) > 3 * 4 and len(reads) >= 3
+    assert_frame_equal(chunked.block_events, whole.block_events)
+    assert_frame_equal(chunked.block_tables(), whole.block_tables())
+    for step in whole.step_ids[::5]:  # the pool replayed through the events
+        for k, v in whole.pool_arrays(step).items():
+            np.testing.assert_array_equal(chunked.pool_arrays(step)[k], v)
+    for read in reads:  # what a reader saw mid-run: the same events, up to its step
+        assert_frame_equal(read, whole.block_events.iloc[:len(read)], check_categorical=False)
+    ring, _ = record(7, 5)
+    assert_frame_equal(ring.block_events.reset_index(drop=True),
+                       whole.block_events[whole.block_events.step >= ring.step_ids[0]].reset_index(drop=True),
+                       check_categorical=False)

@@ -129,6 +129,17 @@ class EventLog(Sequence[BlockEvent]):
                   np.asarray(columns["ref_count"]), steps - first]
         return cls(_rows(fields), h[has], first, requests)
 
+    def split(self, ends: Sequence[int]) -> list["EventLog"]:
+        """The log cut into consecutive logs, the i-th ending before event ``ends[i]`` (the last
+        at ``len(self)``), sharing this one's arrays."""
+        hashed = np.concatenate(([0], np.cumsum(self.rows["event"] >= _HAS_HASH))).tolist()
+        logs, start = [], 0
+        for end in ends:
+            logs.append(EventLog(self.rows[start:end], self.hashes[hashed[start]:hashed[end]], self.first_step,
+                                 self.requests))
+            start = end
+        return logs
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -176,6 +187,17 @@ _NO_HASHES = np.zeros(0, np.int64)
 def num_events(items: Sequence[BlockEvent | BlockEvents]) -> int:
     """How many events a ``columns=True`` block sink's list holds."""
     return sum(len(item) if type(item) is BlockEvents else 1 for item in items)
+
+
+def num_events_until(items: Sequence[BlockEvent | BlockEvents], step: int) -> int:
+    """How many of a ``columns=True`` block sink's events come before the first one fired
+    after engine step ``step``."""
+    n = 0
+    for item in items:
+        if item.engine_step > step:
+            break
+        n += len(item) if type(item) is BlockEvents else 1
+    return n
 
 
 def _rows(fields: list[np.ndarray]) -> np.ndarray:

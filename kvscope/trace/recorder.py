@@ -22,7 +22,7 @@ import pandas as pd
 from kvscope.engine.hooks import BlockEvent, BlockEvents, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace import frozen_heap
-from kvscope.trace.event_log import EventLog, RequestIds, num_events
+from kvscope.trace.event_log import EventLog, RequestIds, num_events, num_events_until
 from kvscope.trace.pool import PoolState, SparsePool
 from kvscope.trace.record import Launch, Scheduled, StepRecord
 from kvscope.trace.scheduled import RowEncoder, RowTable
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from kvscope.outputs import RequestMetrics
 
 LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
+# Records' block events are packed together once this many records, or events, wait (or on a read).
+CHUNK_STEPS = 64
+CHUNK_EVENTS = 1 << 16
 Listener = Callable[[StepRecord], Any]
 _NAN = math.nan
 
@@ -107,7 +110,12 @@ class Recorder:
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
-        self._pending: list[BlockEvent | BlockEvents] = []  # the engine's sink; packed into an EventLog per record
+        self._pending: list[BlockEvent | BlockEvents] = []  # the engine's sink: this window's events
+        # Records whose block events wait to be packed, each with where its events end in the
+        # chunk of events they share (packed as one log: see _pack_chunk).
+        self._unpacked: list[tuple[StepRecord, int]] = []
+        self._chunk: list[BlockEvent | BlockEvents] = []
+        self._chunk_events = 0
         self._request_ids = RequestIds()  # shared by all records' event logs and scheduled rows
         self._rows = RowEncoder(RowTable(self._request_ids))  # each step's rows told against the step before
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
@@ -168,6 +176,8 @@ class Recorder:
         self._handles.clear()
         self._pending.clear()
         self._launches.clear()
+        with self.lock:
+            self._pack_chunk()
         for req in list(self._requests.values()):
             req.freeze()
         self.engine = None
@@ -197,6 +207,7 @@ class Recorder:
         """The retained records, a copy of their baseline if asked, and the last dropped step,
         consistent with each other even while the engine runs in another thread."""
         with self.lock:
+            self._pack_chunk()
             base = None
             if with_baseline and self.baseline is not None:
                 base = self.baseline.expand() if isinstance(self.baseline, SparsePool) else self.baseline.copy()
@@ -313,9 +324,6 @@ class Recorder:
     def _close_window(self, rec: StepRecord, info: "StepInfo") -> None:
         """Hand the record this window's block events and the rows launched in it; under async
         scheduling those include step n+1's, whose decode inputs (sampled by step n) are known now."""
-        events = self._pending
-        rec.block_events = EventLog.pack(events, self._request_ids)
-        events.clear()
         step, sampled = info.step, info.sampled
         launches = []
         for launched, k, out, request_ids in self._launches:
@@ -330,8 +338,7 @@ class Recorder:
         if launches:
             rec.num_pre_forward_events = launches[-1].num_events_before
         else:  # nothing launched (the last step of an async run): idle events, then post-processing
-            later = np.flatnonzero(rec.block_events.column("engine_step") > step)
-            rec.num_pre_forward_events = int(later[0]) if len(later) else len(rec.block_events)
+            rec.num_pre_forward_events = num_events_until(self._pending, step)
 
     def _queries(self, rows: list, admitted: list[int], request_ids: dict[int, str]) -> int:
         """Tokens the step's admissions looked up: each whole sequence, its prompt and what it
@@ -347,6 +354,15 @@ class Recorder:
     def _append(self, rec: StepRecord) -> None:
         with self.lock:
             self.records.append(rec)
+            if self._blocks:  # the window's events join the chunk; packed when it is full or read
+                events = self._pending
+                self._chunk += events
+                self._chunk_events += num_events(events)
+                events.clear()
+                self._unpacked.append((rec, self._chunk_events))
+                if (self._listeners or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
+                        or len(self.records) > self.max_steps):
+                    self._pack_chunk()
             if len(self.records) > self.max_steps:
                 old = self.records.popleft()
                 if self.baseline is not None:  # dense from the first drop on: one apply per step
@@ -358,6 +374,21 @@ class Recorder:
                 oldest = self.records[0].step
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
+
+
+    def _pack_chunk(self) -> None:
+        """Give each waiting record its block events, packed for all of them in one call (a
+        step's few events cost little beside a call's own work). With the lock held: by the
+        engine's thread when the chunk is full, before a record leaves the ring buffer, or each
+        step while a listener may read the record; by a reader (``view``) for the records so far."""
+        if not self._unpacked:
+            return
+        logs = EventLog.pack(self._chunk, self._request_ids).split([end for _, end in self._unpacked])
+        for (rec, _), log in zip(self._unpacked, logs):
+            rec.block_events = log
+        self._unpacked.clear()
+        self._chunk.clear()
+        self._chunk_events = 0
 
 
 def _unchanged_or(queue: list[str], last: list[str] | None) -> list[str]:
