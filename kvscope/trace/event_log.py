@@ -78,9 +78,9 @@ class EventLog(Sequence[BlockEvent]):
     @classmethod
     def pack(cls, items: Sequence[BlockEvent | BlockEvents], requests: RequestIds) -> "EventLog":
         """The events, given one by one or in batches (a ``columns=True`` block sink's list), as
-        one array; the hot path of a recording (once per step). The decoded columns are gathered
-        as flat lists (a batch's with ``tolist``: a step may hold hundreds of small batches) and
-        become arrays once."""
+        one array; the hot path of a recording (once per chunk of records). The decoded columns
+        are gathered as flat lists (a batch's with ``tolist``: a chunk may hold thousands of
+        small batches) and become arrays once."""
         if not items:
             return cls(np.zeros(0, _row_dtype(*(np.dtype(np.uint8),) * len(_FIELDS))), _NO_HASHES, 0, requests)
         event: list[int] = []
@@ -115,7 +115,7 @@ class EventLog(Sequence[BlockEvent]):
                                 block_hash=hashes, engine_step=step)
 
     @classmethod
-    def from_columns(cls, requests: RequestIds, **columns: np.ndarray) -> "EventLog":
+    def from_columns(cls, requests: RequestIds, **columns: np.ndarray | list[int]) -> "EventLog":
         """A log from its decoded columns (a loaded trace): one array per ``COLUMNS`` entry,
         ``event`` as codes into ``BLOCK_EVENTS``, ``request`` into ``requests``, -1 for none."""
         if set(columns) != set(COLUMNS):
