@@ -38,9 +38,11 @@ if TYPE_CHECKING:
     from kvscope.outputs import RequestMetrics
 
 LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
-# Records' block events are packed together once this many records, or events, wait (or on a read).
-CHUNK_STEPS = 64
-CHUNK_EVENTS = 1 << 16
+# Records' block events are packed together once this many records, or events, wait (or on a
+# read): enough to spread a pack's own cost thin, few enough that no one step's host work spikes
+# (under async scheduling an even load hides behind the GPU's steps; a spike stalls the GPU).
+CHUNK_STEPS = 16
+CHUNK_EVENTS = 4096
 Listener = Callable[[StepRecord], Any]
 _NAN = math.nan
 
