@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from itertools import islice
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -114,11 +113,12 @@ class BlockManager:
                 self.ref_count.item(block_id), None if h == NO_HASH else h,
             )
 
-    def _uncache(self, block_id: int) -> None:
+    def _uncache(self, block_id: int, emit: bool = True) -> None:
         h = self.block_hash.item(block_id)
         if h != NO_HASH:  # only free blocks are ever uncached
             self.num_cached_blocks -= 1
-            self._emit("block.evicted", block_id, None)  # before clearing, so the event carries the hash
+            if emit:  # (before clearing, so the event carries the hash)
+                self._emit("block.evicted", block_id, None)
             if self.hash_to_block.get(h) == block_id:
                 del self.hash_to_block[h]
             self.block_hash[block_id] = NO_HASH
@@ -150,11 +150,11 @@ class BlockManager:
 
     def _claim_cached(self, req: Request, cached: list[int]) -> None:
         """Put a prefix-cache hit's blocks into ``req``'s table: a live block shared (ref_count
-        + 1), a cached free one reused. Block sinks get the events in batches, one per run of
-        one kind; a block hook gets each as it happens."""
+        + 1), a cached free one reused. Block sinks get the events as one batch; a block hook
+        gets each as it happens."""
         hooks = self.hooks
         per_block = hooks is not None and hooks.has_block_hooks()
-        runs: list[tuple[str, list[int]]] = []
+        kinds: list[str] = []
         for b in cached:
             if self.ref_count[b] > 0:
                 self.ref_count[b] += 1
@@ -169,15 +169,12 @@ class BlockManager:
             req.num_hashed_blocks += 1
             if per_block:
                 self._emit(kind, b, req)
-            elif runs and runs[-1][0] == kind:
-                runs[-1][1].append(b)
             else:
-                runs.append((kind, [b]))
-        if hooks is not None and hooks.block_sinks:
-            for kind, ids in runs:
-                taken = np.array(ids, dtype=np.int64)
-                hooks.emit_blocks(BlockEvents(kind, taken, req.request_id, self.ref_count[taken],
-                                              self.block_hash[taken], self.step))
+                kinds.append(kind)
+        if kinds and hooks is not None and hooks.block_sinks:
+            taken = np.array(cached, dtype=np.int64)
+            hooks.emit_blocks(BlockEvents(kinds, taken, req.request_id, self.ref_count[taken],
+                                          self.block_hash[taken], self.step))
 
     def append_blocks(self, reqs: Sequence[Request]) -> list[int]:
         """One free block onto the end of each of ``reqs``' tables, in order: what ``allocate``
@@ -190,26 +187,38 @@ class BlockManager:
 
     def _take_free_blocks(self, reqs: Sequence[Request]) -> list[int]:
         """A free block for each of ``reqs``, in order, as :meth:`_take_free` takes them one by
-        one, but with one array update, their ``block.allocated`` events one batch. Block by
-        block instead where events must come one at a time: for a block hook (it may read the
-        pool at each event), or when a block sink must see evictions between the allocations."""
+        one (a cached block evicted first), but with one array update, and their events one
+        batch; block by block for a block hook, which may read the pool at each event."""
         free, hooks, block_hash = self.free, self.hooks, self.block_hash
-        n = len(reqs)
-        sinks = hooks is not None and bool(hooks.block_sinks)
-        if hooks is not None and (hooks.has_block_hooks() or sinks and any(
-                block_hash.item(b) != NO_HASH for b in islice(free, n))):
+        if hooks is not None and hooks.has_block_hooks():
             return [self._take_free(req) for req in reqs]
-        ids = [free.popitem(last=False)[0] for _ in range(n)]
-        for b in ids:
-            if block_hash.item(b) != NO_HASH:
-                self._uncache(b)
+        ids = [free.popitem(last=False)[0] for _ in range(len(reqs))]
+        dropped = [block_hash.item(b) for b in ids]  # the hashes of cached blocks, evicted here
+        for b, h in zip(ids, dropped):
+            if h != NO_HASH:
+                self._uncache(b, emit=False)
         self.ref_count[ids] = 1
         self.used.update(ids)
-        if sinks:
-            taken = np.array(ids, dtype=np.int64)
-            hooks.emit_blocks(BlockEvents("block.allocated", taken, [r.request_id for r in reqs],
-                                          self.ref_count[taken], block_hash[taken], self.step))
+        if hooks is not None and hooks.block_sinks:
+            hooks.emit_blocks(self._allocation_events(reqs, ids, dropped))
         return ids
+
+    def _allocation_events(self, reqs: Sequence[Request], ids: list[int], dropped: list[int]) -> BlockEvents:
+        """The events of :meth:`_take_free_blocks`: each block's ``block.allocated``, after its
+        ``block.evicted`` where it was cached."""
+        owners = [r.request_id for r in reqs]
+        if dropped.count(NO_HASH) == len(ids):
+            n = len(ids)
+            return BlockEvents("block.allocated", np.array(ids, dtype=np.int64), owners, np.ones(n, np.int32),
+                               np.full(n, NO_HASH, np.int64), self.step)
+        events = []  # (kind, block, request, ref_count, hash)
+        for b, rid, h in zip(ids, owners, dropped):
+            if h != NO_HASH:
+                events.append(("block.evicted", b, None, 0, h))
+            events.append(("block.allocated", b, rid, 1, NO_HASH))
+        kinds, blocks, rids, refs, hashes = zip(*events)
+        return BlockEvents(list(kinds), np.array(blocks, dtype=np.int64), list(rids), np.array(refs, np.int32),
+                           np.array(hashes, dtype=np.int64), self.step)
 
     def free_request(self, req: Request) -> None:
         """Release ``request``'s blocks, last block first, so a prefix's head outlives its tail in

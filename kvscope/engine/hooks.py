@@ -43,13 +43,13 @@ NO_HASH = -1  # a block without a hash, in the hash column of :class:`BlockEvent
 
 
 class BlockEvents(NamedTuple):
-    """Several block events of one kind at once, in order, as columns: what a sink added with
+    """Several block events at once, in order, as columns: what a sink added with
     ``columns=True`` receives for each batch the block manager emits (a request's freed blocks,
-    a step's newly full blocks, an admission's fresh blocks)."""
+    a step's newly full blocks, an admission's fresh blocks and prefix hits)."""
 
-    event: str
+    event: str | list[str]             # one kind for every event, or one per event
     block_id: np.ndarray               # int64
-    request_id: str | list[str]        # one request for every event, or one per event
+    request_id: str | list[str | None]  # one request for every event, or one per event
     ref_count: np.ndarray              # after each event
     block_hash: np.ndarray             # int64; NO_HASH where the block has none
     engine_step: int
@@ -59,12 +59,15 @@ class BlockEvents(NamedTuple):
 
     def expand(self) -> list[BlockEvent]:
         """The events one by one, as a tuple sink receives them."""
-        rids = self.request_id
+        kinds, rids, step = self.event, self.request_id, self.engine_step
+        kinds = itertools.repeat(kinds) if isinstance(kinds, str) else kinds
         rids = itertools.repeat(rids) if isinstance(rids, str) else rids
-        event, step = self.event, self.engine_step
-        return [_new_tuple(BlockEvent, (event, b, r, c, None if h == NO_HASH else h, step))
-                for b, r, c, h in zip(self.block_id.tolist(), rids, self.ref_count.tolist(),
-                                      self.block_hash.tolist())]
+        return [_new_tuple(BlockEvent, (k, b, r, c, None if h == NO_HASH else h, step))
+                for k, b, r, c, h in zip(kinds, self.block_id.tolist(), rids, self.ref_count.tolist(),
+                                         self.block_hash.tolist())]
+
+    def kinds(self) -> set[str]:
+        return {self.event} if isinstance(self.event, str) else set(self.event)
 
 
 HOOK_POINTS: tuple[str, ...] = (
@@ -200,7 +203,7 @@ class HookRegistry:
     def emit_blocks(self, batch: BlockEvents) -> None:
         """Several block events of one kind, in order, as :meth:`emit_block` would give them one
         by one; the block manager has applied all of them already."""
-        hooked = batch.event in self._hooks
+        hooked = any(k in self._hooks for k in batch.kinds())
         events = batch.expand() if self._tuple_sinks or hooked else []
         for sink in self._tuple_sinks:
             sink += events

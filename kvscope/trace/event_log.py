@@ -103,7 +103,8 @@ class EventLog(Sequence[BlockEvent]):
                     run = []
                 if item is not None:
                     n, rid = len(item.block_id), item.request_id
-                    event += [_CODES[item.event]] * n
+                    kind = item.event
+                    event += [_CODES[kind]] * n if isinstance(kind, str) else map(_CODES.__getitem__, kind)
                     block += item.block_id.tolist()
                     request += [requests.code(rid)] * n if isinstance(rid, str) else requests.codes(rid)
                     ref += item.ref_count.tolist()
