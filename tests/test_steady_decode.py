@@ -110,7 +110,7 @@ def test_long_decode_takes_the_steady_path_across_block_boundaries():
         num_steady, num_steps = _check_same(reqs=reqs, block_size=4, num_blocks=200, max_num_seqs=8,
                                             policy="unified", caching=True, async_scheduling=async_scheduling,
                                             abort_at=None, watch_blocks=watch_blocks)
-        assert num_steady > num_steps * 0.6  # all but the prefill and the steps after a finish
+        assert num_steady >= num_steps - 1  # every step but the prefill, finishes included
 
 
 def test_preemption_under_a_small_pool():

@@ -1,10 +1,11 @@
 """The running requests of a step in which every one of them sampled, as numpy columns.
 
-If the next step finds ``running`` unchanged (the same requests, in the same order), nothing
-waiting that could be admitted and no request at its last token, that step is one decode row
-per request: its starts are this step's ends, and only the rows that cross into a new block
-ask the block manager. The scheduler then plans the step from these columns
-(:meth:`Scheduler._schedule_steady`) instead of walking every request's state.
+If the next step finds ``running`` unchanged (the same requests, in the same order) or less
+some that finished, and nothing waiting that could be admitted, that step is one decode row per
+request, but for a request at its last token (whose last token is still in flight): its starts
+are this step's ends, and only the rows that cross into a new block ask the block manager. The
+scheduler then plans the step from these columns (:meth:`Scheduler._schedule_steady`) instead
+of walking every request's state.
 """
 from __future__ import annotations
 
@@ -55,4 +56,31 @@ class DecodeBatch:
             all_true=all_true,
             all_false=all_false,
             zeros=zeros,
+        )
+
+    def kept_by(self, running: list[Request]) -> np.ndarray | None:
+        """Which rows ``running`` still holds (bool per row) when it is these requests less
+        some, in the same order; None otherwise."""
+        reqs = self.reqs
+        if len(running) >= len(reqs):
+            return None
+        keep = np.zeros(len(reqs), dtype=bool)
+        i = 0
+        for req in running:
+            while i < len(reqs) and reqs[i] is not req:
+                i += 1
+            if i == len(reqs):
+                return None
+            keep[i] = True
+            i += 1
+        return keep
+
+    def subset(self, keep: np.ndarray) -> "DecodeBatch":
+        """The batch of the rows where ``keep`` (bool per row) is true."""
+        m = int(np.count_nonzero(keep))
+        return DecodeBatch(
+            reqs=[r for r, k in zip(self.reqs, keep.tolist()) if k],
+            seq_id=self.seq_id[keep], end=self.end[keep], capacity=self.capacity[keep],
+            last_start=self.last_start[keep], index_base=self.index_base[keep],
+            ones=self.ones[:m], all_true=self.all_true[:m], all_false=self.all_false[:m], zeros=self.zeros[:m],
         )

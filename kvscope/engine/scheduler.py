@@ -117,27 +117,39 @@ class Scheduler:
         """Plan a step of one decode row per running request from the last step's columns
         (:mod:`~kvscope.engine.decode_batch`); False, changing nothing, when the general path
         must plan it. Both policies plan such a step the same way: nothing to admit, nothing to
-        prefill, every running request once, in order, and blocks only at block boundaries."""
+        prefill, every running request once, in order (but one at its last token, still in
+        flight, which gets no row), and blocks only at block boundaries."""
         batch, running = self._batch, self.running
-        if batch is None or running != batch.reqs:  # (identity: a Request compares by identity)
+        if batch is None:
             return False
-        n = len(running)
-        if n > out.token_budget or (self.waiting and n < self.config.max_num_seqs):
+        if running != batch.reqs:  # (identity: a Request compares by identity)
+            keep = batch.kept_by(running)  # requests that finished since: their rows go
+            if keep is None:
+                return False
+            batch = batch.subset(keep)
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return False
+        live = batch.end < batch.last_start  # a request at its last token gets no row
+        if not live.all():
+            if not live.any():
+                return False
+            batch = batch.subset(live)
+        n = len(batch.reqs)
+        if n > out.token_budget:
             return False
         start = batch.end
-        if (start >= batch.last_start).any():  # a request at its last token: it gets no row
-            return False
         bm = self.block_manager
         cross = np.flatnonzero(start >= batch.capacity)
         if len(cross) > bm.num_free_blocks:  # the general path preempts
             return False
+        self._batch = batch
         new_ids: list = [_NONE] * n
         appended = _NO_BLOCKS
         if len(cross):
             # One block each, taken in row order as the general path takes them. Every row's
             # earlier blocks went to the runner with the last step, so its delta is this block.
             rows = cross.tolist()
-            crossing = [running[i] for i in rows]
+            crossing = [batch.reqs[i] for i in rows]
             blocks = bm.append_blocks(crossing)
             for i, req, b in zip(rows, crossing, blocks):
                 req.num_sent_blocks += 1
@@ -146,7 +158,7 @@ class Scheduler:
             batch.capacity[cross] += bm.block_size
         tokens: list[int] = []
         starts = start.tolist()
-        for req, s in zip(running, starts):
+        for req, s in zip(batch.reqs, starts):
             ids = req.token_ids
             tokens.append(ids[s] if s < len(ids) else PLACEHOLDER)
             req.num_computed_tokens = s + 1
