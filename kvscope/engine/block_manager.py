@@ -65,11 +65,11 @@ class BlockManager:
 
     def block_hash_of(self, req: Request, i: int) -> int:
         """Hash of ``request``'s full block ``i``, computed once and kept on the request."""
-        while len(req.block_hashes) <= i:
-            j = len(req.block_hashes)
-            prev = req.block_hashes[j - 1] if j else NO_HASH
-            req.block_hashes.append(hash_block(req.block_tokens(j, self.block_size), prev))
-        return req.block_hashes[i]
+        hashes, bs = req.block_hashes, self.block_size
+        while len(hashes) <= i:
+            j = len(hashes)
+            hashes.append(hash_block(req.token_ids[j * bs:(j + 1) * bs], hashes[-1] if j else NO_HASH))
+        return hashes[i]
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Block ids holding ``request``'s longest cached prefix of full blocks.
@@ -258,22 +258,18 @@ class BlockManager:
         tokens: list[list[int]] = []
         owners: list[str] = []
         for req in reqs:
-            table, hashes, token_ids = req.block_table, req.block_hashes, req.token_ids
+            table, token_ids = req.block_table, req.token_ids
             for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
                 b = table[i]
                 req.num_hashed_blocks = i + 1
                 if block_hash.item(b) != NO_HASH:
                     continue
-                block = token_ids[i * bs:(i + 1) * bs]
-                if len(hashes) == i:  # (the common case: the request's next block, hashed here first)
-                    h = hash_block(block, hashes[-1] if i else NO_HASH)
-                    hashes.append(h)
-                else:
-                    h = self.block_hash_of(req, i)
+                h = self.block_hash_of(req, i)
                 if h in hash_to_block:
                     continue  # the same content was computed twice in one step; keep the first copy
                 block_hash[b] = h
                 hash_to_block[h] = b
+                block = token_ids[i * bs:(i + 1) * bs]
                 if per_block:
                     self.block_tokens[b] = block
                     self._emit("block.hashed", b, req)
