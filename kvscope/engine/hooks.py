@@ -201,8 +201,8 @@ class HookRegistry:
                       ref_count=ref_count, block_hash=block_hash)
 
     def emit_blocks(self, batch: BlockEvents) -> None:
-        """Several block events of one kind, in order, as :meth:`emit_block` would give them one
-        by one; the block manager has applied all of them already."""
+        """Several block events, in order, as :meth:`emit_block` would give them one by one;
+        the block manager has applied all of them already."""
         hooked = any(k in self._hooks for k in batch.kinds())
         events = batch.expand() if self._tuple_sinks or hooked else []
         for sink in self._tuple_sinks:

@@ -122,18 +122,18 @@ class Scheduler:
         batch, running = self._batch, self.running
         if batch is None:
             return False
+        has_row = batch.end < batch.last_start  # a request at its last token gets no row
         if running != batch.reqs:  # (identity: a Request compares by identity)
             keep = batch.kept_by(running)  # requests that finished since: their rows go
             if keep is None:
                 return False
-            batch = batch.subset(keep)
+            has_row &= keep
         if self.waiting and len(running) < self.config.max_num_seqs:
             return False
-        live = batch.end < batch.last_start  # a request at its last token gets no row
-        if not live.all():
-            if not live.any():
+        if not has_row.all():
+            if not has_row.any():
                 return False
-            batch = batch.subset(live)
+            batch = batch.subset(has_row)
         n = len(batch.reqs)
         if n > out.token_budget:
             return False

@@ -19,7 +19,7 @@ from typing import overload
 import numpy as np
 
 from kvscope.engine.hooks import BLOCK_EVENTS, NO_HASH, BlockEvent, BlockEvents
-from kvscope.trace.narrow import narrow_dtype, narrow_values
+from kvscope.trace.narrow import narrow_dtype
 
 NONE = NO_HASH  # a missing request id or block hash in the decoded columns (as in a batch's hashes)
 # The decoded columns and their dtypes (a column's values must fit its dtype).
@@ -63,10 +63,6 @@ def _row_dtype(*field_dtypes: np.dtype) -> np.dtype:
     return np.dtype(list(zip(_FIELDS, field_dtypes)))
 
 
-def _field(values: Sequence[int], widest: np.dtype) -> np.dtype:
-    return narrow_dtype(min(values), max(values), widest)
-
-
 class EventLog(Sequence[BlockEvent]):
     """A read-only sequence of ``BlockEvent`` stored as narrow columns (see the module)."""
 
@@ -81,8 +77,6 @@ class EventLog(Sequence[BlockEvent]):
         one array; the hot path of a recording (once per chunk of records). The decoded columns
         are gathered as flat lists (a batch's with ``tolist``: a chunk may hold thousands of
         small batches) and become arrays once."""
-        if not items:
-            return cls(np.zeros(0, _row_dtype(*(np.dtype(np.uint8),) * len(_FIELDS))), _NO_HASHES, 0, requests)
         event: list[int] = []
         block: list[int] = []
         request: list[int] = []
@@ -181,8 +175,6 @@ class EventLog(Sequence[BlockEvent]):
             return rows["engine_step"].astype(np.int32) + np.int32(self.first_step)
         return rows[name].astype(COLUMNS[name])
 
-
-_NO_HASHES = np.zeros(0, np.int64)
 
 
 def num_events(items: Sequence[BlockEvent | BlockEvents]) -> int:

@@ -324,8 +324,9 @@ class Recorder:
         return self.baseline.expand() if isinstance(self.baseline, SparsePool) else self.baseline
 
     def _close_window(self, rec: StepRecord, info: "StepInfo") -> None:
-        """Hand the record this window's block events and the rows launched in it; under async
-        scheduling those include step n+1's, whose decode inputs (sampled by step n) are known now."""
+        """Hand the record the rows launched in its window (its block events join the chunk in
+        :meth:`_append`); under async scheduling those include step n+1's, whose decode inputs
+        (sampled by step n) are known now."""
         step, sampled = info.step, info.sampled
         launches = []
         for launched, k, out, request_ids in self._launches:
