@@ -44,6 +44,21 @@ def idle_gaps(events: list) -> tuple[float, float, list[tuple[float, str, str]]]
     return end - events[0].time_range.start, busy, gaps
 
 
+def device_events(prof: profile) -> list:
+    """The profiled run's device events (kernels and copies), sorted by start."""
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+
+
+def print_idle_pairs(gaps: list[tuple[float, str, str]], steps: int, top: int, per: str = "per step") -> None:
+    """The ``top`` neighbour pairs that idle the device the most, summed over ``steps`` steps and
+    divided by them."""
+    pairs: dict[tuple[str, str], list[float]] = {}
+    for g, a, b in gaps:
+        pairs.setdefault((a[:48], b[:48]), []).append(g)
+    for (a, b), gs in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  idle {sum(gs) / steps:9.1f} us {per} over {len(gs) / steps:7.1f} gaps {per}: {a} -> {b}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
@@ -78,20 +93,14 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         llm.shutdown()
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    span, busy, gaps = idle_gaps(events)
+    span, busy, gaps = idle_gaps(device_events(prof))
     n = args.steps
     mode = (f"{'synchronous' if args.sync else 'async scheduling'}, draw {'in the graph' if args.captured_draw else 'eager'}"
             + (", cuBLAS only" if args.cublas else ""))
     print(f"{args.config}, {args.seqs} seqs, {mode}: {wall:.3f} ms per decode step unprofiled; profiled "
           f"{span / n / 1e3:.3f} ms per step, device busy {busy / n / 1e3:.3f}, idle "
           f"{sum(g for g, _, _ in gaps) / n / 1e3:.3f} ({len(gaps) / n:.0f} gaps per step)")
-    pairs: dict[tuple[str, str], list[float]] = {}
-    for g, a, b in gaps:
-        pairs.setdefault((a[:48], b[:48]), []).append(g)
-    for (a, b), gs in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[: args.pairs]:
-        print(f"  idle {sum(gs) / n:7.1f} us per step over {len(gs) / n:5.1f} gaps per step: {a} -> {b}")
-
+    print_idle_pairs(gaps, n, args.pairs)
 
 if __name__ == "__main__":
     main()

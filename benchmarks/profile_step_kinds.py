@@ -14,8 +14,16 @@ one call (``kvscope.kernels.pdl.USE_PDL``); ``--captured-draw`` captures the LM 
 draw in the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``); ``--cublas`` sends
 every matmul to cuBLAS (``kvscope.kernels.triton_linear.USE_SKINNY_LINEAR``).
 
+``--busy`` then runs the workload once more under the torch profiler and prints how much of the
+run the device was busy, and its idle time split into gaps shorter than ``--host-gap-us`` (the
+boundaries between kernels) and longer ones (the device waiting for the host). The profiler
+slows the host, so the busy share it reports is a lower bound: it says whether the control
+plane keeps the device fed, and therefore whether a faster run needs faster kernels or a faster
+host.
+
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
+    python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --busy
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from typing import Sequence
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
 from profile_decode import add_ab_flags, apply_ab_flags  # noqa: E402
+from profile_gaps import device_events, idle_gaps, print_idle_pairs  # noqa: E402
 
 ROW_BUCKETS = ((200, 1 << 30), (128, 199), (64, 127), (32, 63), (8, 31), (1, 7))
 
@@ -83,11 +92,31 @@ def describe_decode_steps(rows: Sequence[int], seconds: Sequence[float]) -> str:
                      for (lo, hi), v in sorted(by_rows.items(), reverse=True))
 
 
+def print_device_busy(llm, prompts, outs, host_gap_us: float) -> None:
+    """Run the workload under the profiler; print the device's busy share of the run and where
+    it idled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        seconds = timed_generate(llm, prompts, outs)
+    torch.cuda.synchronize()
+    span, busy, gaps = idle_gaps(device_events(prof))
+    long_gaps = [g for g, _, _ in gaps if g >= host_gap_us]
+    short_idle = sum(g for g, _, _ in gaps) - sum(long_gaps)
+    print(f"profiled run {seconds:.3f} s; device busy {busy / 1e6:.3f} s of its {span / 1e6:.3f} s span "
+          f"({busy / span:.1%}); idle {short_idle / 1e6:.3f} s in {len(gaps) - len(long_gaps):,} gaps under "
+          f"{host_gap_us:g} us, {sum(long_gaps) / 1e6:.3f} s in {len(long_gaps):,} longer ones")
+    print_idle_pairs([g for g in gaps if g[0] >= host_gap_us], 1, 6, per="in the run")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
+    ap.add_argument("--busy", action="store_true", help="profile a second run: the device's busy and idle time")
+    ap.add_argument("--host-gap-us", type=float, default=20.0, help="an idle gap this long or longer is a wait for the host")
     add_ab_flags(ap)
     args = ap.parse_args()
     if args.no_pdl:
@@ -111,6 +140,8 @@ def main() -> None:
         print(f"{args.config}, {mode}{knobs}: {sum(outs) / seconds:,.0f} output tok/s, "
               f"{seconds:.3f} s, {len(kinds.times)} steps")
         print(kinds.report())
+        if args.busy:
+            print_device_busy(llm, prompts, outs, args.host_gap_us)
         llm.shutdown()
 
 
