@@ -54,6 +54,8 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                  TypeError, r"sampling_params must be a SamplingParams .* got dict"),
     "one bad prompt among good ones": (lambda llm: llm.generate([[5, 6], [5, VOCAB]], use_tqdm=False),
                                        ValueError, rf"prompt_token_ids contains {VOCAB}, outside the vocabulary"),
+    "negative id": (lambda llm: llm.generate([[5, 6], [5, -1, VOCAB]], use_tqdm=False), ValueError,
+                    r"prompt_token_ids contains -1, outside the vocabulary"),
     "float id": (lambda llm: llm.generate([[5.0, 6]], use_tqdm=False), TypeError,
                  r"prompt_token_ids\[0\] is 5.0 \(float\); token ids must be integers"),
     "bool id": (lambda llm: llm.generate({"prompt_token_ids": [5, True]}, use_tqdm=False), TypeError,

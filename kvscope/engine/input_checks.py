@@ -38,6 +38,29 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
     numpy integers are accepted (converted); floats and bools are refused as not token ids,
     rather than reported as "outside the vocabulary".
     """
+    ids = _plain_ids(token_ids, vocab_size)
+    if ids is None:
+        ids = _checked_ids(token_ids, vocab_size)
+    if params.logprobs is not None and params.logprobs > vocab_size:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab_size})")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _plain_ids(token_ids: Sequence[Any], vocab_size: int) -> list[int] | None:
+    """A copy of a non-empty list of plain ints all inside the vocabulary (the usual prompt),
+    checked in C-level passes; None for anything else, which :func:`_checked_ids` then walks
+    id by id to name the first one at fault."""
+    if type(token_ids) is not list or not token_ids or set(map(type, token_ids)) != {int}:
+        return None
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        return None
+    return list(token_ids)
+
+
+def _checked_ids(token_ids: Sequence[Any], vocab_size: int) -> list[int]:
     ids = []
     for pos, t in enumerate(token_ids):
         if isinstance(t, bool) or not hasattr(t, "__index__"):
@@ -46,9 +69,4 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt_token_ids contains {bad[0]!r}, outside the vocabulary [0, {vocab_size})")
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab_size})")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
     return ids
