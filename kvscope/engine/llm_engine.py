@@ -15,6 +15,7 @@ step n+1's allocations (docs/ARCHITECTURE.md, "Async scheduling and the trace").
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import time
 from dataclasses import dataclass
@@ -76,6 +77,10 @@ class LLMEngine:
         self._stepping = False               # inside step(), before its step.end hooks
         self._aborted: list[Request] = []    # aborted requests the next step() reports
         self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
+        # What was just built (the free pool alone holds an entry per KV block) goes to the
+        # oldest generation now, in one pass over the young objects; left young, each of the
+        # first young collections of a run would walk all of it again.
+        gc.collect(1)
 
     # ------------------------------------------------------------- requests
     @atomic
