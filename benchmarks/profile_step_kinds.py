@@ -14,7 +14,11 @@ one call (``kvscope.kernels.pdl.USE_PDL``); ``--captured-draw`` captures the LM 
 draw in the decode graphs (``kvscope.runner.cuda_graphs.CAPTURE_DRAW``); ``--cublas`` sends
 every matmul to cuBLAS (``kvscope.kernels.triton_linear.USE_SKINNY_LINEAR``).
 
-``--busy`` then runs the workload once more under the torch profiler and prints how much of the
+``--runs N`` times the workload N times in the one process, each run with its five slowest
+steps: the benchmarks time one run after a short warm-up, and whatever a first run pays once
+(a compilation, a graph's first launch, a collection) shows as a run slower than the next.
+
+``--busy`` then runs the workload once more (on an emptied prefix cache) under the torch profiler and prints how much of the
 run the device was busy, and its idle time split into gaps shorter than ``--host-gap-us`` (the
 boundaries between kernels) and longer ones (the device waiting for the host). The profiler
 slows the host, so the busy share it reports is a lower bound: it says whether the control
@@ -24,6 +28,7 @@ host.
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --busy
+    python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling --runs 3
 """
 from __future__ import annotations
 
@@ -78,7 +83,14 @@ class StepKinds:
                 decode_rows.append(rows)
                 decode_s.append(dt)
         kinds = ", ".join(f"{k} {len(v)} steps {sum(v):.3f} s" for k, v in by_kind.items())
-        return f"{kinds}\ndecode step medians: {describe_decode_steps(decode_rows, decode_s)}"
+        slowest = ", ".join(f"{k} of {rows} rows {dt * 1e3:.1f} ms"
+                            for (k, rows), dt in sorted(self.times, key=lambda t: -t[1])[:5])
+        return (f"{kinds}\ndecode step medians: {describe_decode_steps(decode_rows, decode_s)}\n"
+                f"slowest steps: {slowest}")
+
+    def clear(self) -> None:
+        self.kinds.clear()
+        self.times.clear()
 
 
 def describe_decode_steps(rows: Sequence[int], seconds: Sequence[float]) -> str:
@@ -98,6 +110,7 @@ def print_device_busy(llm, prompts, outs, host_gap_us: float) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    llm.reset_prefix_cache()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         seconds = timed_generate(llm, prompts, outs)
     torch.cuda.synchronize()
@@ -115,6 +128,8 @@ def main() -> None:
     ap.add_argument("--config", default="benchmarks/configs/qwen3-0.6b")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch the Triton kernels without PDL")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="time the workload this many times in the process (what the first run pays once)")
     ap.add_argument("--busy", action="store_true", help="profile a second run: the device's busy and idle time")
     ap.add_argument("--host-gap-us", type=float, default=20.0, help="an idle gap this long or longer is a wait for the host")
     add_ab_flags(ap)
@@ -133,13 +148,16 @@ def main() -> None:
                   max_num_batched_tokens=16384, async_scheduling=args.async_scheduling)
         llm.generate(warm, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16), use_tqdm=False)
         kinds = StepKinds(llm.llm_engine, args.async_scheduling)
-        seconds = timed_generate(llm, prompts, outs)
         mode = "async scheduling" if args.async_scheduling else "synchronous"
         knobs = ((", no PDL" if args.no_pdl else "") + (", captured draw" if args.captured_draw else "")
                  + (", cuBLAS only" if args.cublas else ""))
-        print(f"{args.config}, {mode}{knobs}: {sum(outs) / seconds:,.0f} output tok/s, "
-              f"{seconds:.3f} s, {len(kinds.times)} steps")
-        print(kinds.report())
+        for run in range(1, args.runs + 1):
+            kinds.clear()
+            llm.reset_prefix_cache()  # (a run after the first would find every prompt cached)
+            seconds = timed_generate(llm, prompts, outs)
+            print(f"{args.config}, {mode}{knobs}, run {run}: {sum(outs) / seconds:,.0f} output tok/s, "
+                  f"{seconds:.3f} s, {len(kinds.times)} steps")
+            print(kinds.report())
         if args.busy:
             print_device_busy(llm, prompts, outs, args.host_gap_us)
         llm.shutdown()
