@@ -6,6 +6,8 @@ ones.
 """
 from __future__ import annotations
 
+import gc
+
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -190,8 +192,6 @@ def test_block_manager_refcounts_match_tables(ops, block_size, num_blocks):
 def test_a_new_engine_leaves_its_pool_to_the_oldest_generation():
     """The free pool holds an entry per KV block (hundreds of thousands on a GPU): left among
     the young objects, each young collection of the first run walks all of it again."""
-    import gc
-
     gc.collect()  # (so no collection of the older young generation falls inside the build by chance)
     engine = make_engine(50_000, 16)
     young = {id(o) for generation in (0, 1) for o in gc.get_objects(generation=generation)}
