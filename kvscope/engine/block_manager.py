@@ -65,10 +65,10 @@ class BlockManager:
 
     def block_hash_of(self, req: Request, i: int) -> int:
         """Hash of ``request``'s full block ``i``, computed once and kept on the request."""
-        hashes, bs = req.block_hashes, self.block_size
+        hashes = req.block_hashes
         while len(hashes) <= i:
             j = len(hashes)
-            hashes.append(hash_block(req.token_ids[j * bs:(j + 1) * bs], hashes[-1] if j else NO_HASH))
+            hashes.append(hash_block(req.block_tokens(j, self.block_size), hashes[-1] if j else NO_HASH))
         return hashes[i]
 
     def find_cached_prefix(self, req: Request) -> list[int]:
@@ -258,7 +258,7 @@ class BlockManager:
         tokens: list[list[int]] = []
         owners: list[str] = []
         for req in reqs:
-            table, token_ids = req.block_table, req.token_ids
+            table = req.block_table
             for i in range(req.num_hashed_blocks, self.num_full_computed_blocks(req)):
                 b = table[i]
                 req.num_hashed_blocks = i + 1
@@ -269,7 +269,7 @@ class BlockManager:
                     continue  # the same content was computed twice in one step; keep the first copy
                 block_hash[b] = h
                 hash_to_block[h] = b
-                block = token_ids[i * bs:(i + 1) * bs]
+                block = req.block_tokens(i, bs)
                 if per_block:
                     self.block_tokens[b] = block
                     self._emit("block.hashed", b, req)
