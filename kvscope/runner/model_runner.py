@@ -215,8 +215,19 @@ class ModelRunner:
         for n in sorted({2, min(self.config.max_num_batched_tokens, self.max_model_len)}):
             self._dummy_step(np.array([n]), np.array([n]))
         self._dummy_step(np.array([1, 2]), np.array([2, 3]))
+        self._warm_head()
         self.sampler.compile_kernels(self.vocab_size, self.dtype)
         torch.cuda.synchronize(self.device)
+
+    def _warm_head(self) -> None:
+        """The LM head once at every number of rows a step can sample. Its matmul meets a new
+        shape at each: the first call at a shape costs the host far more than later ones, and
+        without this the first run pays it on a step of each size, where the device waits."""
+        hidden = torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        with torch.inference_mode():
+            for rows in range(1, self.config.max_num_seqs + 1):
+                self.model.compute_logits(hidden[:rows])
 
     def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray, logits: bool = False) -> None:
         """A forward of sequences with ``q_lens`` new tokens and ``context_lens`` in all, every
