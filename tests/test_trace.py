@@ -497,6 +497,29 @@ def test_listeners_see_each_record_and_a_raising_one_is_detached(tmp_path):
         Trace.load(trace.save(tmp_path)).add_listener(print)
 
 
+def test_a_listener_that_leaves_block_events_alone_lets_them_wait_for_their_chunk():
+    """A listener finds each record's block events packed when it is called, so a recording with
+    one packs every step. One added with ``block_events=False`` (the live dashboard's) leaves the
+    packing to the chunks, as with no listener; either way the trace ends with the same events."""
+    def record(listen: dict | None) -> tuple[Trace, list[bool]]:
+        llm = _tight_llm(async_scheduling=True)
+        packed: list[bool] = []
+        with llm.record("blocks") as trace:
+            if listen is not None:
+                trace.add_listener(lambda rec: packed.append(rec.block_events is not None), **listen)
+            llm.generate(*_workload(), use_tqdm=False)
+        return trace, packed
+
+    alone, _ = record(None)
+    reading, packed_for_reader = record({})
+    leaving, packed_for_other = record({"block_events": False})
+    assert len(packed_for_reader) == len(alone.step_ids) and all(packed_for_reader)
+    assert len(packed_for_other) == len(alone.step_ids) and not any(packed_for_other[:3])
+    for trace in (reading, leaving):
+        assert_frame_equal(trace.block_events, alone.block_events)
+        assert_frame_equal(trace.block_tables(), alone.block_tables())
+
+
 def test_stopping_freezes_the_trace_and_releases_the_engine():
     llm = make_llm(block_size=4)
     prompts, params = _workload(n=1)

@@ -50,7 +50,7 @@ _NAN = math.nan
 class ListenerHandle:
     """Returned by :meth:`Recorder.add_listener`; ``remove()`` detaches it (idempotent)."""
 
-    def __init__(self, listeners: dict[int, Listener], key: int) -> None:
+    def __init__(self, listeners: dict[int, Any], key: int) -> None:
         self._listeners, self._key = listeners, key
 
     def remove(self) -> None:
@@ -123,7 +123,7 @@ class Recorder:
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
-        self._listeners: dict[int, Listener] = {}
+        self._listeners: dict[int, tuple[Listener, bool]] = {}  # key -> (fn, reads block_events)
         self._keys = itertools.count()
         self._handles: list[HookHandle] = []
         self._started = False
@@ -193,15 +193,19 @@ class Recorder:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def add_listener(self, fn: Listener) -> ListenerHandle:
+    def add_listener(self, fn: Listener, *, block_events: bool = True) -> ListenerHandle:
         """Call ``fn(record)`` in the engine's thread after each recorded step.
 
+        While a listener that reads ``record.block_events`` is attached, each record's events are
+        packed before it is called, one pack per step. ``block_events=False`` says ``fn`` leaves
+        them alone (it may find them ``None``), so the recording keeps packing them a chunk of
+        steps at a time; a read of the trace still finds every record's events.
         A listener that raises is reported with a RuntimeWarning and detached, like a hook.
         """
         if not callable(fn):
             raise TypeError(f"listener must be callable, got {type(fn).__name__}")
         key = next(self._keys)
-        self._listeners[key] = fn
+        self._listeners[key] = (fn, bool(block_events))
         return ListenerHandle(self._listeners, key)
 
     # ------------------------------------------------------ for the Trace
@@ -278,7 +282,7 @@ class Recorder:
         if self._snapshots is not None:
             rec.pool = self._snapshots.take(self.engine)
         self._append(rec)
-        for key, fn in list(self._listeners.items()):
+        for key, (fn, _) in list(self._listeners.items()):
             try:
                 fn(rec)
             except Exception:
@@ -363,7 +367,7 @@ class Recorder:
                 self._chunk_events += num_events(events)
                 events.clear()
                 self._unpacked.append((rec, self._chunk_events))
-                if (self._listeners or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
+                if (self._event_readers() or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
                         or len(self.records) > self.max_steps):
                     self._pack_chunk()
             if len(self.records) > self.max_steps:
@@ -378,6 +382,9 @@ class Recorder:
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
 
+
+    def _event_readers(self) -> bool:
+        return any(reads for _, reads in self._listeners.values())
 
     def _pack_chunk(self) -> None:
         """Give each waiting record its block events, packed for all of them in one call (a

@@ -44,7 +44,7 @@ class TraceSource(Protocol):
 
     def requests_frame(self) -> pd.DataFrame: ...
 
-    def add_listener(self, fn: "Listener") -> "ListenerHandle": ...
+    def add_listener(self, fn: "Listener", *, block_events: bool = True) -> "ListenerHandle": ...
 
 
 class _Loaded:
@@ -57,7 +57,7 @@ class _Loaded:
     def requests_frame(self) -> pd.DataFrame:
         return self.requests
 
-    def add_listener(self, fn: "Listener") -> "ListenerHandle":
+    def add_listener(self, fn: "Listener", *, block_events: bool = True) -> "ListenerHandle":
         raise RuntimeError("a loaded trace does not record; listeners need a live trace from llm.record()")
 
 
@@ -100,9 +100,11 @@ class Trace:
     def step_ids(self) -> list[int]:
         return [r.step for r in self._records()]
 
-    def add_listener(self, fn: "Listener") -> "ListenerHandle":
-        """``fn(record: StepRecord)`` runs in the engine's thread after each recorded step."""
-        return self._source.add_listener(fn)
+    def add_listener(self, fn: "Listener", *, block_events: bool = True) -> "ListenerHandle":
+        """``fn(record: StepRecord)`` runs in the engine's thread after each recorded step;
+        ``block_events=False`` when ``fn`` does not read ``record.block_events``, which then need
+        not be packed every step (see :meth:`Recorder.add_listener`)."""
+        return self._source.add_listener(fn, block_events=block_events)
 
     def __repr__(self) -> str:
         recs = self._records()

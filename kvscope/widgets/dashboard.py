@@ -117,7 +117,7 @@ class Dashboard:
         self.gate = StepGate()
         self._bg_thread: threading.Thread | None = None
         if self.llm is not None:
-            self._listener = self.trace.add_listener(self._on_step)
+            self._listener = self.trace.add_listener(self._on_step, block_events=False)
         self.views = {name: VIEW_CLASSES[name]() for name in views}
         self._lock = threading.RLock()  # one thread at a time touches the widgets
         self._shown: int | None = None
