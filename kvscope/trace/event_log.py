@@ -176,7 +176,6 @@ class EventLog(Sequence[BlockEvent]):
         return rows[name].astype(COLUMNS[name])
 
 
-
 def num_events(items: Sequence[BlockEvent | BlockEvents]) -> int:
     """How many events a ``columns=True`` block sink's list holds."""
     return sum(len(item) if type(item) is BlockEvents else 1 for item in items)

@@ -367,7 +367,7 @@ class Recorder:
                 self._chunk_events += num_events(events)
                 events.clear()
                 self._unpacked.append((rec, self._chunk_events))
-                if (self._event_readers() or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
+                if (self._listeners_read_events() or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
                         or len(self.records) > self.max_steps):
                     self._pack_chunk()
             if len(self.records) > self.max_steps:
@@ -382,8 +382,8 @@ class Recorder:
                 while self._finished and self._finished[0][0] < oldest:
                     self._requests.pop(self._finished.popleft()[1], None)
 
-
-    def _event_readers(self) -> bool:
+    def _listeners_read_events(self) -> bool:
+        """Whether a listener reads ``record.block_events``: then each record is packed before it is called."""
         return any(reads for _, reads in self._listeners.values())
 
     def _pack_chunk(self) -> None:
