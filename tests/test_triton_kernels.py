@@ -413,6 +413,30 @@ def test_gluon_prefill_compiles_for_sm90_with_pv_in_flight(monkeypatch: pytest.M
     assert gluon_attention._launch_registers(4) == 128
 
 
+@pytest.mark.slow
+@compiled_only
+def test_gluon_prefill_compiles_at_every_page_size_it_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages of fewer than 8 slots stay on the Triton kernel: a TMA box of fewer rows would
+    slice the 8-row atom of a key tile's swizzled buffer, which Gluon refuses to compile (an
+    engine with ``block_size=4`` failed at start-up on sm_90). Every page size the Gluon kernel
+    takes compiles for sm_90, at both head dims."""
+    monkeypatch.setattr(gluon_attention, "_is_sm90", lambda device: True)  # CPU tensors, sm_90 code
+    gluon = record_launches(monkeypatch, gluon_attention, ("_prefill_kernel",))["_prefill_kernel"]
+    record_launches(monkeypatch, ta, ("_paged_attention_kernel",))
+    taken = set()
+    for block_size in (1, 2, 4, 8, 16, 128):
+        for head_dim in (64, 128):
+            case = make_case([(0, 50), (3, 7)], block_size, 4, 2, head_dim, torch.bfloat16, "cpu", seed=block_size)
+            before = len(gluon.calls)
+            ta.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                               config=ta.GLUON_PREFILL_CONFIG)
+            if len(gluon.calls) > before:
+                taken.add(block_size)
+    assert sorted(taken) == [8, 16, 128]
+    for call in gluon.calls:
+        compile_sm90(gluon.fn, call)
+
+
 @compiled_only
 def test_a_triton_without_gluon_runs_every_step_on_the_triton_kernel() -> None:
     """Where Gluon does not import (Triton before 3.6), the backend still imports and picks the

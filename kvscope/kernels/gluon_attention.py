@@ -46,6 +46,10 @@ from kvscope.kernels.base import LOG2E, AttentionMetadata
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 HEAD_DIMS = (64, 128)
 _MAX_GRID_Z = 65535
+# A TMA box lands in a slice of a key tile's shared buffer, and Gluon cannot slice through the
+# 8-row atom of the buffer's swizzle: a box is a page (or a tile within one), so pages of fewer
+# slots stay on the Triton kernel.
+_MIN_PAGE = 8
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _LOADER_REGS = gl.constexpr(24)  # the loader warp only looks pages up and issues TMA copies
 
@@ -232,12 +236,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) ->
     """Whether this kernel can run the step: wgmma exists on sm_90 only; the tiles are laid
     out for 16-bit pools of head dim 64 or 128 (fp8 pools stay on the Triton kernel); TMA reads
     the pool as [slots, H_kv * D] rows of a 16-byte aligned tensor, in boxes of whole pages or
-    of tiles within one (a power-of-two page size); and the sequences index the grid's third
-    axis, which CUDA caps at 65,535."""
+    of tiles within one (a power-of-two page size of at least ``_MIN_PAGE`` slots); and the
+    sequences index the grid's third axis, which CUDA caps at 65,535."""
     bs = meta.block_size
     slot = k_cache.shape[2] * k_cache.shape[3]
     return (q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
-            and q.shape[-1] in HEAD_DIMS and meta.num_seqs <= _MAX_GRID_Z and bs & (bs - 1) == 0
+            and q.shape[-1] in HEAD_DIMS and meta.num_seqs <= _MAX_GRID_Z
+            and bs >= _MIN_PAGE and bs & (bs - 1) == 0
             and k_cache.stride() == (bs * slot, slot, q.shape[-1], 1) and k_cache.data_ptr() % 16 == 0
             and _is_sm90(q.device))
 
