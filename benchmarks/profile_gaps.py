@@ -102,5 +102,6 @@ def main() -> None:
           f"{sum(g for g, _, _ in gaps) / n / 1e3:.3f} ({len(gaps) / n:.0f} gaps per step)")
     print_idle_pairs(gaps, n, args.pairs)
 
+
 if __name__ == "__main__":
     main()

@@ -50,7 +50,7 @@ _NAN = math.nan
 class ListenerHandle:
     """Returned by :meth:`Recorder.add_listener`; ``remove()`` detaches it (idempotent)."""
 
-    def __init__(self, listeners: dict[int, Any], key: int) -> None:
+    def __init__(self, listeners: dict[int, tuple[Listener, bool]], key: int) -> None:
         self._listeners, self._key = listeners, key
 
     def remove(self) -> None:
