@@ -245,6 +245,23 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path)
     llm.shutdown()
 
 
+def test_a_pool_sized_at_full_memory_leaves_room_for_sampling_every_row(tmp_path):
+    """The pool is sized after the sampler's peak too: at ``gpu_memory_utilization=1.0``, a step
+    of the most rows over a large vocabulary, each with top-k, top-p and 20 log-probs (float32
+    copies and a sort of ``[rows, vocab]``, far more than the forward's activations here), still
+    samples every row."""
+    path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **{**SHAPE, "vocab_size": 151936})
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=256, max_model_len=256,
+              gpu_memory_utilization=1.0)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 151900) for _ in range(rng.randrange(4, 24))] for _ in range(256)]
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=20, max_tokens=4, ignore_eos=True)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in out] == ["length"] * 256
+    assert all(len(o.outputs[0].token_ids) == 4 and len(o.outputs[0].logprobs) == 4 for o in out)
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("variant", [
     dict(enable_prefix_caching=True),
     dict(enable_prefix_caching=True, max_num_batched_tokens=64),

@@ -197,14 +197,29 @@ class ModelRunner:
         return budget // block_bytes
 
     def _warm_up(self) -> None:
-        """One forward of the largest step, so the KV pool is sized after activations peak."""
+        """One forward of the largest step, then the head and the sampler's most costly path on
+        the most rows a step samples, so the KV pool is sized after activations and sampling
+        peak (as vLLM's profile run does with its dummy sampler pass)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         n_tok = min(self.config.max_num_batched_tokens, self.max_model_len * self.config.max_num_seqs)
         n_seq = max(1, min(self.config.max_num_seqs, n_tok // self.max_model_len or 1))
         lens = np.full(n_seq, n_tok // n_seq, dtype=np.int64)
         lens[: n_tok - int(lens.sum())] += 1
-        self._dummy_step(lens, lens, logits=True)
+        self._dummy_step(lens, lens)
+        self._dummy_sampling()
         torch.cuda.synchronize(self.device)
+
+    def _dummy_sampling(self) -> None:
+        """Top-k, top-p and 20 log-probs (vLLM's default cap, ``max_logprobs``) on every row a
+        step can sample: float32 copies and a sort of ``[rows, vocab]``. A sampler of its own
+        draws, so the engine's random streams are untouched."""
+        rows = self.config.max_num_seqs
+        hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=min(20, self.vocab_size))
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden)
+            if logits is not None:  # (tensor parallelism: rank 0 samples)
+                Sampler(self.config.seed, self.device).sample(logits, [params] * rows, list(range(rows)))
 
     def _compile_step_kinds(self) -> None:
         """A short and the longest fresh prefill (the kernels pick tiles by prompt length) and a
@@ -229,7 +244,7 @@ class ModelRunner:
             for rows in range(1, self.config.max_num_seqs + 1):
                 self.model.compute_logits(hidden[:rows])
 
-    def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray, logits: bool = False) -> None:
+    def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray) -> None:
         """A forward of sequences with ``q_lens`` new tokens and ``context_lens`` in all, every
         key read from pool block 0 and no slot written."""
         cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -246,9 +261,7 @@ class ModelRunner:
         )
         ids = torch.zeros(t, dtype=torch.int64, device=self.device)
         with torch.inference_mode(), forward_context(meta):
-            hidden = self.model(ids, ids)
-            if logits:
-                self.model.compute_logits(hidden[dev(cu_q[1:] - 1).long()])
+            self.model(ids, ids)
 
     def _allocate_pool(self, tp_size: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
