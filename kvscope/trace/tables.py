@@ -84,7 +84,7 @@ def frame(name: str | dict[str, Any], data: Iterable[tuple] | dict[str, Any]) ->
         rows = list(data)
         data = dict(zip(schema, zip(*rows))) if rows else {c: () for c in schema}
     # Each column built straight in its dtype: one pass, no object->Arrow->object round trips
-    # (which made a 100-row table cost ~3 ms under pandas 3), and None stays None / <NA>.
+    # (which made even small tables slow under pandas 3), and None stays None / <NA>.
     return pd.DataFrame({c: pd.Series(list(data[c]) if isinstance(data[c], tuple) else data[c], dtype=t)
                          for c, t in schema.items()})
 
