@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+_FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
+
 
 @dataclass
 class SamplingParams:
@@ -34,6 +36,9 @@ class SamplingParams:
         # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
         if not _is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature > _FLOAT32_MAX:
+            raise ValueError(f"temperature must be at most {_FLOAT32_MAX:.6g} (the sampler divides in "
+                             f"float32), got {self.temperature!r}")
         if not _is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:

@@ -47,6 +47,8 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                         r"temperature must be a finite number"),
     "inf temperature": (lambda llm: SamplingParams(temperature=float("inf")), ValueError,
                         r"temperature must be a finite number"),
+    "temperature past float32": (lambda llm: SamplingParams(temperature=1e308), ValueError,
+                                 r"temperature must be at most 3.40282e\+38 .* got 1e\+308"),
     "NaN top_p": (lambda llm: SamplingParams(top_p=float("nan")), ValueError, r"top_p must be in"),
     "prompt_token_ids None": (lambda llm: llm.generate({"prompt_token_ids": None}, use_tqdm=False),
                               TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),

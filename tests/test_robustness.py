@@ -13,6 +13,7 @@ import pytest
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.engine.validator import InvariantError
+from kvscope.sampling_params import SamplingParams
 
 # Two requests reuse and share the first one's prefix block, the pool is small enough to evict
 # and preempt, and prompts are chunked: every hook point fires during PROMPTS.
@@ -62,6 +63,24 @@ def test_a_request_whose_sampling_fails_fails_alone(async_scheduling: bool) -> N
     good = [p for i, p in enumerate(PROMPTS) if i != 1]
     assert [final[i].outputs[0].token_ids for i in ids if i != ids[1]] == fresh_tokens(good)
     assert all(final[i].outputs[0].error is None for i in ids if i != ids[1])
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_top_k_past_int64_keeps_every_token_beside_a_row_that_masks(async_scheduling: bool) -> None:
+    """A top-k past the vocabulary, even past int64, keeps every token, as vLLM's does. A batch
+    with a row that masks builds every row's top-k, a greedy row's too, though alone that row
+    never reads its own: so a greedy and a seeded row with top-k 2**63 beside a top-k-3 row
+    draw what they draw with top-k off."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+
+    def run(top_k: int) -> list[list[int]]:
+        params = [greedy(6, top_k=top_k),
+                  SamplingParams(temperature=0.8, top_k=top_k, seed=7, max_tokens=6, ignore_eos=True),
+                  SamplingParams(temperature=0.8, top_k=3, seed=8, max_tokens=6, ignore_eos=True)]
+        return token_ids(llm.generate(PROMPTS[:3], params, use_tqdm=False))
+
+    assert run(2**63) == run(0)
     assert_healthy(llm)
 
 

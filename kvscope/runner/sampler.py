@@ -322,8 +322,9 @@ class Sampler:
                 rows.divisor = self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
             scaled = logits / rows.divisor
         if rows.masked:
-            if rows.top_k_p is None:
-                rows.top_k_p = (self._tensor([p.top_k for p in rows.params], torch.int64),
+            if rows.top_k_p is None:  # (a top-k past the vocabulary keeps every token, as in vLLM)
+                vocab = logits.shape[-1]
+                rows.top_k_p = (self._tensor([min(p.top_k, vocab) for p in rows.params], torch.int64),
                                 self._tensor([float(p.top_p) for p in rows.params], torch.float32))
             scaled = apply_top_k_top_p(scaled, *rows.top_k_p)
         return scaled
