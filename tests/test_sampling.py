@@ -6,10 +6,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_helpers import make_llm
 from kvscope import SamplingParams
-from kvscope.runner.sampler import Sampler, apply_top_k_top_p, exponential_
+from kvscope.runner.sampler import GREEDY_BELOW, Sampler, apply_top_k_top_p, exponential_
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
@@ -152,3 +154,44 @@ def test_a_call_on_the_last_calls_params_list_samples_as_a_fresh_one(device):
         assert a.tokens == b.tokens and a.logprobs == b.logprobs
         seen.append(a.tokens)
     assert len({tuple(t) for t in seen}) > 1
+
+
+# Valid settings at their edges, to mix in one batch: no combination may fail a step.
+EDGE_VOCAB = 50
+EDGE_PARAMS = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 1e-300, 1e-6, 0.5, 1.0, 7.0, 1e30, 3.4028234663852886e38]),
+    top_k=st.sampled_from([-1, 0, 1, 2, EDGE_VOCAB - 1, EDGE_VOCAB, EDGE_VOCAB + 1, 2**31, 2**63, 10**30]),
+    top_p=st.sampled_from([5e-324, 1e-3, 0.5, 1.0]),
+    seed=st.sampled_from([None, 0, -1, 2**63, -2**100]),
+    logprobs=st.sampled_from([None, 0, 3, EDGE_VOCAB]),
+)
+EDGE_BATCHES = st.lists(EDGE_PARAMS, min_size=1, max_size=6)
+
+
+def check_any_valid_batch_samples(sampler: Sampler, params: list[SamplingParams], seed: int) -> None:
+    """Every row of a batch of valid settings, however extreme and however mixed, gets a token
+    that its settings allow, checked against the order of its logits: a greedy row their argmax,
+    a top-k row one of its k largest, a row whose top-p the largest alone covers that one (with
+    a temperature that leaves float32 room to rank them); and the log-probs it asked for."""
+    logits = torch.randn(len(params), EDGE_VOCAB, generator=torch.Generator().manual_seed(seed))
+    out = sampler.sample(logits, params, list(range(len(params)))).to_output()
+    ranks = logits.argsort(dim=-1, descending=True).argsort(dim=-1)
+    for i, p in enumerate(params):
+        token = out.tokens[i]
+        assert 0 <= token < EDGE_VOCAB
+        rank = int(ranks[i, token])
+        if p.temperature < GREEDY_BELOW:
+            assert rank == 0, (i, p)
+        elif p.temperature <= 7.0:
+            assert rank < (p.top_k if 0 < p.top_k < EDGE_VOCAB else EDGE_VOCAB), (i, p)
+            assert p.top_p > 1e-3 or rank == 0, (i, p)
+        if p.logprobs is not None:
+            assert token in out.logprobs[i] and len(out.logprobs[i]) in (p.logprobs, p.logprobs + 1), (i, p)
+
+
+@settings(max_examples=80, deadline=None)
+@given(EDGE_BATCHES, st.integers(0, 2**16))
+def test_any_batch_of_valid_settings_samples(params: list[SamplingParams], seed: int) -> None:
+    check_any_valid_batch_samples(Sampler(0, torch.device("cpu")), params, seed)
+

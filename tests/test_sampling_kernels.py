@@ -17,6 +17,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -25,6 +27,7 @@ from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
 from kvscope.kernels import triton_sampling as ts
 from kvscope.runner.sampler import Sampler
+from test_sampling import EDGE_BATCHES, check_any_valid_batch_samples
 from triton_testing import (compile_recorded, compiled_only, interpreted_only, needs_cuda, record_launches,
                             run_interpreted_tests)
 
@@ -277,6 +280,15 @@ def test_interpreted_sampler_paths_agree() -> None:
 @interpreted_only
 def test_interpreted_captured_draws_match_eager() -> None:
     check_captured_draws_match_eager("cpu")
+
+
+@interpreted_only
+@settings(max_examples=25, deadline=None)
+@given(EDGE_BATCHES, st.integers(0, 2**16))
+def test_interpreted_any_batch_of_valid_settings_samples(params: list[SamplingParams], seed: int) -> None:
+    """test_sampling.py's property on the kernels' path: the kernels' scale of a float32-sized
+    temperature, masks beside greedy rows, streams of any seed."""
+    check_any_valid_batch_samples(Sampler(0, torch.device("cpu"), use_triton=True), params, seed)
 
 
 def _engine_on_the_kernels(**config) -> LLM:
