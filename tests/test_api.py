@@ -79,6 +79,47 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert out.text == text[: text.index(needle)]
 
 
+def test_the_token_that_stops_a_request_is_left_out_of_its_text(llm):
+    """As in vLLM: a token of ``stop_token_ids`` ends the request and stays in ``token_ids``, but
+    its text is not in ``text`` unless ``include_stop_str_in_output`` (the tokenizer's own decode
+    of the ids is the truth)."""
+    tokenizer = llm.get_tokenizer()
+    full = llm.generate([[11, 12, 13]], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    # a token that first appears here and adds text
+    i = next(i for i in range(1, 12) if full[i] not in full[:i]
+             and tokenizer.decode(full[:i + 1]) != tokenizer.decode(full[:i]))
+    for include in (False, True):
+        params = greedy(12, stop_token_ids=[full[i]], include_stop_str_in_output=include)
+        out = llm.generate([[11, 12, 13]], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full[:i + 1] and out.stop_reason == full[i]
+        assert out.text == tokenizer.decode(full[:i + 1] if include else full[:i])
+
+
+def test_stop_strings_in_the_text_of_the_first_min_tokens_tokens_are_ignored(llm):
+    """As in vLLM: a stop string is looked for only once more than ``min_tokens`` tokens are out,
+    in the text they add (a match may begin up to its length back). A stop string that is the
+    whole text of the first two tokens stops the request at once, but not with ``min_tokens=2``."""
+    tokenizer = llm.get_tokenizer()
+    for prompt in ([11, 12, 13], [20, 21], [30, 31, 32], [40], [50, 51]):
+        out = llm.generate([prompt], greedy(10), use_tqdm=False)[0].outputs[0]
+        needle = tokenizer.decode(out.token_ids[:2])
+        if needle.strip() and "\ufffd" not in needle and out.text.count(needle) == 1:
+            break
+    else:
+        raise AssertionError("no prompt whose first two tokens make a clean, unrepeated needle")
+    assert out.text.startswith(needle)
+    stopped = llm.generate([prompt], greedy(10, stop=[needle]), use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text == "" and len(stopped.token_ids) <= 2
+    params = greedy(10, stop=[needle], min_tokens=2)
+    final_only = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    llm.add_request(prompt, params)  # streamed: its text is decoded as it grows
+    streamed = None
+    while llm.has_unfinished_requests():
+        streamed = next((o.outputs[0] for o in llm.step() if o.finished), streamed)
+    for late in (final_only, streamed):
+        assert late.finish_reason == "length" and late.text == out.text
+
+
 def test_eos_stops_unless_ignored():
     llm = make_llm(block_size=4)
     # give the model an output bias that makes EOS the argmax everywhere
@@ -93,6 +134,12 @@ def test_eos_stops_unless_ignored():
     model.compute_logits = eos_biased
     out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [EOS_ID] and out.finish_reason == "stop" and out.text == ""
+    # EOS's own text, kept by skip_special_tokens=False, stays out too unless asked for (as in vLLM)
+    eos_text = llm.get_tokenizer().decode([EOS_ID], skip_special_tokens=False)
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=5, skip_special_tokens=False, include_stop_str_in_output=include)
+        out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+        assert eos_text and out.token_ids == [EOS_ID] and out.text == (eos_text if include else "")
     out = llm.generate([[5, 6]], greedy(5), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [EOS_ID] * 5 and out.finish_reason == "length"
 

@@ -389,13 +389,19 @@ class LLMEngine:
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
             for req in progressed:
-                # A stop string beats "length" (the token that completes it may also be the last).
-                if (req.stop_strings and req.finish_reason in (None, "length") and not req.error
-                        and req.num_output_tokens >= req.params.min_tokens and self._hit_stop_string(req)):
-                    if req.finish_reason is None:
-                        self.scheduler.finish_request(req, "stop")
-                        finished.append(req)
-                    req.finish_reason = "stop"
+                if not req.stop_strings or req.finish_reason not in (None, "length") or req.error:
+                    continue
+                min_tokens = req.params.min_tokens
+                if req.num_output_tokens > min_tokens:
+                    # A stop string beats "length" (the token that completes it may also be the last).
+                    if self._hit_stop_string(req):
+                        if req.finish_reason is None:
+                            self.scheduler.finish_request(req, "stop")
+                            finished.append(req)
+                        req.finish_reason = "stop"
+                elif req.num_output_tokens == min_tokens:
+                    # As in vLLM, the first min_tokens tokens' text is never searched: mark it checked.
+                    self._stream_text(req)
         for req in finished:
             self._finished(req)
         t3 = time.perf_counter()
@@ -418,17 +424,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------ text
     def _hit_stop_string(self, req: Request) -> bool:
-        """Search only the text added since the last check (and the stop strings' reach back
+        """Search only the text added since the last check (and each stop string's reach back
         into it); on a hit, cut the exact full decode at the earliest stop string."""
-        stops = req.stop_strings
         checked = len(req.streamed_text)
         text = self._stream_text(req)
-        start = max(0, checked - max(map(len, stops)) + 1)
-        if not any(text.find(s, start) >= 0 for s in stops):
+        starts = [(s, max(0, checked - len(s) + 1)) for s in req.stop_strings]
+        if not any(text.find(s, start) >= 0 for s, start in starts):
             return False
         full = self._decode(req)
-        found = ([(i, s, full) for s in stops if (i := full.find(s)) >= 0]
-                 or [(i, s, text) for s in stops if (i := text.find(s, start)) >= 0])
+        found = ([(i, s, full) for s, start in starts if (i := full.find(s, start)) >= 0]
+                 or [(i, s, text) for s, start in starts if (i := text.find(s, start)) >= 0])
         i, s, source = min(found)
         req.text = source[: i + len(s)] if req.params.include_stop_str_in_output else source[:i]
         req.stop_reason = s
@@ -443,7 +448,10 @@ class LLMEngine:
     def _finished(self, req: Request) -> None:
         """The scheduler finished ``req``: its final text, and the ``request.finished`` hook."""
         if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
-            req.text = self._decode(req)
+            # As in vLLM, the token that stopped the request (EOS or one of stop_token_ids) stays
+            # out of the text unless include_stop_str_in_output.
+            by_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
+            req.text = self._decode(req, req.output_token_ids[:-1] if by_token else None)
         if self.hooks.active("request.finished"):
             with self._transition():
                 self.hooks.fire(
@@ -452,8 +460,10 @@ class LLMEngine:
                     output_token_ids=list(req.output_token_ids), metrics=req.metrics,
                 )
 
-    def _decode(self, req: Request) -> str:
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+    def _decode(self, req: Request, ids: list[int] | None = None) -> str:
+        """The text of ``ids`` (by default all of ``req``'s output tokens), decoded whole."""
+        ids = req.output_token_ids if ids is None else ids
+        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
     # -------------------------------------------------------------- outputs
     def _output(self, req: Request) -> RequestOutput:
