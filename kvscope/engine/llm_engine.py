@@ -400,7 +400,7 @@ class LLMEngine:
                             finished.append(req)
                         req.finish_reason = "stop"
                 elif req.num_output_tokens == min_tokens:
-                    # As in vLLM, the first min_tokens tokens' text is never searched: mark it checked.
+                    # As in vLLM, no stop string may end in the first min_tokens tokens' text: mark it checked.
                     self._stream_text(req)
         for req in finished:
             self._finished(req)
