@@ -137,7 +137,8 @@ def test_eos_stops_unless_ignored():
     # EOS's own text, kept by skip_special_tokens=False, stays out too unless asked for (as in vLLM)
     eos_text = llm.get_tokenizer().decode([EOS_ID], skip_special_tokens=False)
     for include in (False, True):
-        params = SamplingParams(temperature=0, max_tokens=5, skip_special_tokens=False, include_stop_str_in_output=include)
+        params = SamplingParams(temperature=0, max_tokens=5, skip_special_tokens=False,
+                                include_stop_str_in_output=include)
         out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
         assert eos_text and out.token_ids == [EOS_ID] and out.text == (eos_text if include else "")
     out = llm.generate([[5, 6]], greedy(5), use_tqdm=False)[0].outputs[0]
