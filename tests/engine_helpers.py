@@ -57,3 +57,17 @@ class Cycle:
 
     def __init__(self) -> None:
         self.me = self
+
+
+def bias_logits(llm: LLM, bias: dict[int, float]) -> None:
+    """Add ``bias[token]`` to every logit of ``token`` the model computes from now on."""
+    model = llm.llm_engine.executor.model
+    plain = model.compute_logits
+
+    def biased(hidden):
+        logits = plain(hidden)
+        for token, b in bias.items():
+            logits[:, token] += b
+        return logits
+
+    model.compute_logits = biased

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
 from tiny_models import EOS_ID, tiny_checkpoint
 
@@ -122,16 +122,7 @@ def test_stop_strings_in_the_text_of_the_first_min_tokens_tokens_are_ignored(llm
 
 def test_eos_stops_unless_ignored():
     llm = make_llm(block_size=4)
-    # give the model an output bias that makes EOS the argmax everywhere
-    model = llm.llm_engine.executor.model
-    plain = model.compute_logits
-
-    def eos_biased(hidden):
-        logits = plain(hidden)
-        logits[:, EOS_ID] += 1e4
-        return logits
-
-    model.compute_logits = eos_biased
+    bias_logits(llm, {EOS_ID: 1e4})  # EOS the argmax everywhere
     out = llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [EOS_ID] and out.finish_reason == "stop" and out.text == ""
     # EOS's own text, kept by skip_special_tokens=False, stays out too unless asked for (as in vLLM)
@@ -143,6 +134,29 @@ def test_eos_stops_unless_ignored():
         assert eos_text and out.token_ids == [EOS_ID] and out.text == (eos_text if include else "")
     out = llm.generate([[5, 6]], greedy(5), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [EOS_ID] * 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_hold_back_eos_and_stop_tokens(async_scheduling):
+    """As in vLLM, a request short of its ``min_tokens`` never draws EOS or one of its
+    ``stop_token_ids`` (rather than drawing and ignoring them): on a model that all but always
+    picks them, greedy and sampled requests give exactly ``min_tokens`` other tokens, then stop."""
+    llm = make_llm(block_size=4, async_scheduling=async_scheduling)
+    bias_logits(llm, {EOS_ID: 1e4})
+    params = [SamplingParams(temperature=0, max_tokens=8, min_tokens=3),
+              SamplingParams(temperature=1.0, max_tokens=8, min_tokens=5, seed=3),
+              SamplingParams(temperature=0, max_tokens=8)]
+    outs = [o.outputs[0] for o in llm.generate([[5, 6], [7, 8, 9], [10]], params, use_tqdm=False)]
+    assert [len(o.token_ids) for o in outs] == [4, 6, 1]
+    assert all(o.token_ids[-1] == EOS_ID not in o.token_ids[:-1] and o.finish_reason == "stop" for o in outs)
+    stop = 9
+    bias_logits(llm, {stop: 3e4})  # now above EOS
+    params = [SamplingParams(temperature=0, max_tokens=8, min_tokens=2, stop_token_ids=[stop], ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=8, min_tokens=4, stop_token_ids=[stop], ignore_eos=True)]
+    outs = [o.outputs[0] for o in llm.generate([[5, 6], [7, 8, 9]], params, use_tqdm=False)]
+    assert [o.token_ids for o in outs] == [[EOS_ID] * 2 + [stop], [EOS_ID] * 4 + [stop]]
+    assert all(o.stop_reason == stop for o in outs)
+    llm.check_invariants()
 
 
 def test_logprobs_are_log_softmax_of_the_model(llm):

@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
 from kvscope.kernels import triton_sampling as ts
 from kvscope.runner.sampler import Sampler
 from test_sampling import EDGE_BATCHES, check_any_valid_batch_samples
+from tiny_models import EOS_ID
 from triton_testing import (compile_recorded, compiled_only, interpreted_only, needs_cuda, record_launches,
                             run_interpreted_tests)
 
@@ -296,6 +297,21 @@ def _engine_on_the_kernels(**config) -> LLM:
     llm = make_llm(block_size=4, **config)
     llm.llm_engine.executor.sampler = Sampler(0, torch.device("cpu"), use_triton=True)
     return llm
+
+
+@interpreted_only
+def test_interpreted_engine_on_the_kernels_holds_back_eos_until_min_tokens():
+    """The kernels' path draws no stop token before ``min_tokens`` (test_api.py's test on the
+    torch path): on a model that all but always picks EOS, plain, greedy and top-k rows give
+    exactly ``min_tokens`` other tokens, then EOS."""
+    llm = _engine_on_the_kernels()
+    bias_logits(llm, {EOS_ID: 1e4})
+    params = [SamplingParams(temperature=1.0, max_tokens=6, min_tokens=3),
+              SamplingParams(temperature=0, max_tokens=6, min_tokens=2),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=6, min_tokens=4)]
+    outs = [o.outputs[0].token_ids for o in llm.generate([[1, 2], [7, 8, 9], [4]], params, use_tqdm=False)]
+    assert [len(t) for t in outs] == [4, 3, 5]
+    assert all(t[-1] == EOS_ID not in t[:-1] for t in outs)
 
 
 @interpreted_only

@@ -36,6 +36,9 @@ class ScheduledRequest:
     num_cached_tokens: int = 0  # prefix-cache hit on admission (0 on later steps)
     params: SamplingParams | None = None  # set when ``sample``
     output_index: int = 0       # how many tokens the sequence has generated so far
+    # EOS (unless ignore_eos) and params.stop_token_ids: what a sampled row may not draw before
+    # its min_tokens-th token (vLLM's all_stop_token_ids)
+    all_stop_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_new_tokens(self) -> int:
@@ -144,7 +147,7 @@ class DecodeRows(Sequence[ScheduledRequest]):
         # (Fields in order: not resumed, not prefill, samples, no cache hit.)
         req = self._reqs[i]
         return ScheduledRequest(req.seq_id, [self._tokens[i]], self._starts[i], self._new_block_ids[i],
-                                False, False, True, 0, req.params, self._output_index[i])
+                                False, False, True, 0, req.params, self._output_index[i], req.stop_token_set)
 
 
 @dataclass

@@ -528,20 +528,24 @@ class ModelRunner:
         so the other rows keep their places; its error goes back to the scheduler, which ends
         the request with ``finish_reason="abort"``.
         """
+        def stop_token_ids_of(i: int) -> frozenset[int]:
+            return rows[i].all_stop_token_ids
+
         try:
-            return self.sampler.sample(logits, params, index), {}
+            return self.sampler.sample(logits, params, index, stop_token_ids_of), {}
         except Exception:
             params = list(params)  # (the list the next steady step reuses keeps every row's own)
             errors: dict[int, str] = {}
             for i, r in enumerate(rows):
                 try:
-                    self.sampler.sample(logits[i:i + 1], [r.params], [r.output_index])
+                    self.sampler.sample(logits[i:i + 1], [r.params], [r.output_index],
+                                        lambda _, ids=r.all_stop_token_ids: ids)
                 except Exception as exc:
                     errors[r.seq_id] = f"{type(exc).__name__}: {exc}"
                     params[i] = _FALLBACK
             if not errors:
                 raise  # not one row's fault
-            return self.sampler.sample(logits, params, index), errors
+            return self.sampler.sample(logits, params, index, stop_token_ids_of), errors
 
     def kv_shards(self) -> list[dict[str, int | str]]:
         """This rank's share of the KV heads and of the pool's bytes, and the pool's element type

@@ -234,18 +234,27 @@ class Sampler:
         return self.kernels.Streams(self._key, self._step, self._tensor(cols, torch.int64))
 
     def sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+        stop_token_ids_of: Callable[[int], frozenset[int]] | None = None,
     ) -> DeviceSample:
         """Sample one token per row. When every row shares one ``SamplingParams`` object (what
         ``LLM.generate`` sends), its settings are read once and nothing per row goes to the
         device; the tokens are the same as when each row brings its own equal copy. Passing
         the very ``params`` list of the last call (the same rows, one token further, as the
-        runner does in steady decode) reuses what that call read from it."""
+        runner does in steady decode) reuses what that call read from it.
+
+        A row short of its ``min_tokens`` never draws one of ``stop_token_ids_of(row)`` (as with
+        vLLM's min-tokens logits processor); its log-probs stay those of the model."""
         rows = self._rows_of(params, output_index)
         want_lp = rows.want_logprobs
         # float32 logits, cast once for whichever of log-probs, masks and the torch path needs them.
         as_float = logits.float() if self.kernels is None or want_lp >= 0 or rows.masked else None
         raw_logprobs = as_float.log_softmax(dim=-1) if want_lp >= 0 else None
+        held = self._held_back(rows, output_index, stop_token_ids_of)
+        if held is not None:
+            logits = logits.index_put(held, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+            if as_float is not None:
+                as_float = as_float.index_put(held, torch.tensor(float("-inf"), device=logits.device))
         if self.kernels is not None:
             tokens = self._sample_by_kernels(logits, as_float, rows)
         else:
@@ -275,9 +284,10 @@ class Sampler:
                         replay: Callable[[], torch.Tensor]) -> DeviceSample | None:
         """Sample these rows by ``replay`` (a decode graph ending in :meth:`draw_captured`;
         returns its tokens), as :meth:`sample` would; ``None``, having changed nothing, for rows
-        that need what only :meth:`sample` does: log-probs, top-k / top-p masks, seeds."""
+        that need what only :meth:`sample` does: log-probs, top-k / top-p masks, seeds, rows
+        short of their ``min_tokens``."""
         rows = self._rows_of(params, output_index)
-        if rows.want_logprobs >= 0 or rows.masked or rows.seeded:
+        if rows.want_logprobs >= 0 or rows.masked or rows.seeded or self._short_rows(rows, output_index):
             return None
         c = self._captured
         if c.rows is not rows:  # (a steady batch keeps its rows: its scales are in place)
@@ -292,6 +302,25 @@ class Sampler:
             c.step.fill_(self._step - 1)
         c.step_value = self._step
         return DeviceSample(replay(), params, None, self.readback)
+
+    @staticmethod
+    def _short_rows(rows: "_Rows", output_index: list[int]) -> list[int]:
+        """The rows whose next token comes before their ``min_tokens``-th."""
+        if not rows.min_tokens:
+            return []
+        return [i for i, p in enumerate(rows.params) if output_index[i] < p.min_tokens]
+
+    def _held_back(self, rows: "_Rows", output_index: list[int],
+                   stop_token_ids_of: Callable[[int], frozenset[int]] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, tokens) of the stop tokens that rows short of their ``min_tokens`` may not
+        draw, as index tensors; ``None`` for none."""
+        short = self._short_rows(rows, output_index) if stop_token_ids_of is not None else []
+        pairs = [(i, t) for i in short for t in stop_token_ids_of(i)]
+        if not pairs:
+            return None
+        r, c = zip(*pairs)
+        return self._tensor(r, torch.int64), self._tensor(c, torch.int64)
 
     def _rows_of(self, params: list[SamplingParams], output_index: list[int]) -> "_Rows":
         last = self._last_rows
@@ -309,6 +338,7 @@ class Sampler:
             params, output_index, temps=temps, want_logprobs=max(asked) if asked else -1,
             masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
             seeded=any(p.seed is not None for p in settings),
+            min_tokens=max(p.min_tokens for p in settings),
         )
         return rows
 
@@ -388,6 +418,7 @@ class _Rows:
     want_logprobs: int  # the most log-probs a row asks for, -1 for none
     masked: bool  # some row asks for top-k or top-p
     seeded: bool  # some row has a seed
+    min_tokens: int  # the largest min_tokens of a row (0: no row holds back its stop tokens)
     scale: float | torch.Tensor | None = None  # the kernels' scale, once computed
     divisor: torch.Tensor | None = None  # float32 [rows, 1]: each row's temperature (1 for greedy)
     top_k_p: tuple[torch.Tensor, torch.Tensor] | None = None  # per-row top-k and top-p, when masked
