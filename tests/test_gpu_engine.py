@@ -162,6 +162,35 @@ def test_decode_graphs_draw_the_tokens_eager_sampling_draws(checkpoint, monkeypa
             assert len(launches) <= graph_steps.count(False), (len(launches), graph_steps)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_graphs_hold_back_stop_tokens_until_min_tokens(checkpoint, monkeypatch, async_scheduling):
+    """With ``CAPTURE_DRAW``, a step with a row short of its ``min_tokens`` takes the eager draw,
+    which holds back that row's stop tokens: stop_token_ids made of the tokens an unconstrained
+    run draws most never appear before ``min_tokens``, and the graph engine's tokens equal the
+    eager engine's."""
+    from collections import Counter
+
+    from kvscope.runner import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_DRAW", True)
+    prompts = _prompts()
+
+    def run(params: list[SamplingParams], eager: bool) -> list[list[int]]:
+        llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", enforce_eager=eager,
+                  async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+        return out
+
+    free = run([SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)] * len(prompts), eager=True)
+    stops = [t for t, _ in Counter(t for tokens in free for t in tokens).most_common(20)]
+    params = [SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True, stop_token_ids=stops,
+                             min_tokens=10 + i) for i in range(len(prompts))]
+    eager, graphs = run(params, eager=True), run(params, eager=False)
+    assert graphs == eager
+    assert all(not set(tokens[:10 + i]) & set(stops) for i, tokens in enumerate(graphs))
+
+
 def test_decode_graphs_without_the_captured_draw_sample_eagerly(checkpoint, monkeypatch):
     """``CAPTURE_DRAW = False`` (the default; True is the profiling scripts' A/B switch): the
     graphs replay without the draw, every step that replayed one samples by its own launch, and
