@@ -292,15 +292,19 @@ def test_interpreter_exit_ends_workers_and_unlinks_shared_memory() -> None:
     assert "leaked" not in proc.stderr, proc.stderr  # the resource tracker found nothing to clean
 
 
+def _greedy_stopping(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=[7, 11], min_tokens=max_tokens // 2)
+
+
 def test_async_tp_matches_single_rank_with_seeded_sampling_stops_logprobs_and_an_abort() -> None:
     """Async TP=2 against synchronous TP=1: seeded random rows (the worker never samples, so its
     next inputs must be rank 0's draws), greedy rows that stop on a token, logprobs; then a hook
-    aborts a request mid-run and the engine serves the same tokens again."""
+    aborts a request mid-run and the engine serves the same tokens again. The greedy rows hold
+    back their stop tokens for half their tokens (``min_tokens``), on rank 0 alone."""
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 320) for _ in range(rng.randrange(2, 30))] for _ in range(10)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randrange(5, 40), logprobs=2) if i % 2
-              else SamplingParams(temperature=0, max_tokens=rng.randrange(5, 40), stop_token_ids=[7, 11])
-              for i in range(10)]
+              else _greedy_stopping(rng.randrange(5, 40)) for i in range(10)]
     config = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=24, max_num_seqs=4)
     expected = make_llm(**config).generate(prompts, params, use_tqdm=False)
     with make_llm(tensor_parallel_size=2, async_scheduling=True, **config) as llm:
