@@ -214,7 +214,7 @@ class ModelRunner:
         step can sample: float32 copies and a sort of ``[rows, vocab]``. A sampler of its own
         draws, so the engine's random streams are untouched."""
         rows = self.config.max_num_seqs
-        hidden = torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self._dummy_hidden()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=min(20, self.vocab_size))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
@@ -238,11 +238,15 @@ class ModelRunner:
         """The LM head once at every number of rows a step can sample. Its matmul meets a new
         shape at each: the first call at a shape costs the host far more than later ones, and
         without this the first run pays it on a step of each size, where the device waits."""
-        hidden = torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
-                             device=self.device)
+        hidden = self._dummy_hidden()
         with torch.inference_mode():
             for rows in range(1, self.config.max_num_seqs + 1):
                 self.model.compute_logits(hidden[:rows])
+
+    def _dummy_hidden(self) -> torch.Tensor:
+        """Zero hidden states for the most rows a step samples: the LM head's input at start-up."""
+        return torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
+                           device=self.device)
 
     def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray) -> None:
         """A forward of sequences with ``q_lens`` new tokens and ``context_lens`` in all, every
