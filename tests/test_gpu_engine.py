@@ -34,11 +34,13 @@ def _prompts(n: int = 12) -> list[list[int]]:
             for _ in range(n)]
 
 
-def _generate(path: str, prompts, max_tokens: int = 48, **config) -> list[list[int]]:
+def _generate(path: str, prompts, max_tokens: int = 48, params: list[SamplingParams] | None = None,
+              **config) -> list[list[int]]:
+    """Each prompt's tokens on a fresh engine: greedy ``max_tokens``, or ``params``."""
     config.setdefault("dtype", "float32")
     llm = LLM(path, device="cuda", attention_backend="triton", **config)
     llm.llm_engine.validate_every_step = True
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.shutdown()
     return out
@@ -176,11 +178,8 @@ def test_decode_graphs_hold_back_stop_tokens_until_min_tokens(checkpoint, monkey
     prompts = _prompts()
 
     def run(params: list[SamplingParams], eager: bool) -> list[list[int]]:
-        llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", enforce_eager=eager,
-                  async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
-        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
-        return out
+        return _generate(checkpoint, prompts, params=params, enforce_eager=eager,
+                         async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
 
     free = run([SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)] * len(prompts), eager=True)
     stops = [t for t, _ in Counter(t for tokens in free for t in tokens).most_common(20)]
