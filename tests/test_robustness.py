@@ -9,6 +9,7 @@ import signal
 import threading
 
 import pytest
+import torch
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope.engine.hooks import HOOK_POINTS
@@ -81,6 +82,50 @@ def test_a_top_k_past_int64_keeps_every_token_beside_a_row_that_masks(async_sche
         return token_ids(llm.generate(PROMPTS[:3], params, use_tqdm=False))
 
     assert run(2**63) == run(0)
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_batch_whose_draw_fails_as_a_whole_loses_no_row(async_scheduling: bool) -> None:
+    """A fault that no row causes alone, here memory that runs out whenever more than one row
+    draws at once, costs no request: the rows are drawn one at a time, so greedy and seeded rows
+    draw the tokens and log-probs of a run without the fault, and the engine serves on."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    params = [greedy(6, logprobs=2),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0.8, top_k=3, seed=8, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=9, max_tokens=6, ignore_eos=True)]
+
+    def run() -> list:
+        return [o.outputs[0] for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+
+    # The third row's own stop tokens are those it draws unconstrained, held back for 4 tokens.
+    drawn = run()[2].token_ids
+    params[2] = SamplingParams(temperature=0.8, top_k=3, seed=8, max_tokens=6, ignore_eos=True, min_tokens=4,
+                               stop_token_ids=drawn[:4])
+    want = run()
+    assert want[2].token_ids[:4] != drawn[:4]
+    sampler = llm.llm_engine.executor.sampler
+    by_torch = sampler._sample_by_torch
+    faults = [0]
+
+    def short_of_memory_for_a_batch(logits, rows):
+        if logits.shape[0] > 1:
+            faults[0] += 1
+            raise torch.OutOfMemoryError("out of memory for the batch's draw")
+        return by_torch(logits, rows)
+
+    sampler._sample_by_torch = short_of_memory_for_a_batch
+    got = run()
+    del sampler._sample_by_torch
+    assert faults[0] > 0
+    assert [o.error for o in got] == [None] * len(params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for gs, ws in zip(g.logprobs or [], w.logprobs or []):
+            assert gs.keys() == ws.keys()
+            assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=1e-5)
     assert_healthy(llm)
 
 

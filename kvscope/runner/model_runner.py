@@ -528,9 +528,10 @@ class ModelRunner:
         """Sample every row (``params`` and ``index``: their parameters, from :meth:`_params_of`,
         and output indices); a row whose own parameters make sampling fail fails alone.
 
-        Such a row is found by sampling each row by itself, then sampled greedily in the batch
-        so the other rows keep their places; its error goes back to the scheduler, which ends
-        the request with ``finish_reason="abort"``.
+        When the batch's draw fails, its rows are drawn one at a time (``Sampler.sample_each``):
+        a row that fails by itself is drawn greedily so the others keep their places, and its
+        error goes back to the scheduler, which ends the request with ``finish_reason="abort"``;
+        a fault of the whole batch that no row causes alone costs no row at all.
         """
         def stop_token_ids_of(i: int) -> frozenset[int]:
             return rows[i].all_stop_token_ids
@@ -538,18 +539,8 @@ class ModelRunner:
         try:
             return self.sampler.sample(logits, params, index, stop_token_ids_of), {}
         except Exception:
-            params = list(params)  # (the list the next steady step reuses keeps every row's own)
-            errors: dict[int, str] = {}
-            for i, r in enumerate(rows):
-                try:
-                    self.sampler.sample(logits[i:i + 1], [r.params], [r.output_index],
-                                        lambda _, ids=r.all_stop_token_ids: ids)
-                except Exception as exc:
-                    errors[r.seq_id] = f"{type(exc).__name__}: {exc}"
-                    params[i] = _FALLBACK
-            if not errors:
-                raise  # not one row's fault
-            return self.sampler.sample(logits, params, index, stop_token_ids_of), errors
+            s, failed = self.sampler.sample_each(logits, params, index, stop_token_ids_of, _FALLBACK)
+            return s, {rows[i].seq_id: f"{type(exc).__name__}: {exc}" for i, exc in failed.items()}
 
     def kv_shards(self) -> list[dict[str, int | str]]:
         """This rank's share of the KV heads and of the pool's bytes, and the pool's element type

@@ -245,6 +245,53 @@ class Sampler:
 
         A row short of its ``min_tokens`` never draws one of ``stop_token_ids_of(row)`` (as with
         vLLM's min-tokens logits processor); its log-probs stay those of the model."""
+        tokens, logprob_parts = self._draw(logits, params, output_index, stop_token_ids_of)
+        return DeviceSample(tokens, params, logprob_parts, self.readback)
+
+    def sample_each(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+        stop_token_ids_of: Callable[[int], frozenset[int]], fallback: SamplingParams,
+    ) -> tuple[DeviceSample, dict[int, Exception]]:
+        """What :meth:`sample` draws, one row at a time, for a batch whose draw failed as a whole:
+        so a fault of the batch (memory short for all its rows at once) costs no row, and a row
+        whose own settings fail is found and drawn by ``fallback`` instead. Returns the joined
+        sample and, by row, the errors of the rows that failed. Seeded and greedy rows draw what
+        they draw in the batch."""
+        params = list(params)  # (the caller's list, which a next steady step reuses, keeps every row's own)
+        failed: dict[int, Exception] = {}
+        drawn: list[tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]] = []
+        for i in range(len(params)):
+            row = logits[i:i + 1]
+            try:
+                drawn.append(self._draw(row, [params[i]], [output_index[i]], lambda _, i=i: stop_token_ids_of(i)))
+            except Exception as exc:
+                failed[i], params[i] = exc, fallback
+                drawn.append(self._draw(row, [fallback], [output_index[i]]))
+        tokens = torch.cat([t for t, _ in drawn])
+        widths = [max(p.logprobs, 1) for p in params if p.logprobs is not None]
+        if not widths:
+            return DeviceSample(tokens, params, None, self.readback), failed
+        width = max(widths)
+
+        def part(j: int, parts: tuple[torch.Tensor, ...] | None, dtype: torch.dtype) -> torch.Tensor:
+            """Row's log-prob part ``j`` (0: the chosen token's, 1 and 2: the top values and ids),
+            zeros past what the row asked for (``DeviceSample`` reads no further)."""
+            shape = (1,) if j == 0 else (1, width)
+            out = torch.zeros(shape, dtype=dtype, device=tokens.device)
+            if parts is not None:
+                out[..., : parts[j].shape[-1]] = parts[j]
+            return out
+
+        joined = tuple(torch.cat([part(j, parts, dtype) for _, parts in drawn])
+                       for j, dtype in enumerate((torch.float32, torch.float32, torch.int64)))
+        return DeviceSample(tokens, params, joined, self.readback), failed
+
+    def _draw(
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+        stop_token_ids_of: Callable[[int], frozenset[int]] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """:meth:`sample`'s tokens and, when a row asks for them, its log-prob parts (the chosen
+        tokens', the top values, the top ids), all on the device."""
         rows = self._rows_of(params, output_index)
         want_lp = rows.want_logprobs
         # float32 logits, cast once for whichever of log-probs, masks and the torch path needs them.
@@ -260,10 +307,9 @@ class Sampler:
         else:
             tokens = self._sample_by_torch(as_float, rows)
         if raw_logprobs is None:
-            return DeviceSample(tokens, params, None, self.readback)
+            return tokens, None
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top_v, top_i = raw_logprobs.topk(max(want_lp, 1), dim=-1)
-        return DeviceSample(tokens, params, (chosen, top_v, top_i), self.readback)
+        return tokens, (chosen, *raw_logprobs.topk(max(want_lp, 1), dim=-1))
 
     def enable_captured_draws(self, max_rows: int) -> None:
         """Make the device state a CUDA graph's draw reads (:meth:`draw_captured`): the rows'
