@@ -95,6 +95,31 @@ def test_the_token_that_stops_a_request_is_left_out_of_its_text(llm):
         assert out.text == tokenizer.decode(full[:i + 1] if include else full[:i])
 
 
+def test_a_stop_string_inside_the_text_of_the_token_that_stops_a_request(llm):
+    """As in vLLM: with ``include_stop_str_in_output`` the stopping token's text is output text,
+    so a stop string inside it cuts the text there and becomes the ``stop_reason``; without it,
+    that text is never searched and the token stays the reason (the tokenizer's decode is the
+    truth)."""
+    tokenizer = llm.get_tokenizer()
+    full = llm.generate([[11, 12, 13]], greedy(12), use_tqdm=False)[0].outputs[0].token_ids
+    for i in range(1, 12):  # a new token whose text has a character, not its last, unseen before it
+        before, upto = tokenizer.decode(full[:i]), tokenizer.decode(full[:i + 1])
+        added = upto[len(before):] if upto.startswith(before) else ""
+        needle = next((c for c in added[:-1] if not c.isspace() and c not in before and c != "\ufffd"), None)
+        if full[i] not in full[:i] and needle is not None:
+            break
+    else:
+        raise AssertionError("no token whose text holds a fresh character before its last")
+    for include in (False, True):
+        params = greedy(12, stop_token_ids=[full[i]], stop=[needle], include_stop_str_in_output=include)
+        out = llm.generate([[11, 12, 13]], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full[:i + 1] and out.finish_reason == "stop"
+        if include:
+            assert out.stop_reason == needle and out.text == upto[: upto.index(needle) + 1] != upto
+        else:
+            assert out.stop_reason == full[i] and out.text == before
+
+
 def test_stop_strings_in_the_text_of_the_first_min_tokens_tokens_are_ignored(llm):
     """As in vLLM: a stop string is looked for only once more than ``min_tokens`` tokens are out,
     in the text they add (a match may begin up to its length back). A stop string that is the
