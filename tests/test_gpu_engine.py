@@ -190,6 +190,47 @@ def test_decode_graphs_hold_back_stop_tokens_until_min_tokens(checkpoint, monkey
     assert all(not set(tokens[:10 + i]) & set(stops) for i, tokens in enumerate(graphs))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_batch_whose_draw_fails_as_a_whole_loses_no_row_on_gpu(checkpoint, async_scheduling):
+    """test_robustness.py's batch fault on the kernels' path, with decode graphs and the pinned
+    readback: a draw that fails whenever more than one row draws at once is redone a row at a
+    time, so greedy and seeded rows with log-probs draw the tokens and log-probs of the same
+    engine without the fault, and the engine serves on."""
+    llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32", enable_prefix_caching=False,
+              async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+    llm.llm_engine.validate_every_step = True
+    prompts = _prompts(8)
+    params = [SamplingParams(temperature=0.8 * (i % 2), seed=i, max_tokens=24, ignore_eos=True, logprobs=i % 3)
+              for i in range(len(prompts))]
+
+    def run() -> list:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want = run()
+    sampler = llm.llm_engine.executor.sampler
+    by_kernels = sampler._sample_by_kernels
+    faults = [0]
+
+    def short_of_memory_for_a_batch(logits, as_float, rows):
+        if logits.shape[0] > 1:
+            faults[0] += 1
+            raise torch.OutOfMemoryError("out of memory for the batch's draw")
+        return by_kernels(logits, as_float, rows)
+
+    sampler._sample_by_kernels = short_of_memory_for_a_batch
+    got = run()
+    del sampler._sample_by_kernels
+    assert faults[0] > 0
+    assert [o.error for o in got] == [None] * len(prompts)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        for gs, ws in zip(g.logprobs, w.logprobs):
+            assert gs.keys() == ws.keys()
+            assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=1e-4)
+    assert [o.token_ids for o in run()] == [o.token_ids for o in want]
+    llm.shutdown()
+
+
 def test_decode_graphs_without_the_captured_draw_sample_eagerly(checkpoint, monkeypatch):
     """``CAPTURE_DRAW = False`` (the default; True is the profiling scripts' A/B switch): the
     graphs replay without the draw, every step that replayed one samples by its own launch, and
