@@ -1,7 +1,11 @@
 """Builds real engines on tiny checkpoints for tests, with the invariant validator switched on."""
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
+
+import pytest
+import torch
 
 from kvscope import LLM, SamplingParams
 from kvscope.engine.scheduler_output import PLACEHOLDER
@@ -71,3 +75,36 @@ def bias_logits(llm: LLM, bias: dict[int, float]) -> None:
         return logits
 
     model.compute_logits = biased
+
+
+@contextlib.contextmanager
+def batch_draws_short_of_memory(llm: LLM, path: str) -> Iterator[list[int]]:
+    """Make the runner's sampler ``path`` (``"_sample_by_torch"`` or ``"_sample_by_kernels"``)
+    raise ``torch.OutOfMemoryError`` whenever more than one row draws at once: a fault of the
+    batch that no row causes alone. Yields a one-item list counting the faults."""
+    sampler = llm.llm_engine.executor.sampler
+    draw = getattr(sampler, path)
+    faults = [0]
+
+    def short_of_memory(logits: torch.Tensor, *rest: Any) -> torch.Tensor:
+        if logits.shape[0] > 1:
+            faults[0] += 1
+            raise torch.OutOfMemoryError("out of memory for the batch's draw")
+        return draw(logits, *rest)
+
+    setattr(sampler, path, short_of_memory)
+    try:
+        yield faults
+    finally:
+        delattr(sampler, path)
+
+
+def assert_same_outputs(got: list, want: list, abs_tol: float) -> None:
+    """Equal completions: no error, the same tokens, the same log-prob keys, values within ``abs_tol``."""
+    assert [o.error for o in got] == [None] * len(want)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for gs, ws in zip(g.logprobs or [], w.logprobs or []):
+            assert gs.keys() == ws.keys()
+            assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=abs_tol)

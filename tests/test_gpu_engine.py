@@ -12,6 +12,7 @@ import torch
 
 from kvscope import LLM, SamplingParams
 from kvscope.forward_context import forward_context
+from engine_helpers import assert_same_outputs, batch_draws_short_of_memory
 from tiny_models import make_tiny_checkpoint, pack_metadata
 
 pytestmark = pytest.mark.gpu
@@ -207,26 +208,10 @@ def test_a_batch_whose_draw_fails_as_a_whole_loses_no_row_on_gpu(checkpoint, asy
         return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
     want = run()
-    sampler = llm.llm_engine.executor.sampler
-    by_kernels = sampler._sample_by_kernels
-    faults = [0]
-
-    def short_of_memory_for_a_batch(logits, as_float, rows):
-        if logits.shape[0] > 1:
-            faults[0] += 1
-            raise torch.OutOfMemoryError("out of memory for the batch's draw")
-        return by_kernels(logits, as_float, rows)
-
-    sampler._sample_by_kernels = short_of_memory_for_a_batch
-    got = run()
-    del sampler._sample_by_kernels
+    with batch_draws_short_of_memory(llm, "_sample_by_kernels") as faults:
+        got = run()
     assert faults[0] > 0
-    assert [o.error for o in got] == [None] * len(prompts)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        for gs, ws in zip(g.logprobs, w.logprobs):
-            assert gs.keys() == ws.keys()
-            assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=1e-4)
+    assert_same_outputs(got, want, abs_tol=1e-4)
     assert [o.token_ids for o in run()] == [o.token_ids for o in want]
     llm.shutdown()
 

@@ -9,9 +9,8 @@ import signal
 import threading
 
 import pytest
-import torch
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, greedy, make_llm, token_ids
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.engine.validator import InvariantError
 from kvscope.sampling_params import SamplingParams
@@ -105,27 +104,10 @@ def test_a_batch_whose_draw_fails_as_a_whole_loses_no_row(async_scheduling: bool
                                stop_token_ids=drawn[:4])
     want = run()
     assert want[2].token_ids[:4] != drawn[:4]
-    sampler = llm.llm_engine.executor.sampler
-    by_torch = sampler._sample_by_torch
-    faults = [0]
-
-    def short_of_memory_for_a_batch(logits, rows):
-        if logits.shape[0] > 1:
-            faults[0] += 1
-            raise torch.OutOfMemoryError("out of memory for the batch's draw")
-        return by_torch(logits, rows)
-
-    sampler._sample_by_torch = short_of_memory_for_a_batch
-    got = run()
-    del sampler._sample_by_torch
+    with batch_draws_short_of_memory(llm, "_sample_by_torch") as faults:
+        got = run()
     assert faults[0] > 0
-    assert [o.error for o in got] == [None] * len(params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    for g, w in zip(got, want):
-        assert (g.logprobs is None) == (w.logprobs is None)
-        for gs, ws in zip(g.logprobs or [], w.logprobs or []):
-            assert gs.keys() == ws.keys()
-            assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=1e-5)
+    assert_same_outputs(got, want, abs_tol=1e-5)
     assert_healthy(llm)
 
 
