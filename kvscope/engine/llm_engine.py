@@ -389,10 +389,12 @@ class LLMEngine:
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
             for req in progressed:
+                if not req.stop_strings or req.error:
+                    continue
                 # As in vLLM, the text of the token that stopped a request is searched too when it
                 # is output text (include_stop_str_in_output).
-                searched = (None, "length", "stop") if req.params.include_stop_str_in_output else (None, "length")
-                if not req.stop_strings or req.finish_reason not in searched or req.error:
+                if req.finish_reason not in (None, "length") and not (
+                        req.finish_reason == "stop" and req.params.include_stop_str_in_output):
                     continue
                 min_tokens = req.params.min_tokens
                 if req.num_output_tokens > min_tokens:
