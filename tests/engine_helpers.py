@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -63,14 +63,15 @@ class Cycle:
         self.me = self
 
 
-def bias_logits(llm: LLM, bias: dict[int, float]) -> None:
-    """Add ``bias[token]`` to every logit of ``token`` the model computes from now on."""
+def bias_logits(llm: LLM, bias: dict[int, float] | Callable[[], dict[int, float]]) -> None:
+    """Add ``bias[token]`` to every logit of ``token`` the model computes from now on; ``bias``
+    may be a function, called for each computation's biases."""
     model = llm.llm_engine.executor.model
     plain = model.compute_logits
 
     def biased(hidden):
         logits = plain(hidden)
-        for token, b in bias.items():
+        for token, b in (bias() if callable(bias) else bias).items():
             logits[:, token] += b
         return logits
 

@@ -120,6 +120,36 @@ def test_a_stop_string_inside_the_text_of_the_token_that_stops_a_request(llm):
             assert out.stop_reason == full[i] and out.text == before
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_ending_inside_a_character_hide_only_that_character(async_scheduling):
+    """The text a stop string may not end in is that of the first ``min_tokens`` tokens less an
+    incomplete last character, whether the request is streamed (its text read at every step) or
+    final-only (read first at ``min_tokens``): here the first 4 tokens end inside a 4-byte
+    character, so the ``a`` of ``xa`` is theirs and the request stops at the next ``a``."""
+    llm = make_llm(async_scheduling=async_scheduling)
+    tokenizer = llm.get_tokenizer()
+    script = tokenizer.encode("xa\U0001d518b\U0001d54fa", add_special_tokens=False)
+    assert tokenizer.decode(script[:4]).endswith("\ufffd")  # the 4th token ends inside a character
+    stop_at = len(script)
+    script += tokenizer.encode("zzzzzz", add_special_tokens=False)  # (an async step may run past the stop)
+    draws = iter(script)
+    bias_logits(llm, lambda: {next(draws): 1e4})  # each run draws the script from its start
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=len(script) - 2, min_tokens=4, stop=["a"],
+                                include_stop_str_in_output=include)
+        text = tokenizer.decode(script[:stop_at])
+        want = text if include else text[:-1]
+        draws = iter(script)
+        final_only = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
+        draws = iter(script)
+        llm.add_request([5, 6, 7], params)
+        streamed = None
+        while llm.has_unfinished_requests():
+            streamed = next((o.outputs[0] for o in llm.step() if o.finished), streamed)
+        for out in (final_only, streamed):
+            assert (out.token_ids, out.text, out.stop_reason) == (script[:stop_at], want, "a")
+
+
 def test_stop_strings_in_the_text_of_the_first_min_tokens_tokens_are_ignored(llm):
     """As in vLLM: a stop string is looked for only once more than ``min_tokens`` tokens are out,
     in the text they add (a match may begin up to its length back). A stop string that is the

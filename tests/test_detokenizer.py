@@ -40,6 +40,20 @@ def test_multibyte_text_streams_exactly(bundled_tokenizer):
     _assert_streams_like_full_decode(bundled_tokenizer, bundled_tokenizer.encode(text))
 
 
+def test_text_read_now_and_then_equals_text_read_at_every_token(bundled_tokenizer):
+    """An update that brings many tokens holds back only an incomplete last character, as
+    updates token by token do: the text at each token count does not depend on how often it
+    was read before (4-byte characters span 4 byte-level tokens here)."""
+    ids = bundled_tokenizer.encode("xa\U0001d518b\U0001d54fa 日本語 🙂 naïve — café\n\U0001f600!", add_special_tokens=False)
+    every = IncrementalDetokenizer(bundled_tokenizer)
+    streamed = [every.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    for stride in (2, 3, 5, 7, len(ids)):
+        for offset in range(stride):
+            sparse = IncrementalDetokenizer(bundled_tokenizer)
+            for k in range(offset + 1, len(ids) + 1, stride):
+                assert sparse.update(ids[:k]) == streamed[k - 1], (stride, offset, k)
+
+
 def test_sentencepiece_style_spaces_stream_exactly():
     """Metaspace tokenizers (Llama 2, Mistral) drop a token's leading space when it is decoded
     alone; the window of the previous update's tokens keeps the spaces between words."""

@@ -7,12 +7,17 @@ tokenizers attach a space to the token that follows it. So each update decodes a
 that begins at the previous update's tokens, keeps what the window adds beyond the text those
 tokens already gave, and holds back a tail that decodes to U+FFFD (an incomplete character)
 until the token that completes it arrives.
+
+Only the tokens of that character are held back, however many tokens an update brings: the text
+after an update does not depend on how often the text was read before (a final-only request is
+read first when its stop strings start to count, at ``min_tokens``; a streamed one at every step).
 """
 from __future__ import annotations
 
 from typing import Any
 
 _INCOMPLETE = "\ufffd"
+_MAX_HELD = 3  # the most tokens an incomplete character's bytes span (UTF-8: at most 3 of 4 bytes)
 
 
 class IncrementalDetokenizer:
@@ -28,10 +33,13 @@ class IncrementalDetokenizer:
 
     def update(self, output_ids: list[int]) -> str:
         """The text of ``output_ids`` (which only ever grows between calls), incomplete tail held back."""
-        if len(output_ids) > self._read:
+        n = len(output_ids)
+        if n > self._read:
             seen = self._decode(output_ids[self._prefix:self._read])
-            window = self._decode(output_ids[self._prefix:])
-            if len(window) > len(seen) and not window.endswith(_INCOMPLETE):
-                self.text += window[len(seen):]
-                self._prefix, self._read = self._read, len(output_ids)
+            for end in range(n, max(self._read, n - _MAX_HELD - 1), -1):  # the longest clean window
+                window = self._decode(output_ids[self._prefix:end])
+                if len(window) > len(seen) and not window.endswith(_INCOMPLETE):
+                    self.text += window[len(seen):]
+                    self._prefix, self._read = self._read, end
+                    break
         return self.text
