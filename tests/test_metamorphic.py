@@ -187,3 +187,42 @@ def test_async_scheduling_matches_sync_on_random_workloads(
         runs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason)
                      for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[1] == runs[0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 4, 16]), budget=st.integers(4, 64),
+       spare_blocks=st.integers(0, 12), async_scheduling=st.booleans(), caching=st.booleans())
+def test_text_and_stop_strings_do_not_depend_on_config_or_streaming(
+    seed, block_size, budget, spare_blocks, async_scheduling, caching
+):
+    """Stop strings taken from a first run's own text (so they hit), ``min_tokens``,
+    ``include_stop_str_in_output`` and stop token ids, on the tiny model's text (bytes that
+    often end inside a character): requests streamed through ``step()`` under a random config
+    (tight pool, small budget, async) give what final-only requests give under a roomy one:
+    the same tokens, text, finish reason and stop reason."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 16))] for _ in range(rng.randrange(1, 5))]
+    kws = [dict(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randrange(4, 16), ignore_eos=True)
+           for i in range(len(prompts))]
+    roomy = make_llm(max_num_batched_tokens=4096, max_model_len=128)
+    first = roomy.generate(prompts, [SamplingParams(**k) for k in kws], use_tqdm=False)
+    for k, o in zip(kws, first):
+        text, ids = o.outputs[0].text, o.outputs[0].token_ids
+        i = rng.randrange(len(text)) if text else 0
+        k.update(min_tokens=rng.randrange(0, k["max_tokens"]), include_stop_str_in_output=rng.random() < 0.5,
+                 stop=[text[i:i + rng.randrange(1, 3)]] if text else None, stop_token_ids=[rng.choice(ids)])
+    params = [SamplingParams(**k) for k in kws]
+    want = [o.outputs[0] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    longest = max(len(p) + k["max_tokens"] for p, k in zip(prompts, kws))
+    llm = make_llm(block_size=block_size, num_kv_blocks=-(-longest // block_size) + spare_blocks,
+                   max_num_batched_tokens=budget, enable_prefix_caching=caching, async_scheduling=async_scheduling,
+                   max_model_len=128)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    final = {}
+    while llm.has_unfinished_requests():
+        final.update({o.request_id: o.outputs[0] for o in llm.step() if o.finished})
+
+    def fields(c):
+        return c.token_ids, c.text, c.finish_reason, c.stop_reason
+
+    assert [fields(final[i]) for i in ids] == [fields(c) for c in want]
