@@ -28,6 +28,16 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def drain(llm: LLM) -> dict[str, Any]:
+    """Step until idle; the final output of every request, by id."""
+    final = {}
+    for _ in range(500):
+        if not llm.has_unfinished_requests():
+            return final
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    raise AssertionError("the engine did not drain")
+
+
 def watch_launches(llm: LLM) -> tuple[dict[int, dict[str, list[int]]], list[bool]]:
     """Wrap the runner's launch: the tables it holds right after each launch (those of the
     forward pass), and whether the launch carried inputs still on the device (async scheduling)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import bias_logits, greedy, make_llm, token_ids
+from engine_helpers import bias_logits, drain, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
 from tiny_models import EOS_ID, tiny_checkpoint
 
@@ -142,10 +142,8 @@ def test_min_tokens_ending_inside_a_character_hide_only_that_character(async_sch
         draws = iter(script)
         final_only = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]
         draws = iter(script)
-        llm.add_request([5, 6, 7], params)
-        streamed = None
-        while llm.has_unfinished_requests():
-            streamed = next((o.outputs[0] for o in llm.step() if o.finished), streamed)
+        rid = llm.add_request([5, 6, 7], params)
+        streamed = drain(llm)[rid].outputs[0]
         for out in (final_only, streamed):
             assert (out.token_ids, out.text, out.stop_reason) == (script[:stop_at], want, "a")
 
@@ -167,10 +165,8 @@ def test_stop_strings_in_the_text_of_the_first_min_tokens_tokens_are_ignored(llm
     assert stopped.finish_reason == "stop" and stopped.text == "" and len(stopped.token_ids) <= 2
     params = greedy(10, stop=[needle], min_tokens=2)
     final_only = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    llm.add_request(prompt, params)  # streamed: its text is decoded as it grows
-    streamed = None
-    while llm.has_unfinished_requests():
-        streamed = next((o.outputs[0] for o in llm.step() if o.finished), streamed)
+    rid = llm.add_request(prompt, params)  # streamed: its text is decoded as it grows
+    streamed = drain(llm)[rid].outputs[0]
     for late in (final_only, streamed):
         assert late.finish_reason == "length" and late.text == out.text
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import greedy, make_llm, token_ids
+from engine_helpers import drain, greedy, make_llm, token_ids
 from kvscope import SamplingParams
 from kvscope.engine.scheduler_output import PLACEHOLDER
 
@@ -218,11 +218,9 @@ def test_text_and_stop_strings_do_not_depend_on_config_or_streaming(
                    max_num_batched_tokens=budget, enable_prefix_caching=caching, async_scheduling=async_scheduling,
                    max_model_len=128)
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
-    final = {}
-    while llm.has_unfinished_requests():
-        final.update({o.request_id: o.outputs[0] for o in llm.step() if o.finished})
+    final = drain(llm)
 
     def fields(c):
         return c.token_ids, c.text, c.finish_reason, c.stop_reason
 
-    assert [fields(final[i]) for i in ids] == [fields(c) for c in want]
+    assert [fields(final[i].outputs[0]) for i in ids] == [fields(c) for c in want]

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, greedy, make_llm, token_ids
+from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, token_ids
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.engine.validator import InvariantError
 from kvscope.sampling_params import SamplingParams
@@ -37,16 +37,6 @@ def assert_healthy(llm) -> None:
     llm.check_invariants()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
-
-
-def drain(llm) -> dict[str, object]:
-    """Step until idle; the final output of every request, by id."""
-    final = {}
-    for _ in range(500):
-        if not llm.has_unfinished_requests():
-            return final
-        final.update({o.request_id: o for o in llm.step() if o.finished})
-    raise AssertionError("the engine did not drain")
 
 
 # ------------------------------------------------------------------ case 2
