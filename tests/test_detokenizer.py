@@ -6,9 +6,13 @@ engine: ``LLM.step()`` text and stop strings.
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 from transformers import AutoTokenizer
 
 from kvscope import LLM, SamplingParams
@@ -54,6 +58,25 @@ def test_text_read_now_and_then_equals_text_read_at_every_token(bundled_tokenize
                 assert sparse.update(ids[:k]) == streamed[k - 1], (stride, offset, k)
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_text_of_any_bytes_does_not_depend_on_how_often_it_is_read(data):
+    """Ids of the tiny byte-level tokenizer, many of them bytes that never form a character;
+    read at any cadence, the text at each read is what reading it at every token gives."""
+    tokenizer = _tiny_tokenizer()
+    stray = [i for i in range(3, 320) if tokenizer.decode([i]) == INCOMPLETE]
+    ids = data.draw(st.lists(st.one_of(st.integers(3, 319), st.sampled_from(stray)), min_size=1, max_size=40))
+    strides = data.draw(st.lists(st.integers(1, 8), min_size=1))
+    every = IncrementalDetokenizer(tokenizer)
+    streamed = [every.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    sparse, k = IncrementalDetokenizer(tokenizer), 0
+    for stride in itertools.cycle(strides):
+        if k == len(ids):
+            break
+        k = min(len(ids), k + stride)
+        assert sparse.update(ids[:k]) == streamed[k - 1], k
+
+
 def test_sentencepiece_style_spaces_stream_exactly():
     """Metaspace tokenizers (Llama 2, Mistral) drop a token's leading space when it is decoded
     alone; the window of the previous update's tokens keeps the spaces between words."""
@@ -72,8 +95,13 @@ def test_sentencepiece_style_spaces_stream_exactly():
     _assert_streams_like_full_decode(tokenizer, ids)
 
 
+@functools.cache
+def _tiny_tokenizer():
+    return AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3"), local_files_only=True)
+
+
 def test_random_bytes_stream_like_full_decode():
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen3"), local_files_only=True)
+    tokenizer = _tiny_tokenizer()
     rng = random.Random(0)
     for _ in range(5):
         _assert_streams_like_full_decode(tokenizer, [rng.randrange(3, 320) for _ in range(60)])

@@ -3,21 +3,22 @@
 Decoding all of a request's output tokens each step costs O(n) per step, O(n²) per request:
 fine at the end of a request, too slow for streaming (``LLM.step()``) and stop strings. Decoding
 token by token is wrong instead: one character can span several byte-level tokens, and some
-tokenizers attach a space to the token that follows it. So each update decodes a short window
-that begins at the previous update's tokens, keeps what the window adds beyond the text those
-tokens already gave, and holds back a tail that decodes to U+FFFD (an incomplete character)
-until the token that completes it arrives.
+tokenizers attach a space to the token that follows it. So each new token decodes a short
+window that begins at the tokens that last added text before it, keeps what the window adds
+beyond the text those tokens already gave, and holds back a tail that decodes to U+FFFD (an
+incomplete character) until the token that completes it arrives.
 
-Only the tokens of that character are held back, however many tokens an update brings: the text
-after an update does not depend on how often the text was read before (a final-only request is
-read first when its stop strings start to count, at ``min_tokens``; a streamed one at every step).
+An update that brings many tokens takes them in one at a time, so the text after an update does
+not depend on how often the text was read before (a final-only request is read first when its
+stop strings start to count, at ``min_tokens``; a streamed one at every step). Backing off from
+the last token to the longest window that decodes cleanly would not do: a run of bytes that
+never forms a character decodes to U+FFFD for good, however far it reaches back.
 """
 from __future__ import annotations
 
 from typing import Any
 
 _INCOMPLETE = "\ufffd"
-_MAX_HELD = 3  # the most tokens an incomplete character's bytes span (UTF-8: at most 3 of 4 bytes)
 
 
 class IncrementalDetokenizer:
@@ -25,21 +26,21 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self.text = ""
-        self._prefix = 0  # window start: the tokens of the previous update
+        self._prefix = 0  # window start: the tokens before the last ones that added text
         self._read = 0    # tokens whose text is already in ``self.text``
+        self._seen = ""   # the text of the tokens from ``_prefix`` to ``_read``, decoded alone
+        self._taken = 0   # tokens taken in so far
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def update(self, output_ids: list[int]) -> str:
         """The text of ``output_ids`` (which only ever grows between calls), incomplete tail held back."""
-        n = len(output_ids)
-        if n > self._read:
-            seen = self._decode(output_ids[self._prefix:self._read])
-            for end in range(n, max(self._read, n - _MAX_HELD - 1), -1):  # the longest clean window
-                window = self._decode(output_ids[self._prefix:end])
-                if len(window) > len(seen) and not window.endswith(_INCOMPLETE):
-                    self.text += window[len(seen):]
-                    self._prefix, self._read = self._read, end
-                    break
+        for end in range(self._taken + 1, len(output_ids) + 1):
+            window = self._decode(output_ids[self._prefix:end])
+            if len(window) > len(self._seen) and not window.endswith(_INCOMPLETE):
+                self.text += window[len(self._seen):]
+                self._prefix, self._read = self._read, end
+                self._seen = self._decode(output_ids[self._prefix:self._read])
+        self._taken = max(self._taken, len(output_ids))
         return self.text
