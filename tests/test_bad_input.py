@@ -118,6 +118,13 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
                                      r"gpu_memory_utilization must be a number in \(0, 1\], got 'abc'"),
     "gpu_memory_utilization=NaN": (dict(gpu_memory_utilization=float("nan")), ValueError,
                                    r"gpu_memory_utilization must be a number"),
+    # (the tiny model has 2 KV heads: a size of 4 cannot shard them)
+    "tensor_parallel_size=4": (dict(tensor_parallel_size=4), ValueError,
+                               r"tensor_parallel_size=4 cannot shard this model: num_key_value_heads=2 not divisible by 4"),
+    # (Triton's compiled kernels on CPU tensors: the first step failed deep inside Triton)
+    "attention_backend='triton' on CPU": (dict(attention_backend="triton"), ValueError,
+                                          r"attention_backend='triton' runs on CUDA devices, not on 'cpu': "
+                                          r"pick attention_backend='torch'"),
 }
 
 

@@ -25,7 +25,7 @@ triton = pytest.importorskip("triton")
 from kvscope.kernels import gluon_attention
 from kvscope.kernels import triton_attention as ta
 from kvscope.kernels.base import AttentionMetadata
-from triton_testing import (REPO, compile_recorded, compile_sm90, compiled_only, interpreted_only,
+from triton_testing import (INTERPRETED, REPO, compile_recorded, compile_sm90, compiled_only, interpreted_only,
                             needs_cuda, record_launches, rel_err, run_interpreted_tests)
 
 SCALE_OF_HEAD_DIM = 0.5  # scale = 0.5 / sqrt(D), not 1 / sqrt(D): a dropped scale shows
@@ -668,7 +668,11 @@ def test_gpu_gluon_prefill_fp16_and_strided_q_in_a_cuda_graph() -> None:
 def test_select_backend() -> None:
     from kvscope.kernels.select import select_backend
     assert select_backend("auto", "cpu").name == "torch"
-    assert select_backend("triton", "cpu").name == "triton"
+    if INTERPRETED:
+        assert select_backend("triton", "cpu").name == "triton"
+    else:
+        with pytest.raises(ValueError, match="attention_backend='triton' runs on CUDA devices, not on 'cpu'"):
+            select_backend("triton", "cpu")
     if torch.cuda.is_available():
         assert select_backend("auto", "cuda").name == "triton"
     with pytest.raises(ValueError, match="attention_backend"):

@@ -31,7 +31,11 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
         if not _importable("triton"):
             raise ImportError("attention_backend='triton' needs triton, not importable here: "
                               "pip install triton, or pick attention_backend='torch' (or 'auto')")
-        from kvscope.kernels.triton_attention import TritonAttentionBackend
+        from kvscope.kernels.triton_attention import TritonAttentionBackend, interpreted
 
+        if device.type != "cuda" and not interpreted():  # else the first step fails inside Triton
+            raise ValueError(f"attention_backend='triton' runs on CUDA devices, not on {device.type!r}: "
+                             "pick attention_backend='torch' (or 'auto'); Triton's interpreter runs "
+                             "the kernels on CPU if TRITON_INTERPRET=1 is set before kvscope is imported")
         return TritonAttentionBackend()
     raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {name!r}")

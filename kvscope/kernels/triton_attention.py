@@ -565,6 +565,12 @@ def tune_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return attention_configs.tune(_shape_key(q, k_cache, meta), run, timer)
 
 
+def interpreted() -> bool:
+    """Whether this module's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when it
+    was imported): the only way they run on CPU tensors."""
+    return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
 class TritonAttentionBackend:
     """Store this step's K/V into the pool (unless the fused RoPE kernel did), then run the
     paged kernel over every row."""

@@ -53,7 +53,7 @@ def check_supported(config: Any) -> None:
     fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # the vocabulary is padded
     bad = [f"{f}={getattr(config, f)}" for f in fields if getattr(config, f) % tp]
     if bad:
-        raise ValueError(f"cannot shard over tensor-parallel size {tp}: "
+        raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: "
                          f"{', '.join(bad)} not divisible by {tp}")
 
 
