@@ -125,6 +125,9 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "attention_backend='triton' on CPU": (dict(attention_backend="triton"), ValueError,
                                           r"attention_backend='triton' runs on CUDA devices, not on 'cpu': "
                                           r"pick attention_backend='torch'"),
+    "attention_backend='triton' on CPU, tensor_parallel_size=2": (  # refused before any worker starts
+        dict(attention_backend="triton", tensor_parallel_size=2), ValueError,
+        r"attention_backend='triton' runs on CUDA devices, not on 'cpu'"),
 }
 
 

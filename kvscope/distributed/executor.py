@@ -40,6 +40,7 @@ from kvscope.distributed.step_message import encode_step
 from kvscope.distributed.worker import WorkerArgs, worker_main
 from kvscope.engine.executor import StepHandle, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.kernels.select import select_backend
 from kvscope.models import spec_for
 from kvscope.models.decoder import check_supported
 from kvscope.runner.model_runner import ModelRunner, resolve_device
@@ -244,10 +245,11 @@ class TensorParallelExecutor:
 
     def __init__(self, config: EngineConfig, hf_config: Any, model_dir: str, max_model_len: int) -> None:
         tp = self.tp_size = config.tensor_parallel_size
+        devices = rank_devices(resolve_device(config), tp)
         with tp_scope(0, tp):  # refuse what no rank could build before starting any process
             spec_for(hf_config)
             check_supported(hf_config)
-        devices = rank_devices(resolve_device(config), tp)
+            select_backend(config.attention_backend, devices[0])
         # Every rank builds from the same snapshot of the config; workers never import transformers.
         snapshot = types.SimpleNamespace(**hf_config.to_dict())
         self._ranks = ranks = _Ranks(tp, devices[0])
