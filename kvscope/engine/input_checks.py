@@ -21,10 +21,22 @@ def check_prompt(prompt: Any) -> None:
         elif "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"prompt['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
+            _check_text(prompt["prompt"], "prompt['prompt']")
         else:
             raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
-    elif not isinstance(prompt, str):
+    elif isinstance(prompt, str):
+        _check_text(prompt, "prompt")
+    else:
         _check_id_container(prompt, "prompt")
+
+
+def _check_text(text: str, name: str) -> None:
+    """A str the tokenizer can read: one that UTF-8 can encode (a lone surrogate made the
+    tokenizer raise a TypeError about its own input types)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
 
 
 def _check_id_container(ids: Any, name: str) -> None:
