@@ -57,6 +57,9 @@ class SamplingParams:
             isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
