@@ -15,6 +15,7 @@ import pytest
 import kvscope
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
+from kvscope.trace import Recorder
 from tiny_models import TINY, tiny_checkpoint
 
 VOCAB = TINY["vocab_size"]
@@ -75,6 +76,12 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "stop_token_ids outside the vocabulary": (
         lambda llm: llm.generate([[5, 6]], SamplingParams(stop_token_ids=[3, VOCAB]), use_tqdm=False),
         ValueError, rf"stop_token_ids contains {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"),
+    "Recorder of an LLM": (lambda llm: Recorder(llm), TypeError,
+                           r"^engine must be an LLMEngine, got LLM; for an LLM, use llm.record\(...\)"),
+    "record level='all'": (lambda llm: llm.record(level="all").__enter__(), ValueError,
+                           r"^level must be one of 'summary', 'blocks', 'full', got 'all'"),
+    "record max_steps=0": (lambda llm: llm.record(max_steps=0).__enter__(), ValueError,
+                           r"^max_steps must be an integer >= 1, got 0"),
     "int request_id": (lambda llm: llm.add_request([5, 6], request_id=5), TypeError,
                        r"request_id must be a str .* got int 5"),
     "abort an int request_id": (lambda llm: llm.abort_request(5), TypeError,

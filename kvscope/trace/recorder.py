@@ -97,6 +97,9 @@ class Recorder:
         self, engine: "LLMEngine", level: str = "blocks", max_steps: int = 10_000,
         model: str | None = None,
     ) -> None:
+        if not (hasattr(engine, "hooks") and hasattr(engine, "block_manager")):
+            hint = "; for an LLM, use llm.record(...) or pass llm.llm_engine" if hasattr(engine, "llm_engine") else ""
+            raise TypeError(f"engine must be an LLMEngine, got {type(engine).__name__}{hint}")
         if level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
