@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"contract", "data"},
     "contract": {"data"},
     "data": set(),
-    "distributed": {"runner", "models", "parallel_state", "contract", "data"},
+    "distributed": {"runner", "models", "kernels", "parallel_state", "contract", "data"},
     "runner": {"models", "layers", "kernels", "forward_context", "parallel_state", "contract", "data"},
     "models": {"layers", "parallel_state"},
     "layers": {"kernels", "forward_context", "parallel_state"},
