@@ -211,6 +211,31 @@ def test_pool_updates_are_block_deltas_whose_size_follows_the_changes():
     assert len(browser.model["delta"]) == 9 * int((browser.state != 0).sum()) < view.num_blocks
 
 
+@pytest.mark.parametrize("option, pattern", [
+    (dict(max_load=0), r"^max_load must be a share of the wall time in \(0, 1\], got 0$"),
+    (dict(interval=float("nan")), r"^interval must be a finite number of seconds >= 0, got nan$"),
+    (dict(interval=-1), r"^interval must be a finite number of seconds >= 0, got -1$"),
+    (dict(views=[]), r"^views must name at least one view$"),
+    (dict(views=3), r"^views must be view names \(a list of str, or one str separated by commas\), got int$"),
+])
+def test_bad_dashboard_options_are_refused_by_name_and_attach_nothing(option, pattern):
+    """max_load=0 used to stop live updates in the update thread (a division by zero) after
+    the first step, with nothing said in the notebook."""
+    llm = make_llm(num_kv_blocks=16)
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        Dashboard(llm, **option)
+    assert not llm.llm_engine.hooks.active("step.end")
+    assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].finished
+
+
+def test_views_as_one_comma_separated_str_are_the_views_as_a_list():
+    llm = make_llm(num_kv_blocks=16)
+    for views in (["pool", "queues"], "pool, queues"):
+        dash = Dashboard(llm, views=views)
+        assert list(dash.views) == ["pool", "queues"]
+        dash.detach()
+
+
 def test_a_view_is_usable_alone():
     llm = make_llm(**ENGINE)
     with llm.record() as trace:  # "blocks" level: the pool is replayed from events

@@ -23,6 +23,7 @@ import traitlets
 from plotly.subplots import make_subplots
 
 from kvscope.widgets import attach_snapshot as snap
+from kvscope.widgets.options import check_interval, view_names
 from kvscope.widgets.views import CSS, esm_source
 
 ATTACH_VIEWS = ("cache", "timeline")
@@ -98,14 +99,16 @@ class AttachDashboard:
     the token ids on hover.
     """
 
-    def __init__(self, attached: Any, views: Iterable[str] = ATTACH_VIEWS, interval: float = 0.5,
+    def __init__(self, attached: Any, views: Iterable[str] | str = ATTACH_VIEWS, interval: float = 0.5,
                  tokenizer: Any = None, max_nodes: int = 5000) -> None:
-        views = list(views)
+        views = view_names(views)
         unknown = set(views) - set(ATTACH_VIEWS) - set(snap.NEEDS_BLOCK_IDS)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)} for an attached source; choose from "
                              f"{', '.join(ATTACH_VIEWS)}")
-        self.attached, self.interval, self.max_nodes = attached, interval, max_nodes
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+            raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+        self.attached, self.interval, self.max_nodes = attached, check_interval(interval), max_nodes
         self.decode = tokenizer.decode if tokenizer is not None else None
         self.t0 = time.time()
         self.cache = AttachView(unavailable=dict(snap.NEEDS_BLOCK_IDS))

@@ -22,6 +22,7 @@ import ipywidgets as W
 
 from kvscope.trace.trace import Trace
 from kvscope.trace import frozen_heap
+from kvscope.widgets.options import check_interval, check_max_load, view_names
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
@@ -76,7 +77,8 @@ class Dashboard:
     :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
-    ``views`` picks the views; ``level`` and ``max_steps`` go to ``llm.record`` (the block views
+    ``views`` picks the views (a list of names, or one str of names separated by commas);
+    ``level`` and ``max_steps`` go to ``llm.record`` (the block views
     need ``"blocks"`` or ``"full"``; ``"full"`` adds a whole-pool copy per step, which makes
     jumping back in a long replay cheaper but costs ``num_blocks * 16`` bytes per step). Live
     updates come at most every ``interval`` seconds, and rarer when updating would take more
@@ -88,7 +90,7 @@ class Dashboard:
     def __init__(
         self,
         source: Any,
-        views: Iterable[str] = DEFAULT_VIEWS,
+        views: Iterable[str] | str = DEFAULT_VIEWS,
         level: str = "blocks",
         max_steps: int = 2000,
         interval: float = 0.25,
@@ -97,12 +99,13 @@ class Dashboard:
         if not (hasattr(source, "record") or isinstance(source, Trace)):
             raise TypeError(f"dashboard source must be an LLM (live) or a kvscope.Trace (replay), "
                             f"got {type(source).__name__}")
+        views = view_names(views)
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
         if level == "summary" and set(views) != {"timeline"}:
             raise ValueError("level='summary' records no blocks; it can feed views=['timeline'] only")
-        self.interval, self.max_load = interval, max_load
+        self.interval, self.max_load = check_interval(interval), check_max_load(max_load)
         self.llm = source if hasattr(source, "record") else None
         self._closed = self.llm is None
         self._listener = self._recording = None
