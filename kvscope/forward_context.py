@@ -5,35 +5,43 @@ The model code never sees requests: the runner packs one step's work into an
 forward pass; each attention layer reads it with :func:`get_forward_context`. It lives at the
 package's top level (as in vLLM) because both the runner, which sets it, and the attention
 layer, which reads it, import it, and neither may import the other.
+
+The context is per thread, like the tensor-parallel state: two engines in one process (a
+notebook's demo running in the background beside the user's own ``LLM``) each run their
+forward passes in their own thread, and neither may read the other's metadata.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 from kvscope.kernels.base import AttentionMetadata
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardContext:
     attn: AttentionMetadata | None = None
 
 
-_CONTEXT = ForwardContext()
+class _Local(threading.local):
+    context = ForwardContext()
+
+
+_LOCAL = _Local()
 
 
 def get_forward_context() -> ForwardContext:
-    return _CONTEXT
+    return _LOCAL.context
 
 
 @contextlib.contextmanager
 def forward_context(attn: AttentionMetadata | None) -> Iterator[ForwardContext]:
-    """Make ``attn`` visible to attention layers for the duration of one forward pass."""
-    global _CONTEXT
-    prev = _CONTEXT
-    _CONTEXT = ForwardContext(attn=attn)
+    """Make ``attn`` visible to this thread's attention layers for the duration of one forward pass."""
+    prev = _LOCAL.context
+    _LOCAL.context = context = ForwardContext(attn=attn)
     try:
-        yield _CONTEXT
+        yield context
     finally:
-        _CONTEXT = prev
+        _LOCAL.context = prev

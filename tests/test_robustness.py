@@ -238,6 +238,31 @@ def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     assert_healthy(llm)
 
 
+def test_two_llms_generating_in_two_threads_at_once_each_give_their_own_tokens() -> None:
+    """Two engines of one process stepping at the same time (a notebook's background demo
+    beside the user's ``LLM``): each forward pass reads its own step's attention metadata. The
+    block sizes and budgets differ, so metadata read across engines fails or changes tokens."""
+    engines = [make_llm(**CONFIG), make_llm(block_size=16, num_kv_blocks=16, max_num_batched_tokens=24)]
+    barrier, results, errors = threading.Barrier(2), {}, []
+
+    def run(k: int) -> None:
+        try:
+            barrier.wait()
+            results[k] = [token_ids(engines[k].generate(PROMPTS, greedy(6), use_tqdm=False)) for _ in range(6)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results == {0: [fresh_tokens(PROMPTS)] * 6, 1: [fresh_tokens(PROMPTS)] * 6}
+    for llm in engines:
+        assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 6
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("point", HOOK_POINTS)
