@@ -46,6 +46,9 @@ def _eos_ids(model_dir: str, tokenizer: Any) -> set[int]:
     return ids
 
 
+STEP_WAIT_S = 30.0  # how long llm.record waits for a step another thread is in to end
+
+
 def _make_executor(config: EngineConfig, hf_config: Any, model_dir: str, max_model_len: int) -> Any:
     if config.tensor_parallel_size > 1:
         from kvscope.distributed.executor import TensorParallelExecutor
@@ -99,6 +102,10 @@ class LLM:
         # One caller at a time (calls from other threads wait; a hook re-enters on its thread),
         # and outputs of streamed requests that finished while generate() stepped the engine.
         self._lock = threading.RLock()
+        # Held around each engine step and each request added or aborted, not a whole call: a
+        # recording attaches and detaches between two of them, whichever thread asks, without
+        # waiting for a generate() to end.
+        self._step_lock = threading.RLock()
         self._undelivered: dict[str, RequestOutput] = {}
         self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
 
@@ -144,12 +151,12 @@ class LLM:
                     "step; only step.end hooks may call it (or add_request / abort_request from any hook)")
             ids: list[str] = []
             try:
-                with deferred_interrupts():  # a Ctrl-C lands once every added id is in ids
+                with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once every added id is in ids
                     for p, sp in zip(prompt_list, params_list):
                         ids.append(engine.add_request(p, sp, final_only=True))
                 return self._run(ids, use_tqdm)
             finally:
-                with deferred_interrupts():
+                with deferred_interrupts(), self._step_lock:
                     for rid in ids:  # (a nested generate may have stashed one of their outputs)
                         engine.abort_request(rid, report=False)
                         self._undelivered.pop(rid, None)
@@ -176,7 +183,9 @@ class LLM:
                     break
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
-                for out in engine.step():
+                with self._step_lock:
+                    outputs = engine.step()
+                for out in outputs:
                     self._undelivered[out.request_id] = out
         finally:
             if bar is not None:
@@ -191,7 +200,7 @@ class LLM:
         check_prompt(prompt)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
-        with self._lock:
+        with self._lock, self._step_lock:
             return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -199,7 +208,8 @@ class LLM:
         (and, first, those that progressed while :meth:`generate` ran the engine)."""
         self._check_open()
         with self._lock:
-            outputs = self.llm_engine.step()
+            with self._step_lock:
+                outputs = self.llm_engine.step()
             if self._undelivered:
                 newer = {o.request_id for o in outputs}
                 outputs = [o for rid, o in self._undelivered.items() if rid not in newer] + outputs
@@ -213,7 +223,7 @@ class LLM:
             if isinstance(request_id, Iterable) else [request_id]
         if not all(isinstance(rid, str) for rid in ids):
             raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
-        with self._lock:
+        with self._lock, self._step_lock:
             for rid in ids:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
@@ -221,7 +231,7 @@ class LLM:
         return self.llm_engine.has_unfinished_requests() or bool(self._undelivered)
 
     def reset_prefix_cache(self) -> bool:
-        with self._lock:
+        with self._lock, self._step_lock:
             return self.llm_engine.reset_prefix_cache()
 
     # ---------------------------------------------------------- kvscope API
@@ -242,8 +252,26 @@ class LLM:
                 f"recording a trace needs pandas and pyarrow ({exc}); install them with "
                 "pip install 'kvscope[notebook]'"
             ) from exc
-        with Recorder(self.llm_engine, level, max_steps, model=self.model_dir) as trace:
+        with self._between_steps("llm.record"):  # (another thread may be stepping the engine)
+            recorder = Recorder(self.llm_engine, level, max_steps, model=self.model_dir)
+            trace = recorder.start()
+        try:
             yield trace
+        finally:
+            with self._between_steps("leaving llm.record"):
+                recorder.stop()
+
+    @contextlib.contextmanager
+    def _between_steps(self, what: str) -> Iterator[None]:
+        """Hold the engine between two steps; raise, rather than hang, when another thread
+        stays inside one (a paused dashboard's background run waits inside its step)."""
+        if not self._step_lock.acquire(timeout=STEP_WAIT_S):
+            raise RuntimeError(f"{what}: another thread has been inside one engine step for {STEP_WAIT_S:g} s "
+                               "(a paused dashboard's background run? resume or detach it first)")
+        try:
+            yield
+        finally:
+            self._step_lock.release()
 
     def check_invariants(self) -> None:
         """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now."""

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import signal
 import threading
+import warnings
 
 import pytest
 
+import kvscope.llm as llm_module
 from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, token_ids
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.engine.validator import InvariantError
@@ -261,6 +263,88 @@ def test_two_llms_generating_in_two_threads_at_once_each_give_their_own_tokens()
     assert results == {0: [fresh_tokens(PROMPTS)] * 6, 1: [fresh_tokens(PROMPTS)] * 6}
     for llm in engines:
         assert_healthy(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("moment", ["start", "stop"])
+@pytest.mark.parametrize("point", ["step.scheduled", "block.allocated"])
+def test_a_recording_started_or_stopped_from_another_thread_mid_step_waits_for_the_step(
+        point: str, moment: str, async_scheduling: bool) -> None:
+    """A dashboard attached to (or detached from) an LLM that a background thread drives, at a
+    moment when that thread is inside a step (held there by a hook at ``point``): the
+    recording starts or stops once the step is over, so none of its hooks meets a step it saw
+    only half of, and the pool its block events replay equals a ``full`` recording's snapshots."""
+    llm = make_llm(**CONFIG, async_scheduling=async_scheduling)
+    inside, leave, errors, opened, ended = threading.Event(), threading.Event(), [], [], []
+
+    def hold(**_: object) -> None:  # (once two steps have ended: a recording stopped then has steps)
+        if len(ended) >= 2 and not leave.is_set():
+            inside.set()
+            leave.wait(10)
+
+    def drive() -> None:
+        try:
+            assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+        except BaseException as exc:
+            errors.append(exc)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with llm.record("full") as full:
+            blocks_recording = llm.record("blocks")
+            if moment == "stop":
+                blocks = blocks_recording.__enter__()
+            handles = [llm.hooks.add(point, hold), llm.hooks.add("step.end", lambda **_: ended.append(1))]
+            driver = threading.Thread(target=drive)
+            driver.start()
+            assert inside.wait(10)
+            switch = threading.Thread(target=(lambda: opened.append(blocks_recording.__enter__())) if moment == "start"
+                                      else lambda: blocks_recording.__exit__(None, None, None))
+            switch.start()
+            switch.join(0.2)  # (long enough to attach or detach mid-step, were it let)
+            leave.set()
+            switch.join(10)
+            driver.join(60)
+            for h in handles:
+                h.remove()
+            if moment == "start":
+                (blocks,) = opened
+                llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+                blocks_recording.__exit__(None, None, None)
+    assert not errors, errors
+    assert not [w for w in caught if "raised and was detached" in str(w.message)], [str(w.message) for w in caught]
+    step = blocks.step_ids[-1]
+    snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
+    for k in ("ref_count", "block_hash", "num_tokens"):
+        assert (snap[k] == replay[k]).all(), (k, step)
+    assert_healthy(llm)
+
+
+def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refused_not_hung(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused dashboard's background run waits inside its step: llm.record from the notebook
+    then says so instead of waiting for ever, and works once the run goes on."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
+    llm = make_llm(**CONFIG)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold(**_: object) -> None:
+        inside.set()
+        leave.wait(10)
+
+    handle = llm.hooks.add("step.scheduled", hold)
+    driver = threading.Thread(target=lambda: llm.generate(PROMPTS, greedy(6), use_tqdm=False))
+    driver.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match=r"^llm.record: another thread has been inside one engine step for 0.2 s"):
+        llm.record("blocks").__enter__()
+    handle.remove()
+    leave.set()
+    driver.join(60)
+    with llm.record("blocks") as trace:
+        assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+    assert trace.step_ids
+    assert_healthy(llm)
 
 
 # ------------------------------------------------------------------ case 6
