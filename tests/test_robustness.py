@@ -213,26 +213,37 @@ def test_generate_from_step_end_works() -> None:
 
 
 # ------------------------------------------------------------------ case 5
-def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
-    llm = make_llm(**CONFIG)
-    barrier, results, errors = threading.Barrier(4), {}, []
+def run_together(fn, n: int) -> list[BaseException]:
+    """``fn(k)`` in ``n`` threads released at once; whatever any of them raised."""
+    barrier, errors = threading.Barrier(n), []
 
     def run(k: int) -> None:
         try:
             barrier.wait()
-            for _ in range(3):
-                prompts = PROMPTS[k:] + PROMPTS[:k]
-                results.setdefault(k, []).append(token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)))
-                llm.add_request([5, 6, 7], greedy(2))
-                llm.abort_request(llm.add_request([8, 9], greedy(2)))
+            fn(k)
         except BaseException as exc:  # any internal error fails the test
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return errors
+
+
+def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
+    llm = make_llm(**CONFIG)
+    results = {}
+
+    def run(k: int) -> None:
+        for _ in range(3):
+            prompts = PROMPTS[k:] + PROMPTS[:k]
+            results.setdefault(k, []).append(token_ids(llm.generate(prompts, greedy(6), use_tqdm=False)))
+            llm.add_request([5, 6, 7], greedy(2))
+            llm.abort_request(llm.add_request([8, 9], greedy(2)))
+
+    errors = run_together(run, 4)
     assert not errors, errors
     for k, runs in results.items():
         assert runs == [fresh_tokens(PROMPTS[k:] + PROMPTS[:k])] * 3
@@ -245,20 +256,12 @@ def test_two_llms_generating_in_two_threads_at_once_each_give_their_own_tokens()
     beside the user's ``LLM``): each forward pass reads its own step's attention metadata. The
     block sizes and budgets differ, so metadata read across engines fails or changes tokens."""
     engines = [make_llm(**CONFIG), make_llm(block_size=16, num_kv_blocks=16, max_num_batched_tokens=24)]
-    barrier, results, errors = threading.Barrier(2), {}, []
+    results = {}
 
     def run(k: int) -> None:
-        try:
-            barrier.wait()
-            results[k] = [token_ids(engines[k].generate(PROMPTS, greedy(6), use_tqdm=False)) for _ in range(6)]
-        except BaseException as exc:
-            errors.append(exc)
+        results[k] = [token_ids(engines[k].generate(PROMPTS, greedy(6), use_tqdm=False)) for _ in range(6)]
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_together(run, 2)
     assert not errors, errors
     assert results == {0: [fresh_tokens(PROMPTS)] * 6, 1: [fresh_tokens(PROMPTS)] * 6}
     for llm in engines:
