@@ -350,6 +350,28 @@ def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refus
     assert_healthy(llm)
 
 
+def test_a_recording_started_with_a_step_in_flight_names_the_rows_of_a_request_aborted_since() -> None:
+    """Async scheduling: a recording starts between two steps, with one launched; a request of
+    that step is aborted before the step ends. The step's rows still have their request ids
+    (its hook raised a KeyError and was detached), and the blocks recording replays the pool."""
+    llm = make_llm(**CONFIG, async_scheduling=True)
+    ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+    for _ in range(3):
+        llm.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with llm.record("full") as full, llm.record("blocks") as blocks:
+            llm.abort_request(ids[0])
+            drain(llm)
+    assert not [w for w in caught if "raised and was detached" in str(w.message)], [str(w.message) for w in caught]
+    assert blocks.step_ids and full.step_ids == blocks.step_ids
+    step = blocks.step_ids[-1]
+    snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
+    for k in ("ref_count", "block_hash", "num_tokens"):
+        assert (snap[k] == replay[k]).all(), (k, step)
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 6
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("point", HOOK_POINTS)

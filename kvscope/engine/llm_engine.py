@@ -357,6 +357,14 @@ class LLMEngine:
         with self._transition():
             self.scheduler.rollback(*outs, forget_prefix_cache=True)
 
+    def pin_in_flight_request_ids(self) -> None:
+        """Take the request ids of the step in flight now (async scheduling), if its launch did
+        not: a hook attached since (a recording started between two steps) needs them at the
+        step's end, when a request aborted meanwhile is no longer there to name its rows."""
+        step = self._in_flight
+        if step is not None and step.request_ids is None:
+            step.request_ids = self._step_request_ids(step.out)
+
     def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions, taken while all are known
         (only when a ``step.end`` or ``step.scheduled`` hook will want them)."""
