@@ -48,7 +48,7 @@ class KvscopeMagics(Magics):
             return self._attach(args)
         if args.endpoints:
             raise ValueError(f"%kvscope: unexpected arguments {args.endpoints} (only 'attach' takes endpoints)")
-        options = dict(views=[v.strip() for v in args.views.split(",") if v.strip()], level=args.level,
+        options = dict(views=args.views, level=args.level,
                        max_steps=args.max_steps, interval=args.interval, max_load=args.max_load)
         from kvscope.demo import demo
         from kvscope.widgets import Dashboard
