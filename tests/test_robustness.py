@@ -350,25 +350,43 @@ def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refus
     assert_healthy(llm)
 
 
-def test_a_recording_started_with_a_step_in_flight_names_the_rows_of_a_request_aborted_since() -> None:
-    """Async scheduling: a recording starts between two steps, with one launched; a request of
-    that step is aborted before the step ends. The step's rows still have their request ids
-    (its hook raised a KeyError and was detached), and the blocks recording replays the pool."""
-    llm = make_llm(**CONFIG, async_scheduling=True)
-    ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
-    for _ in range(3):
+@pytest.mark.parametrize("leaves", ["stops before", "aborted before", "aborted after"])
+def test_hooks_attached_with_a_step_in_flight_name_the_rows_of_a_request_that_left(leaves: str) -> None:
+    """Async scheduling: hooks attach between two steps, with one launched that holds a row of
+    request A. A leaves before they attach (it stops on a token while the step is in flight, or
+    is aborted) or after (aborted). The step still names A's row in ``StepInfo.request_ids``:
+    a user's ``step.end`` hook sees every row named, the recorder's hook is not detached (it
+    raised a KeyError), and the blocks recording replays the pool the full one snapshots."""
+    a_prompt, b_prompt = [3, 4, 5, 6, 7], [8, 9, 10]
+    engine_config = dict(block_size=4, num_kv_blocks=64)
+    ref = token_ids(make_llm(**engine_config).generate([a_prompt], greedy(8), use_tqdm=False))[0]
+    llm = make_llm(**engine_config, async_scheduling=True)
+    # A stops on its 2nd token, sampled by step 2; step 3 is launched with A's row before step 2 is read.
+    a = llm.add_request(a_prompt, greedy(8, stop_token_ids=[ref[1]] if leaves == "stops before" else None))
+    llm.add_request(b_prompt, greedy(8))
+    for _ in range(3 if leaves == "stops before" else 2):
         llm.step()
+    assert (a in llm.llm_engine.requests) == (leaves != "stops before")
+    if leaves == "aborted before":
+        llm.abort_request(a)
+    unnamed: list[int] = []
+
+    def named(info) -> None:
+        unnamed.extend(set(info.scheduler_output.columns.seq_id.tolist()) - set(info.request_ids))
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with llm.record("full") as full, llm.record("blocks") as blocks:
-            llm.abort_request(ids[0])
+        with llm.hooks({"step.end": named}), llm.record("full") as full, llm.record("blocks") as blocks:
+            if leaves == "aborted after":
+                llm.abort_request(a)
             drain(llm)
     assert not [w for w in caught if "raised and was detached" in str(w.message)], [str(w.message) for w in caught]
+    assert not unnamed
     assert blocks.step_ids and full.step_ids == blocks.step_ids
-    step = blocks.step_ids[-1]
-    snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
-    for k in ("ref_count", "block_hash", "num_tokens"):
-        assert (snap[k] == replay[k]).all(), (k, step)
+    for step in blocks.step_ids:
+        snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
+        for k in ("ref_count", "block_hash", "num_tokens"):
+            assert (snap[k] == replay[k]).all(), (k, step)
     assert_healthy(llm)
 
 

@@ -332,7 +332,7 @@ class LLMEngine:
             except BaseException:
                 self._rollback_in_flight(self._in_flight.out if self._in_flight else None, out)
                 raise
-            launched = _InFlight(out, handle, t0, schedule_s, request_ids)
+            launched = _InFlight(out, handle, t0, schedule_s, request_ids, self.scheduler.recently_finished)
         previous, self._in_flight = self._in_flight, launched
         if previous is None:
             if launched is None:
@@ -349,7 +349,7 @@ class LLMEngine:
         except BaseException:
             self._rollback_in_flight(step.out, launched)
             raise
-        return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids)
+        return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids, step.finished)
 
     def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
         """A launched step failed: roll back every step in flight."""
@@ -357,22 +357,23 @@ class LLMEngine:
         with self._transition():
             self.scheduler.rollback(*outs, forget_prefix_cache=True)
 
-    def pin_in_flight_request_ids(self) -> None:
-        """Take the request ids of the step in flight now (async scheduling), if its launch did
-        not: a hook attached since (a recording started between two steps) needs them at the
-        step's end, when a request aborted meanwhile is no longer there to name its rows."""
-        step = self._in_flight
-        if step is not None and step.request_ids is None:
-            step.request_ids = self._step_request_ids(step.out)
-
-    def _step_request_ids(self, out: SchedulerOutput) -> dict[int, str] | None:
-        """seq_id -> request_id of the step's rows and preemptions, taken while all are known
-        (only when a ``step.end`` or ``step.scheduled`` hook will want them)."""
+    def _step_request_ids(self, out: SchedulerOutput, finished: dict[int, str] | None = None
+                          ) -> dict[int, str] | None:
+        """seq_id -> request_id of the step's rows and preemptions (only when a ``step.end`` or
+        ``step.scheduled`` hook will want them). A row's request may have finished since the
+        step was scheduled (async scheduling: while the step was in flight). The scheduler's
+        ``recently_finished`` of the step's own schedule (``finished``) and of the one after it
+        still name it."""
         if not (self.hooks.active("step.end") or self.hooks.active("step.scheduled")):
             return None
-        live = self.scheduler.requests
-        return {i: live[i].request_id for i in chain(out.columns.seq_id.tolist(), out.preempted_seq_ids)
-                if i in live}
+        live, recent, earlier = self.scheduler.requests, self.scheduler.recently_finished, finished or {}
+        names = {}
+        for i in chain(out.columns.seq_id.tolist(), out.preempted_seq_ids):
+            req = live.get(i)
+            name = req.request_id if req is not None else recent.get(i, earlier.get(i))
+            if name is not None:
+                names[i] = name
+        return names
 
     def _step_sync(self) -> tuple[list[Request], list[Request]]:
         aborts = self._num_aborts
@@ -389,11 +390,13 @@ class LLMEngine:
         return self._end_step(out, result, t0, schedule_s, request_ids)
 
     def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
-                  request_ids: dict[int, str] | None) -> tuple[list[Request], list[Request]]:
-        """Post-process a step whose tokens are back, check invariants, fire ``step.end``."""
+                  request_ids: dict[int, str] | None, finished: dict[int, str] | None = None
+                  ) -> tuple[list[Request], list[Request]]:
+        """Post-process a step whose tokens are back, check invariants, fire ``step.end``.
+        ``finished``: see :meth:`_step_request_ids`."""
         t2 = time.perf_counter()
         if request_ids is None:  # launched before a step.end hook was attached
-            request_ids = self._step_request_ids(out)
+            request_ids = self._step_request_ids(out, finished)
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
             for req in progressed:
@@ -519,3 +522,4 @@ class _InFlight:
     t0: float
     schedule_s: float
     request_ids: dict[int, str] | None
+    finished: dict[int, str]  # the scheduler's ``recently_finished`` of this step's schedule

@@ -54,6 +54,9 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.requests: dict[int, Request] = {}  # seq_id -> every unfinished request
+        # seq_id -> request_id of the requests finished since the last schedule(): a step
+        # launched before they finished still has their rows (async scheduling)
+        self.recently_finished: dict[int, str] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.step_count = 0
@@ -83,6 +86,7 @@ class Scheduler:
         request.finish_reason = reason
         request.metrics.finished_time = time.perf_counter()
         del self.requests[request.seq_id]
+        self.recently_finished[request.seq_id] = request.request_id
         if request.num_sent_blocks or request.resumed:  # the runner holds a table for it
             self._finished_seq_ids.append(request.seq_id)
 
@@ -90,6 +94,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
         self.block_manager.step = self.step_count
+        self.recently_finished = {}
         out = SchedulerOutput(step=self.step_count, token_budget=self.config.max_num_batched_tokens)
         if self._schedule_steady(out):
             self.num_steady_steps += 1

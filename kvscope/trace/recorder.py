@@ -167,7 +167,6 @@ class Recorder:
             hooks.add("request.finished", self._on_finished),
             hooks.add("step.end", self._on_step_end, first=True),
         ]
-        self.engine.pin_in_flight_request_ids()
         frozen_heap.hold()  # (see frozen_heap: no full collection walks the heap while recording)
         self._holds_heap = True
         return self.trace
