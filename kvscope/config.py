@@ -10,6 +10,8 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvscope.arg_checks import check_int, is_int
+
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -62,22 +64,18 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
-        def positive_int(name: str, value: Any, minimum: int = 1) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-        positive_int("block_size", self.block_size)
+        check_int("block_size", self.block_size)
         if self.num_kv_blocks is not None:
-            positive_int("num_kv_blocks", self.num_kv_blocks)
-        positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive_int("max_num_seqs", self.max_num_seqs)
+            check_int("num_kv_blocks", self.num_kv_blocks)
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        check_int("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
-            positive_int("max_model_len", self.max_model_len)
-        positive_int("tensor_parallel_size", self.tensor_parallel_size)
+            check_int("max_model_len", self.max_model_len)
+        check_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.cpu_threads is not None:
-            positive_int("cpu_threads", self.cpu_threads)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64:
+            check_int("cpu_threads", self.cpu_threads)
+        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generator range), got {self.seed!r}")
         gmu = self.gpu_memory_utilization
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
@@ -98,7 +96,7 @@ class EngineConfig:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        positive_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
+        check_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
 
@@ -151,8 +149,7 @@ class KVEventsConfig:
             raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_events_config.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"kv_events_config.{name}", value)
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, str) and value.startswith(_ZMQ_SCHEMES)):

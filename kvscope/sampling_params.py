@@ -1,8 +1,9 @@
 """vLLM-compatible sampling parameters, validated when constructed."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from kvscope.arg_checks import check_int, is_finite_number, is_int
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
 
@@ -34,28 +35,23 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
         # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
-        if not _is_finite_number(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.temperature > _FLOAT32_MAX:
             raise ValueError(f"temperature must be at most {_FLOAT32_MAX:.6g} (the sampler divides in "
                              f"float32), got {self.temperature!r}")
-        if not _is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens)
+        check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
-        ):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
@@ -71,10 +67,6 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
-
-
-def _is_finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _as_list(name: str, value: object, item_type: type) -> list:

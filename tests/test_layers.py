@@ -23,6 +23,7 @@ LAYER_OF: dict[str, str] = {
     "kvscope.engine.executor": "contract",
     "kvscope.config": "data",
     "kvscope.sampling_params": "data",
+    "kvscope.arg_checks": "data",
     "kvscope.outputs": "data",
     "kvscope.distributed": "distributed",
     "kvscope.distributed.parallel_state": "parallel_state",

@@ -13,6 +13,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
+from kvscope.arg_checks import check_int
+
 if TYPE_CHECKING:
     from kvscope.attach.attached import Attached
 
@@ -49,11 +51,8 @@ def attach(
             raise ValueError(f"endpoints[{name!r}] must start with one of {', '.join(_SCHEMES)}, got {address!r}")
     replays = _matched(replay_endpoints, named, "replay_endpoints")
     urls = _matched(metrics_urls, named, "metrics_urls")
-    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-    for arg, value in (("hwm", hwm), ("max_events", max_events)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg} must be an integer >= 1, got {value!r}")
+    for arg, value in (("data_parallel_size", data_parallel_size), ("hwm", hwm), ("max_events", max_events)):
+        check_int(arg, value)
     for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{arg} must be a number of seconds > 0, got {value!r}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import pandas as pd
 
+from kvscope.arg_checks import check_int
 from kvscope.engine.hooks import BlockEvent, BlockEvents, HookHandle, warn_detached
 from kvscope.engine.scheduler_output import PLACEHOLDER
 from kvscope.trace import frozen_heap
@@ -102,8 +103,7 @@ class Recorder:
             raise TypeError(f"engine must be an LLMEngine, got {type(engine).__name__}{hint}")
         if level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
-        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError(f"max_steps must be an integer >= 1, got {max_steps!r}")
+        check_int("max_steps", max_steps)
         self.engine = engine
         self.level = level
         self.max_steps = max_steps

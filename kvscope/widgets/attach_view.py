@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 import traitlets
 from plotly.subplots import make_subplots
 
+from kvscope.arg_checks import check_int
 from kvscope.widgets import attach_snapshot as snap
 from kvscope.widgets.options import check_interval, view_names
 from kvscope.widgets.views import CSS, esm_source
@@ -106,9 +107,8 @@ class AttachDashboard:
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)} for an attached source; choose from "
                              f"{', '.join(ATTACH_VIEWS)}")
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-            raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
-        self.attached, self.interval, self.max_nodes = attached, check_interval(interval), max_nodes
+        self.attached, self.interval = attached, check_interval(interval)
+        self.max_nodes = check_int("max_nodes", max_nodes)
         self.decode = tokenizer.decode if tokenizer is not None else None
         self.t0 = time.time()
         self.cache = AttachView(unavailable=dict(snap.NEEDS_BLOCK_IDS))

@@ -2,8 +2,9 @@
 later, in the update thread, where it stops live updates with nothing said in the notebook."""
 from __future__ import annotations
 
-import math
 from typing import Any
+
+from kvscope.arg_checks import is_finite_number
 
 
 def view_names(views: Any) -> list[str]:
@@ -26,17 +27,13 @@ def view_names(views: Any) -> list[str]:
 
 def check_interval(interval: Any) -> float:
     """Seconds between two browser updates: a finite number >= 0."""
-    if not _finite_number(interval) or interval < 0:
+    if not is_finite_number(interval) or interval < 0:
         raise ValueError(f"interval must be a finite number of seconds >= 0, got {interval!r}")
     return float(interval)
 
 
 def check_max_load(max_load: Any) -> float:
     """The largest share of the wall time live updates may take: in (0, 1]."""
-    if not _finite_number(max_load) or not 0 < max_load <= 1:
+    if not is_finite_number(max_load) or not 0 < max_load <= 1:
         raise ValueError(f"max_load must be a share of the wall time in (0, 1], got {max_load!r}")
     return float(max_load)
-
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

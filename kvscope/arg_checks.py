@@ -1,0 +1,25 @@
+"""Argument checks shared by every public boundary (engine config, sampling parameters, the
+recorder, the attach and dashboard options), so each refuses bad input with the same words:
+the argument's name, the limit, and the value it got."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An integer, but not a bool (``True`` would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite_number(value: Any) -> bool:
+    """An int or float, not a bool, neither NaN nor infinite (NaN fails every comparison, so a
+    range check alone lets it through)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """``value`` if it is an integer >= ``minimum``; else a ValueError naming ``name``."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
