@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
+from typing import Callable, NoReturn
 
 # Help-page headers in the bundled model's format; several share a module line, so their
 # first blocks come from the prefix cache.
@@ -19,14 +20,19 @@ DEMO_PROMPTS = [
 ]
 
 
-def demo(args: argparse.Namespace) -> None:
+def demo(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> None:
+    """Run the demo; a bad option (an engine config or sampling value the engine refuses, a
+    model directory that is not there) goes to ``usage_error`` as a one-line message."""
     from kvscope import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, device=args.device, block_size=args.block_size)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+        llm = LLM(args.model, device=args.device, block_size=args.block_size)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        usage_error(str(e))
     print(f"loaded {llm.model_dir} on {llm.llm_engine.executor.device} in {time.perf_counter() - t0:.1f}s; "
           f"{llm.llm_engine.block_manager.num_blocks} KV blocks of {args.block_size} tokens")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     steps: list[int] = []
     llm.hooks.add("step.end", lambda info: steps.append(info.step))
     t0 = time.perf_counter()
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--temperature", type=float, default=0.0)
     args = ap.parse_args(argv)
     if args.command == "demo":
-        demo(args)
+        demo(args, d.error)
 
 
 if __name__ == "__main__":

@@ -371,6 +371,21 @@ def test_demo_command_runs_on_the_bundled_model_and_hits_the_prefix_cache(capsys
     assert 0 < cached < total  # full blocks come back from the cache; the last token never does
 
 
+@pytest.mark.parametrize("option, value, named", [
+    ("--block-size", "0", "block_size"), ("--max-tokens", "0", "max_tokens"),
+    ("--temperature", "nan", "temperature"), ("--device", "tpu", "device"),
+    ("--model", "/nonexistent/model", "model"),
+])
+def test_demo_command_refuses_a_bad_option_with_a_usage_error(option, value, named, capsys):
+    """A value the engine refuses is a usage error naming it (exit status 2), not a traceback."""
+    from kvscope.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--device", "cpu", option, value])
+    assert exit_info.value.code == 2
+    assert f"kvscope demo: error: {named}" in capsys.readouterr().err
+
+
 def test_engine_runs_without_the_notebook_extra():
     """pandas/pyarrow are the notebook extra: the engine and ``kvscope demo`` work without them
     (as from a bare wheel install), and recording says what to install."""
