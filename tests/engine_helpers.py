@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -119,3 +120,22 @@ def assert_same_outputs(got: list, want: list, abs_tol: float) -> None:
         for gs, ws in zip(g.logprobs or [], w.logprobs or []):
             assert gs.keys() == ws.keys()
             assert [gs[t] for t in gs] == pytest.approx([ws[t] for t in gs], abs=abs_tol)
+
+
+def run_together(fn, n: int) -> list[BaseException]:
+    """``fn(k)`` in ``n`` threads released at once; whatever any of them raised."""
+    barrier, errors = threading.Barrier(n), []
+
+    def run(k: int) -> None:
+        try:
+            barrier.wait()
+            fn(k)
+        except BaseException as exc:  # any internal error fails the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors

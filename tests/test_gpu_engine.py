@@ -12,7 +12,7 @@ import torch
 
 from kvscope import LLM, SamplingParams
 from kvscope.forward_context import forward_context
-from engine_helpers import assert_same_outputs, batch_draws_short_of_memory
+from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, run_together
 from tiny_models import make_tiny_checkpoint, pack_metadata
 
 pytestmark = pytest.mark.gpu
@@ -238,6 +238,37 @@ def test_decode_graphs_without_the_captured_draw_sample_eagerly(checkpoint, monk
         llm.shutdown()
     assert runs[1] == runs[0]
     assert len(launches) >= sum(graph_steps) > 20
+
+
+def test_an_engine_built_while_another_generates_in_another_thread_changes_neither(checkpoint):
+    """Two engines of one process (a notebook's own beside ``%kvscope demo``'s): one generates
+    in a thread, again and again, while another thread builds the second (capturing its CUDA
+    graphs) and generates. Each gives the tokens an engine gives alone."""
+    import threading
+
+    prompts = _prompts(8)
+    config = dict(device="cuda", attention_backend="triton", dtype="float32", num_kv_blocks=256)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = _generate(checkpoint, prompts, max_tokens=24, num_kv_blocks=256)
+    first = LLM(checkpoint, **config)
+    done, outputs = threading.Event(), {0: [], 1: []}
+
+    def run(k: int) -> None:
+        if k == 0:
+            while not done.is_set():
+                outputs[0].append([o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)])
+            return
+        try:
+            second = LLM(checkpoint, **config)
+            outputs[1].append([o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)])
+            second.shutdown()
+        finally:
+            done.set()
+
+    assert not run_together(run, 2)
+    assert outputs[0] and all(out == alone for out in outputs[0])
+    assert outputs[1] == [alone]
+    first.shutdown()
 
 
 def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):

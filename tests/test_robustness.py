@@ -12,7 +12,8 @@ import warnings
 import pytest
 
 import kvscope.llm as llm_module
-from engine_helpers import assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, token_ids
+from engine_helpers import (assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, run_together,
+                            token_ids)
 from kvscope.engine.hooks import HOOK_POINTS
 from kvscope.engine.validator import InvariantError
 from kvscope.sampling_params import SamplingParams
@@ -213,25 +214,6 @@ def test_generate_from_step_end_works() -> None:
 
 
 # ------------------------------------------------------------------ case 5
-def run_together(fn, n: int) -> list[BaseException]:
-    """``fn(k)`` in ``n`` threads released at once; whatever any of them raised."""
-    barrier, errors = threading.Barrier(n), []
-
-    def run(k: int) -> None:
-        try:
-            barrier.wait()
-            fn(k)
-        except BaseException as exc:  # any internal error fails the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return errors
-
-
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)
     results = {}
