@@ -169,11 +169,16 @@ class DecodeGraphs:
 def _capture(out: torch.Tensor, fn: Callable[..., torch.Tensor], args: tuple, pool
              ) -> tuple[torch.cuda.CUDAGraph, tuple]:
     """A graph of ``out[:] = fn(*args)`` in ``pool``, after one warm-up run (which compiles
-    what the graph's kernels need); returns it and the pool for the next capture."""
+    what the graph's kernels need); returns it and the pool for the next capture.
+
+    The capture forbids unsafe CUDA calls (a synchronize, an allocation outside its pool) in
+    this thread only: under the default global mode, another engine of the process stepping in
+    another thread meanwhile failed (one of its calls was refused while this stream captured).
+    Its work runs on other streams, which the capture stream does not wait on."""
     out[:] = fn(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out[:] = fn(*args)
     return graph, graph.pool()
 
