@@ -32,8 +32,7 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+        check_int("n", self.n)
         # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
         if not is_finite_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")

@@ -233,7 +233,9 @@ BAD_PARAMS = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
-    (dict(n=2), "n must be 1"),
+    (dict(n=0), "n must be an integer >= 1"),
+    (dict(n=1.5), "n must be an integer >= 1"),
+    (dict(n=True), "n must be an integer >= 1"),
 ]
 
 

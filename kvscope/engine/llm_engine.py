@@ -29,6 +29,7 @@ from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_request_ids
 from kvscope.engine.interrupts import atomic, interrupt_pending
+from kvscope.engine.parallel_sampling import ParentRequest, child_params
 from kvscope.engine.request import Request
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
@@ -62,6 +63,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}  # every request whose last output is not delivered yet
         self._num_streaming = 0  # of those, the ones step() reports while they run
+        # n > 1: each parent by its id, and each child's (parent, index) by the child's id
+        self._parents: dict[str, ParentRequest] = {}
+        self._children: dict[str, tuple[ParentRequest, int]] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.validate_every_step = False
@@ -97,10 +101,52 @@ class LLMEngine:
         ``final_only`` (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM.generate`` uses):
         :meth:`step` reports the request only when it finishes, so it is never detokenized
         incrementally.
+
+        With ``params.n > 1`` the engine runs ``n`` child requests (see
+        :mod:`kvscope.engine.parallel_sampling`) and returns the parent's id.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.n == 1:
+            request_id = self._add(prompt, params, request_id, arrival_time, final_only)
+        else:
+            request_id = self._add_parent(prompt, params, request_id, arrival_time, final_only)
+        if interrupt_pending():  # Ctrl-C while adding: the caller never gets the id, so undo it
+            self.abort_request(request_id, report=False)
+        return request_id
+
+    def _add_parent(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
+                    arrival_time: float | None, final_only: bool) -> str:
+        """Add the ``params.n`` children of one request; all of them or none."""
+        pool = self.block_manager.num_blocks
+        if params.n > pool:  # (and a huge n would make a child list that never ends)
+            raise ValueError(f"n={params.n} exceeds the KV pool's num_kv_blocks={pool}: each of the n "
+                             f"child requests needs a KV block of its own")
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        parent = ParentRequest(request_id, params.n, final_only)
+        taken = [i for i in [request_id, *parent.child_ids] if i in self.requests or i in self._parents]
+        if taken:
+            raise ValueError(f"request_id {taken[0]!r} is already in use (a request with n={params.n} "
+                             f"takes its id and its children's ids)")
+        text, token_ids = self._tokenize(prompt)  # (once for all children)
+        added: list[str] = []
+        try:
+            for index, child_id in enumerate(parent.child_ids):
+                added.append(self._add({"prompt": text, "prompt_token_ids": token_ids}, child_params(params, index),
+                                       child_id, arrival_time, final_only))
+                self._children[child_id] = (parent, index)
+        except BaseException:
+            for child_id in added:
+                self._children.pop(child_id, None)
+                self.abort_request(child_id, report=False)
+            raise
+        self._parents[request_id] = parent
+        return request_id
+
+    def _add(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
+             arrival_time: float | None, final_only: bool) -> str:
         text, token_ids = self._tokenize(prompt)
         n = len(token_ids)
         if n == 0:
@@ -123,7 +169,7 @@ class LLMEngine:
             )
         if request_id is None:
             request_id = str(next(self._request_ids))
-        elif request_id in self.requests:
+        elif request_id in self.requests or request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(
             seq_id=next(self._seq_ids),
@@ -145,8 +191,6 @@ class LLMEngine:
                     "request.added", step=self.scheduler.step_count, request_id=request_id,
                     prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
                 )
-        if interrupt_pending():  # Ctrl-C while adding: the caller never gets the id, so undo it
-            self.abort_request(request_id, report=False)
         return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -169,7 +213,15 @@ class LLMEngine:
         The next :meth:`step` reports it (``finish_reason="abort"``) unless ``report`` is
         False. Safe from any hook: inside a scheduler transition the abort is applied as soon
         as the transition ends (and the request's row, if it was just scheduled, never runs).
+        A request with ``n > 1`` is aborted child by child.
         """
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            aborted = [self.abort_request(child_id, report) for child_id in parent.child_ids]
+            if not report:  # (the parent's own outputs are not reported either)
+                self._forget_parent(parent)
+                self._held = [o for o in self._held if o.request_id != request_id]
+            return any(aborted)
         req = self.requests.get(request_id)
         if req is None or req.is_finished:
             if not report:  # nor report what is still waiting to be reported
@@ -271,6 +323,8 @@ class LLMEngine:
             seen = {id(r) for r in reported}
             reported += [r for r in finished if id(r) not in seen]  # ended without a token
         outputs = [self._output(r) for r in reported]
+        if self._children:
+            outputs = self._merge_children(outputs)
         for req in finished:
             self._release(req)
         if self._held:
@@ -279,6 +333,29 @@ class LLMEngine:
             self._held = outputs
             return []
         return outputs
+
+    def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Children's outputs as their parents' (one per parent, after its children's)."""
+        merged: dict[str, RequestOutput] = {}
+        kept = []
+        for out in outputs:
+            child = self._children.get(out.request_id)
+            if child is None:
+                kept.append(out)
+                continue
+            parent, index = child
+            parent_out = parent.merge(index, out)
+            if parent_out is not None:
+                merged.pop(parent.request_id, None)
+                merged[parent.request_id] = parent_out
+            if parent.finished:
+                self._forget_parent(parent)
+        return kept + list(merged.values())
+
+    def _forget_parent(self, parent: ParentRequest) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child_id in parent.child_ids:
+            self._children.pop(child_id, None)
 
     def _step(self) -> tuple[list[Request], list[Request]]:
         """One step; returns the requests that got a token and those that finished."""
