@@ -426,7 +426,7 @@ class LLMEngine:
         except BaseException:
             self._rollback_in_flight(step.out, launched)
             raise
-        return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids, step.finished)
+        return self._end_step(step.out, result, step.t0, step.schedule_s, step.request_ids, step.finished_ids)
 
     def _rollback_in_flight(self, *outs: SchedulerOutput | None) -> None:
         """A launched step failed: roll back every step in flight."""
@@ -434,16 +434,16 @@ class LLMEngine:
         with self._transition():
             self.scheduler.rollback(*outs, forget_prefix_cache=True)
 
-    def _step_request_ids(self, out: SchedulerOutput, finished: dict[int, str] | None = None
+    def _step_request_ids(self, out: SchedulerOutput, finished_ids: dict[int, str] | None = None
                           ) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions (only when a ``step.end`` or
         ``step.scheduled`` hook will want them). A row's request may have finished since the
         step was scheduled (async scheduling: while the step was in flight). The scheduler's
-        ``recently_finished`` of the step's own schedule (``finished``) and of the one after it
+        ``recently_finished`` of the step's own schedule (``finished_ids``) and of the one after it
         still name it."""
         if not (self.hooks.active("step.end") or self.hooks.active("step.scheduled")):
             return None
-        live, recent, earlier = self.scheduler.requests, self.scheduler.recently_finished, finished or {}
+        live, recent, earlier = self.scheduler.requests, self.scheduler.recently_finished, finished_ids or {}
         names = {}
         for i in chain(out.columns.seq_id.tolist(), out.preempted_seq_ids):
             req = live.get(i)
@@ -467,13 +467,13 @@ class LLMEngine:
         return self._end_step(out, result, t0, schedule_s, request_ids)
 
     def _end_step(self, out: SchedulerOutput, result: StepResult, t0: float, schedule_s: float,
-                  request_ids: dict[int, str] | None, finished: dict[int, str] | None = None
+                  request_ids: dict[int, str] | None, finished_ids: dict[int, str] | None = None
                   ) -> tuple[list[Request], list[Request]]:
         """Post-process a step whose tokens are back, check invariants, fire ``step.end``.
-        ``finished``: see :meth:`_step_request_ids`."""
+        ``finished_ids``: see :meth:`_step_request_ids`."""
         t2 = time.perf_counter()
         if request_ids is None:  # launched before a step.end hook was attached
-            request_ids = self._step_request_ids(out, finished)
+            request_ids = self._step_request_ids(out, finished_ids)
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
             for req in progressed:
@@ -599,4 +599,4 @@ class _InFlight:
     t0: float
     schedule_s: float
     request_ids: dict[int, str] | None
-    finished: dict[int, str]  # the scheduler's ``recently_finished`` of this step's schedule
+    finished_ids: dict[int, str]  # the scheduler's ``recently_finished`` of this step's schedule
