@@ -17,8 +17,8 @@ PROMPTS = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 CONFIG = dict(block_size=4, num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=16)
 
 
-def sampled(n: int = 1, seed: int | None = 7, **kw) -> SamplingParams:
-    return SamplingParams(n=n, temperature=1.0, top_k=50, seed=seed, max_tokens=6, ignore_eos=True, **kw)
+def sampled(n: int = 1, seed: int | None = 7, max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(n=n, temperature=1.0, top_k=50, seed=seed, max_tokens=max_tokens, ignore_eos=True)
 
 
 def completions(out) -> list[list[int]]:
@@ -153,3 +153,19 @@ def test_a_recording_of_children_replays_the_pool_it_snapshots():
         snap, replay = full.pool_arrays(step), blocks.pool_arrays(step)
         for k in ("ref_count", "block_hash", "num_tokens"):
             assert (snap[k] == replay[k]).all(), (k, step)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_children_preempted_from_shared_blocks_still_equal_their_own_requests(async_scheduling):
+    """A pool too small for all children at once: children holding shared prompt blocks are
+    preempted and resumed, and each still draws what a request of its own draws."""
+    small = dict(block_size=4, num_kv_blocks=10, max_num_seqs=6, max_num_batched_tokens=32)
+    llm = make_llm(**small, async_scheduling=async_scheduling)
+    preempted = []
+    with llm.hooks({"request.preempted": lambda request_id, **_: preempted.append(request_id)}):
+        outs = llm.generate(PROMPTS, sampled(n=3, max_tokens=10), use_tqdm=False)
+    assert preempted, "the pool was meant to be small enough to force preemption"
+    alone = make_llm(**CONFIG)
+    for prompt, out in zip(PROMPTS, outs):
+        singles = alone.generate([prompt] * 3, [sampled(seed=7 + i, max_tokens=10) for i in range(3)], use_tqdm=False)
+        assert completions(out) == token_ids(singles)
