@@ -10,7 +10,7 @@ import difflib
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvscope.arg_checks import check_int, is_int
+from kvscope.arg_checks import check_int, is_finite_number, is_int
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -78,7 +78,7 @@ class EngineConfig:
         if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generator range), got {self.seed!r}")
         gmu = self.gpu_memory_utilization
-        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+        if not is_finite_number(gmu) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         for name, value, allowed in (
             ("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
