@@ -358,3 +358,21 @@ def test_prefix_caching_and_scheduling_do_not_change_tokens_on_gpu(checkpoint, v
     prompts = _prompts()
     base = _generate(checkpoint, prompts, enable_prefix_caching=False)
     assert _generate(checkpoint, prompts, **variant) == base
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_parallel_sampling_children_equal_requests_of_their_own_on_gpu(checkpoint, async_scheduling):
+    """``SamplingParams(n=3)`` with CUDA graphs: child i draws the tokens of a request of its own
+    seeded ``seed + i`` (test_parallel_sampling.py's truth, on the kernels' path)."""
+    prompts = _prompts(4)
+    n_params = SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)
+    llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32",
+              async_scheduling=async_scheduling, gpu_memory_utilization=0.3)
+    llm.llm_engine.validate_every_step = True
+    outs = llm.generate(prompts, n_params, use_tqdm=False)
+    llm.shutdown()
+    singles = _generate(checkpoint, [p for p in prompts for _ in range(3)],
+                        params=[SamplingParams(temperature=0.9, seed=11 + i, max_tokens=24, ignore_eos=True)
+                                for _ in prompts for i in range(3)])
+    assert [c.token_ids for o in outs for c in o.outputs] == singles
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
