@@ -213,6 +213,34 @@ def test_generate_from_step_end_works() -> None:
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_from_step_end_report_each_request_finished_once_under_its_own_id(async_scheduling: bool) -> None:
+    """Streaming with a ``step.end`` hook that steps the engine again at every other step: the
+    caller gets each request's final output once, under the id it added (a request with ``n=2``
+    merged, never as its children), and the tokens of an engine nothing happened to."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    delivered = []
+
+    def step_again(info) -> None:
+        if info.step % 2:
+            delivered.extend(llm.step())
+
+    ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+    pair = llm.add_request(PROMPTS[0], greedy(6, n=2))
+    with llm.hooks({"step.end": step_again}):
+        for _ in range(500):
+            if not llm.has_unfinished_requests():
+                break
+            delivered.extend(llm.step())
+    final = [o for o in delivered if o.finished]
+    assert sorted(o.request_id for o in final) == sorted([*ids, pair])
+    assert {o.request_id for o in delivered} == {*ids, pair}
+    by_id = {o.request_id: o for o in final}
+    assert [by_id[i].outputs[0].token_ids for i in ids] == fresh_tokens(PROMPTS)
+    assert [c.token_ids for c in by_id[pair].outputs] == fresh_tokens(PROMPTS[:1]) * 2
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)

@@ -79,6 +79,7 @@ class LLMEngine:
         self._pending_reset = False
         self._num_aborts = 0
         self._stepping = False               # inside step(), before its step.end hooks
+        self._num_step_calls = 0             # step() calls, nested ones (from step.end hooks) included
         self._aborted: list[Request] = []    # aborted requests the next step() reports
         self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
         # What was just built (the free pool alone holds an entry per KV block) goes to the
@@ -301,7 +302,8 @@ class LLMEngine:
         (a ``final_only`` request only when it finished; a request a hook aborted during the
         step, too).
 
-        Finished requests are forgotten once reported, as in vLLM. Ctrl-C is held until the
+        Finished requests are forgotten once reported, as in vLLM, so each is reported finished
+        once, also when a ``step.end`` hook steps the engine again. Ctrl-C is held until the
         step is done, so it never lands inside a transition.
         """
         if self.in_step:
@@ -309,11 +311,15 @@ class LLMEngine:
                 "the engine was stepped (step() or LLM.generate) from inside a kvscope hook while a "
                 "step was under way; only step.end hooks may do that")
         self._stepping = True
+        self._num_step_calls += 1
+        calls = self._num_step_calls
         try:
             self._apply_pending()
             progressed, finished = self._step()
         finally:
             self._stepping = False
+        if self._num_step_calls != calls:  # a step.end hook stepped again, which reported what it finished
+            progressed, finished = self._unreported(progressed), self._unreported(finished)
         # (An aborted request is never among those the step finished: a finished one is not aborted.)
         finished += self._aborted
         self._aborted = []
@@ -333,6 +339,11 @@ class LLMEngine:
             self._held = outputs
             return []
         return outputs
+
+    def _unreported(self, reqs: list[Request]) -> list[Request]:
+        """Those of ``reqs`` that no step called from a ``step.end`` hook has reported finished
+        (and released) meanwhile."""
+        return [r for r in reqs if self.requests.get(r.request_id) is r]
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs as their parents' (one per parent, after its children's)."""
