@@ -581,6 +581,26 @@ def test_full_snapshots_keep_only_what_each_step_changed(run):
     changed = sum(len(r.pool.block_ids) for r in recs[1:])
     assert 0 < changed < run.full.num_blocks * (len(recs) - 1) / 3
 
+@pytest.mark.parametrize("how", ["remove", "clear"])
+def test_a_hook_removed_by_a_hook_before_it_is_not_called_in_that_firing(how):
+    """Removing hooks takes effect at once: a later hook of the same firing that an earlier one
+    removed (by its handle, or by clearing the registry) is not called, then or after."""
+    llm = make_llm(block_size=4)
+    calls = []
+    handles = {}
+
+    def first(info) -> None:
+        calls.append("first")
+        if calls.count("first") == 3:
+            handles["second"].remove() if how == "remove" else llm.hooks.clear()
+
+    handles["first"] = llm.hooks.add("step.end", first)
+    handles["second"] = llm.hooks.add("step.end", lambda info: calls.append("second"))
+    llm.generate([[3, 4, 5, 6, 7]], greedy(5), use_tqdm=False)
+    assert calls[:5] == ["first", "second"] * 2 + ["first"]
+    assert calls.count("second") == 2
+    assert calls.count("first") == (5 if how == "remove" else 3)
+
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_step_end_hook_that_steps_the_engine_leaves_the_records_in_order(async_scheduling):

@@ -184,6 +184,8 @@ class HookRegistry:
         return any(n.startswith("block.") for n in self._hooks)
 
     def clear(self) -> None:
+        for fns in self._hooks.values():  # (emptied, so a firing under way calls none of them)
+            fns.clear()
         self._hooks.clear()
         self._sinks.clear()
         self._sinks_changed()
@@ -218,6 +220,8 @@ class HookRegistry:
         if not fns:
             return
         for key, fn in list(fns.items()):
+            if key not in fns:  # removed by a hook called before it
+                continue
             try:
                 fn(**payload)
             except Exception:
