@@ -101,6 +101,50 @@ def test_a_taken_child_id_refuses_the_whole_request():
     _assert_fresh(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_finished_childs_id_stays_taken_until_its_parent_is_reported(async_scheduling):
+    """Child 0 stops on its first token while child 1 runs on: a new request may not take
+    child 0's id, which would merge its tokens into the parent; once the parent's last output is
+    out, the id is free."""
+    llm = make_llm(**CONFIG, async_scheduling=async_scheduling)
+    free_run = completions(make_llm(**CONFIG).generate([PROMPTS[0]], sampled(n=2, max_tokens=8), use_tqdm=False)[0])
+    params = SamplingParams(n=2, temperature=1.0, top_k=50, seed=7, max_tokens=8, ignore_eos=True,
+                   stop_token_ids=[free_run[0][0]])
+    assert free_run[1][0] != free_run[0][0]  # (so child 1 runs on after child 0 stopped)
+    llm.add_request(PROMPTS[0], params, request_id="p")
+    reported = []
+    while not any(c.index == 0 and c.finish_reason for o in reported for c in o.outputs):
+        reported += llm.step()
+    assert llm.has_unfinished_requests()
+    with pytest.raises(ValueError, match="'0_p' is already in use"):
+        llm.add_request(PROMPTS[1], sampled(), request_id="0_p")
+    reported += drain(llm).values()
+    stop = free_run[0][0]
+    child1 = free_run[1][: free_run[1].index(stop) + 1] if stop in free_run[1] else free_run[1]
+    assert completions(reported[-1]) == [[stop], child1]
+    assert {o.request_id for o in reported} == {"p"}
+    llm.add_request(PROMPTS[1], sampled(), request_id="0_p")
+    assert set(drain(llm)) == {"0_p"}
+    _assert_fresh(llm)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_automatic_ids_pass_over_the_ids_a_caller_chose(n):
+    """``generate`` numbers its requests itself: a streamed request whose id (or, for ``n=2``, a
+    child's) looks like the next number keeps its outputs, and generate gets its own."""
+    llm = make_llm(**CONFIG)
+    llm.add_request(PROMPTS[0], sampled(n=2), request_id="0")
+    llm.add_request(PROMPTS[0], sampled(), request_id="0_1")
+    got = llm.generate([PROMPTS[1]], sampled(n=n), use_tqdm=False)[0]
+    assert got.prompt_token_ids == PROMPTS[1]
+    alone = make_llm(**CONFIG)
+    assert completions(got) == completions(alone.generate([PROMPTS[1]], sampled(n=n), use_tqdm=False)[0])
+    streamed = drain(llm)
+    assert set(streamed) == {"0", "0_1"}
+    assert completions(streamed["0"]) == completions(alone.generate([PROMPTS[0]], sampled(n=2), use_tqdm=False)[0])
+    _assert_fresh(llm)
+
+
 @pytest.mark.parametrize("n", [CONFIG["num_kv_blocks"] + 1, 2**63])
 def test_more_children_than_kv_blocks_is_refused_at_once(n):
     llm = make_llm(**CONFIG)

@@ -29,7 +29,7 @@ from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_request_ids
 from kvscope.engine.interrupts import atomic, interrupt_pending
-from kvscope.engine.parallel_sampling import ParentRequest, child_params
+from kvscope.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from kvscope.engine.request import Request
 from kvscope.engine.scheduler import Scheduler
 from kvscope.engine.scheduler_output import SchedulerOutput
@@ -125,9 +125,9 @@ class LLMEngine:
             raise ValueError(f"n={params.n} exceeds the KV pool's num_kv_blocks={pool}: each of the n "
                              f"child requests needs a KV block of its own")
         if request_id is None:
-            request_id = str(next(self._request_ids))
+            request_id = self._new_request_id(params.n)
         parent = ParentRequest(request_id, params.n, final_only)
-        taken = [i for i in [request_id, *parent.child_ids] if i in self.requests or i in self._parents]
+        taken = [i for i in [request_id, *parent.child_ids] if self._id_in_use(i)]
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use (a request with n={params.n} "
                              f"takes its id and its children's ids)")
@@ -169,8 +169,8 @@ class LLMEngine:
                 f"block_size {bs}) but the whole KV pool has num_kv_blocks={pool}; it could never run"
             )
         if request_id is None:
-            request_id = str(next(self._request_ids))
-        elif request_id in self.requests or request_id in self._parents:
+            request_id = self._new_request_id(1)
+        elif self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = Request(
             seq_id=next(self._seq_ids),
@@ -193,6 +193,19 @@ class LLMEngine:
                     prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
                 )
         return request_id
+
+    def _id_in_use(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request whose last output is not out yet: a request,
+        a parent of ``n > 1``, or one of its children (until the parent's last output)."""
+        return request_id in self.requests or request_id in self._parents or request_id in self._children
+
+    def _new_request_id(self, n: int) -> str:
+        """The next automatic id that is free, and (``n > 1``) whose children's ids are free too:
+        a caller's own ids may look like automatic ones."""
+        while True:
+            request_id = str(next(self._request_ids))
+            if not any(self._id_in_use(i) for i in [request_id, *child_request_ids(request_id, n)]):
+                return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

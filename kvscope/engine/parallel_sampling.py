@@ -16,8 +16,9 @@ from kvscope.outputs import CompletionOutput, RequestOutput
 from kvscope.sampling_params import SamplingParams
 
 
-def child_request_id(index: int, request_id: str) -> str:
-    return f"{index}_{request_id}"
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids of the children of a request with ``n > 1`` (none for ``n == 1``)."""
+    return [f"{index}_{request_id}" for index in range(n)] if n > 1 else []
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -31,7 +32,7 @@ class ParentRequest:
 
     def __init__(self, request_id: str, n: int, final_only: bool) -> None:
         self.request_id = request_id
-        self.child_ids = [child_request_id(i, request_id) for i in range(n)]
+        self.child_ids = child_request_ids(request_id, n)
         self.final_only = final_only
         self._completions: list[CompletionOutput | None] = [None] * n
         self._unfinished = set(range(n))
