@@ -241,6 +241,26 @@ def test_steps_from_step_end_report_each_request_finished_once_under_its_own_id(
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_generate_leaves_no_step_in_flight_when_its_requests_stop_early(async_scheduling: bool) -> None:
+    """A stop token ends the last request before its max_tokens, after async scheduling has
+    launched the step past it: generate reads that step back before it returns, so nothing is
+    unfinished, every launched step got its step.end, and the tokens are the free run's cut at
+    the stop token."""
+    free = fresh_tokens(PROMPTS)
+    stops = {t[2] for t in free}  # (every request stops by its third token)
+    launched, ended = [], []
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    with llm.hooks({"step.scheduled": lambda **kw: launched.append(kw["step"]),
+                    "step.end": lambda info: ended.append(info.step)}):
+        outs = llm.generate(PROMPTS, greedy(6, stop_token_ids=sorted(stops)), use_tqdm=False)
+        assert not llm.has_unfinished_requests()
+        assert ended == launched
+    assert token_ids(outs) == [t[: min(t.index(s) for s in stops if s in t) + 1] for t in free]
+    assert llm.step() == []
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)

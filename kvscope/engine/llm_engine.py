@@ -351,6 +351,17 @@ class LLMEngine:
         if interrupt_pending():  # the caller gets KeyboardInterrupt instead: keep them for the next step
             self._held = outputs
             return []
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            return self._read_back_leftover(outputs)
+        return outputs
+
+    def _read_back_leftover(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Async scheduling launched a step before this one's tokens showed that its last
+        requests stop (a stop token): read it back now, so that ``has_unfinished_requests()`` is
+        false once the last output is out. Should that fail, ``outputs`` wait for the next step."""
+        self._held = outputs
+        self._settle()
+        outputs, self._held = self._held, []
         return outputs
 
     def _unreported(self, reqs: list[Request]) -> list[Request]:
