@@ -145,6 +145,18 @@ def test_automatic_ids_pass_over_the_ids_a_caller_chose(n):
     _assert_fresh(llm)
 
 
+@pytest.mark.parametrize("n", [0, -1, 1.5, "2"])
+def test_an_n_changed_after_the_params_were_built_is_refused_when_added(n):
+    llm = make_llm(**CONFIG)
+    params = sampled(n=2)
+    params.n = n
+    with pytest.raises(ValueError, match=f"n must be an integer >= 1, got {n!r}"):
+        llm.add_request(PROMPTS[0], params)
+    with pytest.raises(ValueError, match="n must be"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    _assert_fresh(llm)
+
+
 @pytest.mark.parametrize("n", [CONFIG["num_kv_blocks"] + 1, 2**63])
 def test_more_children_than_kv_blocks_is_refused_at_once(n):
     llm = make_llm(**CONFIG)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Iterator, Sequence as Seq
 
+from kvscope.arg_checks import check_int
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
@@ -109,6 +110,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        check_int("n", params.n)  # (again: a SamplingParams may be changed after it was built)
         if params.n == 1:
             request_id = self._add(prompt, params, request_id, arrival_time, final_only)
         else:
