@@ -145,6 +145,25 @@ def test_automatic_ids_pass_over_the_ids_a_caller_chose(n):
     _assert_fresh(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_that_a_request_finished_hook_takes_back_reports_nothing(async_scheduling):
+    """``abort_request("p")`` finishes child 0 first; its ``request.finished`` hook aborts "p"
+    again with ``report=False``, which takes back the report of the whole parent."""
+    llm = make_llm(**CONFIG, async_scheduling=async_scheduling)
+    llm.add_request(PROMPTS[0], sampled(n=2), request_id="p")
+    llm.step()
+    taken_back = []
+
+    def hook(**_) -> None:
+        if not taken_back:
+            taken_back.append(llm.llm_engine.abort_request("p", report=False))
+
+    with llm.hooks({"request.finished": hook}):
+        llm.abort_request("p")
+        assert drain(llm) == {} and taken_back
+    _assert_fresh(llm)
+
+
 @pytest.mark.parametrize("n", [0, -1, 1.5, "2"])
 def test_an_n_changed_after_the_params_were_built_is_refused_when_added(n):
     llm = make_llm(**CONFIG)

@@ -261,6 +261,38 @@ def test_generate_leaves_no_step_in_flight_when_its_requests_stop_early(async_sc
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("point", ["step.scheduled", "step.end", "request.finished"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_unreported_from_a_hook_is_never_reported(async_scheduling: bool, point: str, n: int) -> None:
+    """``abort_request(rid, report=False)`` from a hook, in the step that runs ``rid`` (at the
+    third firing, or when another request finishes): no output of ``rid``, nor of its children,
+    comes out of that step or any later one; the others get a fresh engine's tokens."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    engine = llm.llm_engine
+    calls, reported = [], []
+
+    def hook(**kw) -> None:
+        calls.append(kw.get("request_id"))
+        if (len(calls) == 3) if point != "request.finished" else (kw["request_id"] == "short"):
+            engine.abort_request("p", report=False)
+            calls.append("aborted")
+
+    llm.add_request(PROMPTS[0], greedy(6, n=n), request_id="p")
+    llm.add_request(PROMPTS[1], greedy(2), request_id="short")
+    llm.add_request(PROMPTS[2], greedy(6), request_id="long")
+    with llm.hooks({point: hook}):
+        while llm.has_unfinished_requests():
+            outs = llm.step()
+            reported += [o.request_id for o in outs] if "aborted" in calls else []
+            final = {o.request_id: o for o in outs if o.finished}
+            if "long" in final:
+                assert final["long"].outputs[0].token_ids == fresh_tokens([PROMPTS[2]])[0]
+    assert "aborted" in calls
+    assert set(reported) <= {"short", "long"}
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)

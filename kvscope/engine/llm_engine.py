@@ -80,7 +80,7 @@ class LLMEngine:
         self._pending_reset = False
         self._num_aborts = 0
         self._stepping = False               # inside step(), before its step.end hooks
-        self._num_step_calls = 0             # step() calls, nested ones (from step.end hooks) included
+        self._num_released = 0               # requests released so far (see step())
         self._aborted: list[Request] = []    # aborted requests the next step() reports
         self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
         # What was just built (the free pool alone holds an entry per KV block) goes to the
@@ -234,7 +234,11 @@ class LLMEngine:
         parent = self._parents.get(request_id)
         if parent is not None:
             aborted = [self.abort_request(child_id, report) for child_id in parent.child_ids]
-            if not report:  # (the parent's own outputs are not reported either)
+            if not report:  # (the parent's own outputs are not reported either, nor its children's)
+                for child_id in parent.child_ids:
+                    child = self.requests.get(child_id)
+                    if child is not None and child.is_finished:  # finished by the step under way
+                        self._release(child)
                 self._forget_parent(parent)
                 self._held = [o for o in self._held if o.request_id != request_id]
             return any(aborted)
@@ -255,10 +259,10 @@ class LLMEngine:
         with self._transition():
             self.scheduler.finish_request(req, "abort")
         self._num_aborts += 1
+        if report:  # (before the request.finished hook, which may take the report back)
+            self._aborted.append(req)
         self._finished(req)
         self._release(req)
-        if report:
-            self._aborted.append(req)
 
     def _settle(self) -> None:
         """Nothing left to run but a launched step (async scheduling, everything aborted): read
@@ -326,14 +330,13 @@ class LLMEngine:
                 "the engine was stepped (step() or LLM.generate) from inside a kvscope hook while a "
                 "step was under way; only step.end hooks may do that")
         self._stepping = True
-        self._num_step_calls += 1
-        calls = self._num_step_calls
         try:
             self._apply_pending()
+            released = self._num_released
             progressed, finished = self._step()
         finally:
             self._stepping = False
-        if self._num_step_calls != calls:  # a step.end hook stepped again, which reported what it finished
+        if self._num_released != released:  # hooks aborted requests or stepped the engine again
             progressed, finished = self._unreported(progressed), self._unreported(finished)
         # (An aborted request is never among those the step finished: a finished one is not aborted.)
         finished += self._aborted
@@ -367,8 +370,8 @@ class LLMEngine:
         return outputs
 
     def _unreported(self, reqs: list[Request]) -> list[Request]:
-        """Those of ``reqs`` that no step called from a ``step.end`` hook has reported finished
-        (and released) meanwhile."""
+        """Those of ``reqs`` still to report: not released meanwhile by a hook, through an abort
+        (one to report is in ``_aborted``) or a step of its own, which reported them."""
         return [r for r in reqs if self.requests.get(r.request_id) is r]
 
     def _merge_children(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -620,8 +623,10 @@ class LLMEngine:
 
     def _release(self, req: Request) -> None:
         """Forget a finished request once its last output is out."""
-        if self.requests.pop(req.request_id, None) is not None:
+        if self.requests.get(req.request_id) is req:
+            del self.requests[req.request_id]
             self._num_streaming -= not req.final_only
+            self._num_released += 1
 
     def check_invariants(self) -> None:
         check_invariants(self.scheduler)
