@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_prompt
-from kvscope.engine.interrupts import deferred_interrupts
+from kvscope.engine.interrupts import deferred_interrupts, interrupt_pending
 from kvscope.engine.llm_engine import LLMEngine, PromptType
 from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
@@ -183,10 +183,9 @@ class LLM:
                     break
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
-                with self._step_lock:
-                    outputs = engine.step()
-                for out in outputs:
-                    self._undelivered[out.request_id] = out
+                with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once the outputs are kept
+                    for out in engine.step():
+                        self._undelivered[out.request_id] = out
         finally:
             if bar is not None:
                 bar.close()
@@ -207,13 +206,16 @@ class LLM:
         """One engine step: an output for every streamed request that progressed or finished
         (and, first, those that progressed while :meth:`generate` ran the engine)."""
         self._check_open()
-        with self._lock:
+        with self._lock, deferred_interrupts():
             with self._step_lock:
                 outputs = self.llm_engine.step()
             if self._undelivered:
                 newer = {o.request_id for o in outputs}
                 outputs = [o for rid, o in self._undelivered.items() if rid not in newer] + outputs
                 self._undelivered.clear()
+            if interrupt_pending():  # the caller gets KeyboardInterrupt instead: the next step delivers them
+                self._undelivered.update((o.request_id, o) for o in outputs)
+                return []
             return outputs
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -477,6 +477,46 @@ def test_ctrl_c_at_every_transition_aborts_the_call_and_the_engine_serves_on(poi
         assert_healthy(llm)
 
 
+@pytest.mark.parametrize("call", ["step", "generate"])
+def test_ctrl_c_just_after_the_engine_step_loses_no_streamed_output(call: str) -> None:
+    """A SIGINT that lands the moment ``LLMEngine.step`` has returned, before ``LLM.step`` or
+    ``generate`` has kept its outputs: the call raises KeyboardInterrupt, and the streamed
+    request that finished in that step is delivered by the next step, once, with its tokens."""
+    llm = make_llm(**CONFIG)
+    engine = llm.llm_engine
+    rid = llm.add_request([10, 11, 12], greedy(2))
+    delivered = llm.step()
+    engine_step = engine.step
+
+    def step_then_ctrl_c():
+        outputs = engine_step()
+        if any(o.request_id == rid and o.finished for o in outputs):
+            signal.raise_signal(signal.SIGINT)
+        return outputs
+
+    engine.step = step_then_ctrl_c
+    with pytest.raises(KeyboardInterrupt):
+        llm.step() if call == "step" else llm.generate([[9, 8, 7, 6]], greedy(4), use_tqdm=False)
+    del engine.step
+    delivered += drain(llm).values()
+    final = [o for o in delivered if o.request_id == rid and o.finished]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("point", ["request.finished", "step.end"])
+def test_ctrl_c_in_the_step_that_stops_generate_leaves_no_step_in_flight(point: str) -> None:
+    """Async scheduling, a stop token, and a SIGINT in that step: generate raises
+    KeyboardInterrupt with nothing in flight (test_generate_leaves_no_step_in_flight_... without
+    the Ctrl-C)."""
+    llm = make_llm(async_scheduling=True, **CONFIG)
+    stop = fresh_tokens([PROMPTS[0]])[0][1]
+    with llm.hooks({point: lambda **_: signal.raise_signal(signal.SIGINT)}), pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[0]], greedy(6, stop_token_ids=[stop]), use_tqdm=False)
+    assert not llm.has_unfinished_requests() and llm.llm_engine._in_flight is None
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 7
 def test_a_streamed_request_that_finishes_inside_generate_arrives_from_the_next_step() -> None:
     llm = make_llm(**CONFIG)

@@ -353,11 +353,11 @@ class LLMEngine:
             self._release(req)
         if self._held:
             outputs, self._held = self._held + outputs, []
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            outputs = self._read_back_leftover(outputs)
         if interrupt_pending():  # the caller gets KeyboardInterrupt instead: keep them for the next step
             self._held = outputs
             return []
-        if self._in_flight is not None and not self.scheduler.has_unfinished():
-            return self._read_back_leftover(outputs)
         return outputs
 
     def _read_back_leftover(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
