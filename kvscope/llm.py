@@ -106,7 +106,9 @@ class LLM:
         # recording attaches and detaches between two of them, whichever thread asks, without
         # waiting for a generate() to end.
         self._step_lock = threading.RLock()
-        self._undelivered: dict[str, RequestOutput] = {}
+        self._undelivered: dict[str, RequestOutput] = {}  # (mutated in place: the engine reads it)
+        self._generating: set[str] = set()  # ids of requests a generate() call runs
+        self.llm_engine.held_ids = self._undelivered
         self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
 
     # ------------------------------------------------------------ vLLM API
@@ -154,12 +156,14 @@ class LLM:
                 with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once every added id is in ids
                     for p, sp in zip(prompt_list, params_list):
                         ids.append(engine.add_request(p, sp, final_only=True))
+                        self._generating.add(ids[-1])
                 return self._run(ids, use_tqdm)
             finally:
                 with deferred_interrupts(), self._step_lock:
                     for rid in ids:  # (a nested generate may have stashed one of their outputs)
                         engine.abort_request(rid, report=False)
                         self._undelivered.pop(rid, None)
+                        self._generating.discard(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -172,8 +176,8 @@ class LLM:
             bar = tqdm(total=len(ids), desc="kvscope generate", unit="req")
         try:
             while True:
-                # Outputs land in _undelivered first: a step.end hook's own generate() may have
-                # stepped the engine and collected this call's finished requests there.
+                # Outputs land in _undelivered first: a step.end hook's own generate() or step()
+                # may have stepped the engine and kept this call's finished outputs there.
                 for rid in [rid for rid, o in self._undelivered.items() if rid in pending and o.finished]:
                     done[rid] = self._undelivered.pop(rid)
                     pending.discard(rid)
@@ -184,8 +188,7 @@ class LLM:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
                 with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once the outputs are kept
-                    for out in engine.step():
-                        self._undelivered[out.request_id] = out
+                    self._keep(engine.step())
         finally:
             if bar is not None:
                 bar.close()
@@ -204,19 +207,33 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step: an output for every streamed request that progressed or finished
-        (and, first, those that progressed while :meth:`generate` ran the engine)."""
+        since the last call (while :meth:`generate` ran the engine too, or a Ctrl-C ended it).
+
+        One output per request: outputs are cumulative, so the newest replaces one the caller
+        has not collected yet, as vLLM coalesces them.
+        """
         self._check_open()
         with self._lock, deferred_interrupts():
             with self._step_lock:
                 outputs = self.llm_engine.step()
-            if self._undelivered:
-                newer = {o.request_id for o in outputs}
-                outputs = [o for rid, o in self._undelivered.items() if rid not in newer] + outputs
-                self._undelivered.clear()
+            self._keep(outputs)
             if interrupt_pending():  # the caller gets KeyboardInterrupt instead: the next step delivers them
-                self._undelivered.update((o.request_id, o) for o in outputs)
                 return []
-            return outputs
+            return self._take_undelivered()
+
+    def _keep(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:  # (newest last)
+            self._undelivered.pop(out.request_id, None)
+            self._undelivered[out.request_id] = out
+
+    def _take_undelivered(self) -> list[RequestOutput]:
+        """The kept outputs that are the caller's: not those of generate()'s requests (a hook's
+        step() may run while generate() does), nor the progress of a request aborted meanwhile
+        without a report."""
+        engine = self.llm_engine
+        taken = [rid for rid in self._undelivered if rid not in self._generating]
+        outputs = [self._undelivered.pop(rid) for rid in taken]
+        return [o for o in outputs if o.finished or engine.has_request(o.request_id)]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests wherever they are (the next :meth:`step` reports each with
@@ -230,7 +247,8 @@ class LLM:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
     def has_unfinished_requests(self) -> bool:
-        return self.llm_engine.has_unfinished_requests() or bool(self._undelivered)
+        return self.llm_engine.has_unfinished_requests() or any(
+            rid not in self._generating for rid in self._undelivered)
 
     def reset_prefix_cache(self) -> bool:
         with self._lock, self._step_lock:

@@ -15,6 +15,7 @@ import kvscope.llm as llm_module
 from engine_helpers import (assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, run_together,
                             token_ids)
 from kvscope.engine.hooks import HOOK_POINTS
+from kvscope.engine.interrupts import deferred_interrupts
 from kvscope.engine.validator import InvariantError
 from kvscope.sampling_params import SamplingParams
 
@@ -293,6 +294,54 @@ def test_an_abort_unreported_from_a_hook_is_never_reported(async_scheduling: boo
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("point", ["request.finished", "step.end"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_unreported_of_a_request_the_step_just_finished_takes_its_report_back(
+        async_scheduling: bool, point: str) -> None:
+    """A hook in the step that finishes ``short`` aborts it with ``report=False``: the abort
+    returns False (it had finished) and no step reports it; ``long`` gets a fresh engine's tokens."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    engine = llm.llm_engine
+    aborts = []
+
+    def hook(**kw) -> None:
+        if not aborts and engine.requests.get("short") is not None and engine.requests["short"].is_finished:
+            aborts.append(engine.abort_request("short", report=False))
+
+    llm.add_request(PROMPTS[1], greedy(2), request_id="short")
+    llm.add_request(PROMPTS[2], greedy(6), request_id="long")
+    reported = []
+    with llm.hooks({point: hook}):
+        while llm.has_unfinished_requests():
+            reported += llm.step()
+    assert aborts == [False]
+    assert {o.request_id for o in reported if o.finished} == {"long"}
+    assert [o.outputs[0].token_ids for o in reported if o.finished] == fresh_tokens([PROMPTS[2]])
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("via", ["LLM.step", "LLMEngine.step"])
+def test_an_abort_unreported_takes_back_an_output_a_ctrl_c_kept(via: str) -> None:
+    """A Ctrl-C during a step keeps that step's outputs for the next one; aborting a streamed
+    request with ``report=False`` before then takes its kept output back too."""
+    llm = make_llm(**CONFIG)
+    engine = llm.llm_engine
+    stepper = llm if via == "LLM.step" else engine
+    llm.add_request(PROMPTS[2], greedy(6), request_id="gone")
+    llm.add_request(PROMPTS[1], greedy(6), request_id="kept")
+    stepper.step()
+    with llm.hooks({"step.scheduled": lambda **_: signal.raise_signal(signal.SIGINT)}), \
+            pytest.raises(KeyboardInterrupt):
+        stepper.step()
+    assert engine.abort_request("gone", report=False)
+    reported = []
+    while llm.has_unfinished_requests():
+        reported += stepper.step()
+    assert {o.request_id for o in reported} == {"kept"}
+    assert [o.outputs[0].token_ids for o in reported if o.finished] == fresh_tokens([PROMPTS[1]])
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)
@@ -517,6 +566,20 @@ def test_ctrl_c_in_the_step_that_stops_generate_leaves_no_step_in_flight(point: 
     assert_healthy(llm)
 
 
+def test_a_ctrl_c_held_in_the_main_thread_never_reaches_another_threads_generate() -> None:
+    """While the main thread holds a Ctrl-C (inside an engine call), a generate() in another
+    thread runs to its tokens: the held signal is the main thread's alone."""
+    llm = make_llm(**CONFIG)
+    results = []
+    with pytest.raises(KeyboardInterrupt), deferred_interrupts():
+        signal.raise_signal(signal.SIGINT)
+        thread = threading.Thread(target=lambda: results.append(llm.generate(PROMPTS, greedy(6), use_tqdm=False)))
+        thread.start()
+        thread.join()
+    assert [token_ids(r) for r in results] == [fresh_tokens(PROMPTS)]
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 7
 def test_a_streamed_request_that_finishes_inside_generate_arrives_from_the_next_step() -> None:
     llm = make_llm(**CONFIG)
@@ -527,4 +590,45 @@ def test_a_streamed_request_that_finishes_inside_generate_arrives_from_the_next_
     delivered = [o for o in llm.step() if o.request_id == rid]
     assert len(delivered) == 1 and delivered[0].finished
     assert delivered[0].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_from_step_end_during_generate_leave_generate_its_outputs(async_scheduling: bool) -> None:
+    """A ``step.end`` hook streams with ``LLM.step()`` while generate() runs: generate gets every
+    one of its outputs, the hook's steps only the streamed request's, which arrives finished once."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    rid = llm.add_request([10, 11, 12], greedy(2))
+    streamed, inside = [], []
+
+    def step_again(info) -> None:
+        if not inside:  # (not from the step.end of its own step)
+            inside.append(True)
+            streamed.extend(llm.step())
+            inside.clear()
+
+    with llm.hooks({"step.end": step_again}):
+        outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert token_ids(outs) == fresh_tokens(PROMPTS)
+    streamed += drain(llm).values()
+    assert {o.request_id for o in streamed} == {rid}
+    final = [o for o in streamed if o.finished]
+    assert len(final) == 1 and final[0].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
+    assert_healthy(llm)
+
+
+def test_an_id_whose_final_output_waits_for_step_is_not_given_to_a_new_request() -> None:
+    """A streamed request finishes while generate() runs, under an id automatic ids reach
+    later: until step() delivers it, the id is taken (adding it again is refused, the next
+    generate() skips it), and its output arrives intact."""
+    llm = make_llm(**CONFIG)
+    first = llm.generate([PROMPTS[0]], greedy(6), use_tqdm=False)[0].request_id
+    rid = str(int(first) + 3)
+    llm.add_request([10, 11, 12], greedy(2), request_id=rid)
+    llm.generate([PROMPTS[0]], greedy(6), use_tqdm=False)  # (rid finishes inside)
+    with pytest.raises(ValueError, match=f"request_id '{rid}' is already in use"):
+        llm.add_request([1, 2], greedy(2), request_id=rid)
+    assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+    final = drain(llm)
+    assert list(final) == [rid] and final[rid].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
     assert_healthy(llm)

@@ -56,8 +56,9 @@ def _hold(signum: int, frame: object) -> None:
 def interrupt_pending() -> bool:
     """Whether a held Ctrl-C will be raised when the current (outermost) block ends, so the
     operation running in it can put its result aside before its caller gets the interrupt
-    instead. Inside a nested block the result still reaches its caller: False there."""
-    return bool(_held) and _depth == 1
+    instead. Inside a nested block the result still reaches its caller: False there, and in
+    any thread but the main one, which a Ctrl-C never reaches."""
+    return bool(_held) and _depth == 1 and threading.current_thread() is threading.main_thread()
 
 
 def _deliver(handler: object) -> None:

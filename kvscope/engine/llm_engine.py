@@ -20,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Iterator, Sequence as Seq
+from typing import Any, Container, Iterator, Sequence as Seq
 
 from kvscope.arg_checks import check_int
 from kvscope.config import EngineConfig
@@ -83,6 +83,9 @@ class LLMEngine:
         self._num_released = 0               # requests released so far (see step())
         self._aborted: list[Request] = []    # aborted requests the next step() reports
         self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
+        # Ids whose outputs a caller above the engine still holds (LLM's undelivered outputs):
+        # not free for a new request, or that request's outputs would be taken for theirs.
+        self.held_ids: Container[str] = ()
         # What was just built (the free pool alone holds an entry per KV block) goes to the
         # oldest generation now, in one pass over the young objects; left young, each of the
         # first young collections of a run would walk all of it again.
@@ -196,10 +199,15 @@ class LLMEngine:
                 )
         return request_id
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a request (or a parent of ``n > 1``) whose last output
+        is not out yet."""
+        return request_id in self.requests or request_id in self._parents
+
     def _id_in_use(self, request_id: str) -> bool:
-        """Whether ``request_id`` names a request whose last output is not out yet: a request,
-        a parent of ``n > 1``, or one of its children (until the parent's last output)."""
-        return request_id in self.requests or request_id in self._parents or request_id in self._children
+        """Whether ``request_id`` is taken: a request's, a child's of ``n > 1`` (until the
+        parent's last output), or one whose outputs a caller still holds."""
+        return self.has_request(request_id) or request_id in self._children or request_id in self.held_ids
 
     def _new_request_id(self, n: int) -> str:
         """The next automatic id that is free, and (``n > 1``) whose children's ids are free too:
@@ -226,27 +234,26 @@ class LLMEngine:
     def abort_request(self, request_id: str, report: bool = True) -> bool:
         """Stop a request wherever it is; returns False if it is unknown or already finished.
 
-        The next :meth:`step` reports it (``finish_reason="abort"``) unless ``report`` is
-        False. Safe from any hook: inside a scheduler transition the abort is applied as soon
+        The next :meth:`step` reports it (``finish_reason="abort"``). With ``report=False``
+        nothing more of it is reported, not even an output still waiting (one the step under
+        way finished it with included). Safe from any hook: inside a scheduler transition the abort is applied as soon
         as the transition ends (and the request's row, if it was just scheduled, never runs).
         A request with ``n > 1`` is aborted child by child.
         """
         parent = self._parents.get(request_id)
         if parent is not None:
             aborted = [self.abort_request(child_id, report) for child_id in parent.child_ids]
-            if not report:  # (the parent's own outputs are not reported either, nor its children's)
-                for child_id in parent.child_ids:
-                    child = self.requests.get(child_id)
-                    if child is not None and child.is_finished:  # finished by the step under way
-                        self._release(child)
+            if not report:  # (the parent's own outputs are not reported either)
                 self._forget_parent(parent)
                 self._held = [o for o in self._held if o.request_id != request_id]
             return any(aborted)
         req = self.requests.get(request_id)
+        if not report:  # nor report what is still waiting to be reported
+            self._held = [o for o in self._held if o.request_id != request_id]
+            self._aborted = [r for r in self._aborted if r.request_id != request_id]
         if req is None or req.is_finished:
-            if not report:  # nor report what is still waiting to be reported
-                self._held = [o for o in self._held if o.request_id != request_id]
-                self._aborted = [r for r in self._aborted if r.request_id != request_id]
+            if req is not None and not report:  # finished by the step under way
+                self._release(req)
             return False
         if self._busy:
             self._pending_aborts.append((request_id, report))
