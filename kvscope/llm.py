@@ -106,9 +106,9 @@ class LLM:
         # recording attaches and detaches between two of them, whichever thread asks, without
         # waiting for a generate() to end.
         self._step_lock = threading.RLock()
-        self._undelivered: dict[str, RequestOutput] = {}  # (mutated in place: the engine reads it)
+        self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
-        self.llm_engine.held_ids = self._undelivered
+        self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
         self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
 
     # ------------------------------------------------------------ vLLM API
@@ -160,9 +160,8 @@ class LLM:
                 return self._run(ids, use_tqdm)
             finally:
                 with deferred_interrupts(), self._step_lock:
-                    for rid in ids:  # (a nested generate may have stashed one of their outputs)
+                    for rid in ids:  # (and an output of theirs a nested generate or step kept)
                         engine.abort_request(rid, report=False)
-                        self._undelivered.pop(rid, None)
                         self._generating.discard(rid)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -101,6 +101,30 @@ def test_a_taken_child_id_refuses_the_whole_request():
     _assert_fresh(llm)
 
 
+@pytest.mark.parametrize("taken", ["p", "1_p"])
+def test_ids_of_a_request_being_added_are_taken_before_its_first_request_added_hook(taken):
+    """A ``request.added`` hook of the first child adds a request under the parent's id or a
+    later child's: refused, and the parent's children equal their own requests."""
+    llm = make_llm(**CONFIG)
+    refused = []
+
+    def added(request_id, **_) -> None:
+        if request_id == "0_p" and not refused:
+            with pytest.raises(ValueError, match=f"'{taken}' is already in use"):
+                llm.add_request(PROMPTS[1], sampled(), request_id=taken)
+            refused.append(taken)
+
+    with llm.hooks({"request.added": added}):
+        llm.add_request(PROMPTS[0], sampled(n=3), request_id="p")
+    assert refused == [taken]
+    final = drain(llm)
+    assert list(final) == ["p"]
+    own = [token_ids(make_llm(**CONFIG).generate([PROMPTS[0]], sampled(seed=7 + i), use_tqdm=False))[0]
+           for i in range(3)]
+    assert completions(final["p"]) == own
+    _assert_fresh(llm)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_finished_childs_id_stays_taken_until_its_parent_is_reported(async_scheduling):
     """Child 0 stops on its first token while child 1 runs on: a new request may not take

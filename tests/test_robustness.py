@@ -342,6 +342,107 @@ def test_an_abort_unreported_takes_back_an_output_a_ctrl_c_kept(via: str) -> Non
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_unreported_asked_inside_a_transition_holds_when_the_request_finishes_in_it(
+        async_scheduling: bool, n: int) -> None:
+    """A ``block.freed`` hook, as ``a`` finishes, aborts ``b`` with ``report=False`` while the
+    scheduler's transition is under way: the abort waits for its end, by when ``b`` has finished
+    too. Nothing of ``b`` (nor of its children) is reported."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    engine = llm.llm_engine
+    aborts = []
+
+    def freed(request_id, **_) -> None:
+        if request_id == "a" and not aborts:
+            aborts.append(engine.abort_request("b", report=False))
+
+    llm.add_request(PROMPTS[1], greedy(1), request_id="a")
+    llm.add_request(PROMPTS[0], greedy(1, n=n), request_id="b")
+    reported = []
+    with llm.hooks({"block.freed": freed}):
+        while llm.has_unfinished_requests():
+            reported += llm.step()
+    assert aborts == [True]
+    assert [o.request_id for o in reported] == ["a"]
+    assert reported[0].outputs[0].token_ids == fresh_tokens([PROMPTS[1]], 1)[0]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_unreported_from_a_hook_of_another_abort_takes_back_the_first_ones_report(
+        async_scheduling: bool, n: int) -> None:
+    """Aborts of ``a`` and ``b`` asked inside a transition are applied at its end; ``b``'s
+    ``request.finished`` hook, which runs while ``a``'s abort is applied, aborts ``a`` with
+    ``report=False``: only ``b``'s abort is reported."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    engine = llm.llm_engine
+    asked, silent = [], []
+
+    def scheduled(**_) -> None:
+        if not asked:
+            asked.append(llm.abort_request(["a", "b"]))
+
+    def finished(request_id, **_) -> None:
+        if request_id == "b" and not silent:
+            silent.append(engine.abort_request("a", report=False))
+
+    llm.add_request(PROMPTS[0], greedy(4, n=n), request_id="a")
+    llm.add_request(PROMPTS[1], greedy(4), request_id="b")
+    reported = []
+    with llm.hooks({"step.scheduled": scheduled, "request.finished": finished}):
+        while llm.has_unfinished_requests():
+            reported += llm.step()
+    assert silent and [(o.request_id, o.outputs[0].finish_reason) for o in reported] == [("b", "abort")]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("kept_by", ["generate", "Ctrl-C"])
+def test_an_abort_unreported_takes_back_an_output_llm_holds(kept_by: str, n: int) -> None:
+    """A streamed request's output waits in the LLM: its final one (it finished while
+    generate() ran the engine), or one a Ctrl-C kept from a step's caller (it runs on).
+    ``abort_request(report=False)`` takes it back: no step reports the request, and its id is
+    free again."""
+    llm = make_llm(**CONFIG)
+    engine = llm.llm_engine
+    if kept_by == "generate":
+        llm.add_request([10, 11, 12], greedy(2, n=n), request_id="s")
+        llm.generate([PROMPTS[2]], greedy(6), use_tqdm=False)
+    else:
+        llm.add_request([10, 11, 12], greedy(6, n=n), request_id="s")
+        llm.step()
+        with llm.hooks({"step.end": lambda info: signal.raise_signal(signal.SIGINT)}), \
+                pytest.raises(KeyboardInterrupt):
+            llm.step()
+    assert engine.abort_request("s", report=False) == (kept_by == "Ctrl-C")
+    assert not llm.has_unfinished_requests() and llm.step() == []
+    llm.add_request(PROMPTS[1], greedy(6), request_id="s")
+    final = drain(llm)
+    assert list(final) == ["s"] and final["s"].outputs[0].token_ids == fresh_tokens([PROMPTS[1]])[0]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_aborted_requests_id_stays_taken_until_its_abort_is_reported(async_scheduling: bool) -> None:
+    """Between ``abort_request(rid)`` and the step that reports it, adding ``rid`` again is
+    refused and generate()'s automatic ids pass over it, so its 'abort' output is never taken
+    for another request's."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    first = llm.generate([PROMPTS[1]], greedy(6), use_tqdm=False)[0].request_id
+    rid = str(int(first) + 1)  # the next automatic id
+    llm.add_request([10, 11, 12], greedy(6), request_id=rid)
+    llm.step()
+    llm.abort_request(rid)
+    with pytest.raises(ValueError, match=f"request_id '{rid}' is already in use"):
+        llm.add_request(PROMPTS[0], greedy(6), request_id=rid)
+    assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+    final = drain(llm)
+    assert list(final) == [rid] and final[rid].outputs[0].finish_reason == "abort"
+    assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)

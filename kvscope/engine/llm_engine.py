@@ -20,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Container, Iterator, Sequence as Seq
+from typing import Any, Iterator, MutableMapping, Sequence as Seq
 
 from kvscope.arg_checks import check_int
 from kvscope.config import EngineConfig
@@ -83,9 +83,10 @@ class LLMEngine:
         self._num_released = 0               # requests released so far (see step())
         self._aborted: list[Request] = []    # aborted requests the next step() reports
         self._held: list[RequestOutput] = []  # a step's outputs that a Ctrl-C kept from its caller
-        # Ids whose outputs a caller above the engine still holds (LLM's undelivered outputs):
-        # not free for a new request, or that request's outputs would be taken for theirs.
-        self.held_ids: Container[str] = ()
+        # Outputs a caller above the engine still holds, by request id (LLM's undelivered
+        # ones): their ids are not free for a new request, whose outputs would be taken for
+        # theirs, and abort_request(report=False) takes them back.
+        self.held_outputs: MutableMapping[str, RequestOutput] = {}
         # What was just built (the free pool alone holds an entry per KV block) goes to the
         # oldest generation now, in one pass over the young objects; left young, each of the
         # first young collections of a run would walk all of it again.
@@ -137,22 +138,28 @@ class LLMEngine:
             raise ValueError(f"request_id {taken[0]!r} is already in use (a request with n={params.n} "
                              f"takes its id and its children's ids)")
         text, token_ids = self._tokenize(prompt)  # (once for all children)
-        added: list[str] = []
-        try:
-            for index, child_id in enumerate(parent.child_ids):
-                added.append(self._add({"prompt": text, "prompt_token_ids": token_ids}, child_params(params, index),
-                                       child_id, arrival_time, final_only))
-                self._children[child_id] = (parent, index)
-        except BaseException:
-            for child_id in added:
-                self._children.pop(child_id, None)
-                self.abort_request(child_id, report=False)
-            raise
+        prompt = {"prompt": text, "prompt_token_ids": token_ids}
+        children = [self._new_request(prompt, child_params(params, index), child_id, arrival_time, final_only)
+                    for index, child_id in enumerate(parent.child_ids)]
+        # Every child is valid, and every id taken, before the first request.added hook runs.
         self._parents[request_id] = parent
+        for index, child_id in enumerate(parent.child_ids):
+            self._children[child_id] = (parent, index)
+        for child in children:
+            if self._parents.get(request_id) is not parent:  # a hook took it back (report=False)
+                break
+            self._queue(child)
         return request_id
 
     def _add(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
              arrival_time: float | None, final_only: bool) -> str:
+        req = self._new_request(prompt, params, request_id, arrival_time, final_only)
+        self._queue(req)
+        return req.request_id
+
+    def _new_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
+                     arrival_time: float | None, final_only: bool) -> Request:
+        """A validated request under a free id, not queued yet."""
         text, token_ids = self._tokenize(prompt)
         n = len(token_ids)
         if n == 0:
@@ -177,7 +184,7 @@ class LLMEngine:
             request_id = self._new_request_id(1)
         elif self._id_in_use(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = Request(
+        return Request(
             seq_id=next(self._seq_ids),
             request_id=request_id,
             prompt=text,
@@ -188,16 +195,18 @@ class LLMEngine:
             max_total_tokens=n + max_tokens,
             final_only=final_only,
         )
-        self.requests[request_id] = req
-        self._num_streaming += not final_only
+
+    def _queue(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._num_streaming += not req.final_only
         with self._transition():
             self.scheduler.add_request(req)
             if self.hooks.active("request.added"):
                 self.hooks.fire(
-                    "request.added", step=self.scheduler.step_count, request_id=request_id,
-                    prompt_token_ids=list(token_ids), params=params, time_s=req.metrics.arrival_time,
+                    "request.added", step=self.scheduler.step_count, request_id=req.request_id,
+                    prompt_token_ids=req.token_ids[: req.num_prompt_tokens], params=req.params,
+                    time_s=req.metrics.arrival_time,
                 )
-        return request_id
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names a request (or a parent of ``n > 1``) whose last output
@@ -206,8 +215,11 @@ class LLMEngine:
 
     def _id_in_use(self, request_id: str) -> bool:
         """Whether ``request_id`` is taken: a request's, a child's of ``n > 1`` (until the
-        parent's last output), or one whose outputs a caller still holds."""
-        return self.has_request(request_id) or request_id in self._children or request_id in self.held_ids
+        parent's last output), or one with an output still to deliver (an abort's, one a
+        Ctrl-C kept, one a caller holds)."""
+        return (self.has_request(request_id) or request_id in self._children or request_id in self.held_outputs
+                or any(r.request_id == request_id for r in self._aborted)
+                or any(o.request_id == request_id for o in self._held))
 
     def _new_request_id(self, n: int) -> str:
         """The next automatic id that is free, and (``n > 1``) whose children's ids are free too:
@@ -235,39 +247,47 @@ class LLMEngine:
         """Stop a request wherever it is; returns False if it is unknown or already finished.
 
         The next :meth:`step` reports it (``finish_reason="abort"``). With ``report=False``
-        nothing more of it is reported, not even an output still waiting (one the step under
-        way finished it with included). Safe from any hook: inside a scheduler transition the abort is applied as soon
-        as the transition ends (and the request's row, if it was just scheduled, never runs).
-        A request with ``n > 1`` is aborted child by child.
+        nothing more of it is reported, not even an output still waiting (the one the step
+        under way finished it with, one a caller above holds in :attr:`held_outputs`). Safe
+        from any hook: inside a scheduler transition the abort is applied as soon as the
+        transition ends (and the request's row, if it was just scheduled, never runs). A
+        request with ``n > 1`` is aborted child by child.
         """
+        if self._busy and self.has_request(request_id):
+            self._pending_aborts.append((request_id, report))
+            return self._unfinished(request_id)
+        if not report:  # nor report what is still waiting to be reported
+            self._held = [o for o in self._held if o.request_id != request_id]
+            self._aborted = [r for r in self._aborted if r.request_id != request_id]
+            self.held_outputs.pop(request_id, None)
         parent = self._parents.get(request_id)
         if parent is not None:
             aborted = [self.abort_request(child_id, report) for child_id in parent.child_ids]
             if not report:  # (the parent's own outputs are not reported either)
                 self._forget_parent(parent)
-                self._held = [o for o in self._held if o.request_id != request_id]
             return any(aborted)
         req = self.requests.get(request_id)
-        if not report:  # nor report what is still waiting to be reported
-            self._held = [o for o in self._held if o.request_id != request_id]
-            self._aborted = [r for r in self._aborted if r.request_id != request_id]
         if req is None or req.is_finished:
             if req is not None and not report:  # finished by the step under way
                 self._release(req)
             return False
-        if self._busy:
-            self._pending_aborts.append((request_id, report))
-            return True
         self._abort(req, report)
         self._settle()
         return True
 
+    def _unfinished(self, request_id: str) -> bool:
+        parent = self._parents.get(request_id)
+        ids = parent.child_ids if parent is not None else [request_id]
+        return any(not req.is_finished for i in ids if (req := self.requests.get(i)) is not None)
+
     def _abort(self, req: Request, report: bool = True) -> None:
+        # Its report is queued before any hook runs (request.finished, those of the aborts the
+        # transition's end applies), as a hook may take it back.
+        if report:
+            self._aborted.append(req)
         with self._transition():
             self.scheduler.finish_request(req, "abort")
         self._num_aborts += 1
-        if report:  # (before the request.finished hook, which may take the report back)
-            self._aborted.append(req)
         self._finished(req)
         self._release(req)
 
@@ -290,10 +310,7 @@ class LLMEngine:
 
     def _apply_pending(self) -> None:
         while self._pending_aborts:
-            request_id, report = self._pending_aborts.pop(0)
-            req = self.requests.get(request_id)
-            if req is not None and not req.is_finished:
-                self._abort(req, report)
+            self.abort_request(*self._pending_aborts.pop(0))
         if self._pending_reset:
             self._pending_reset = False
             with self._transition():
