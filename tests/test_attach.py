@@ -406,8 +406,10 @@ def test_bad_arguments_name_the_argument():
         kvscope.attach("tcp://127.0.0.1:1", replay_endpoints=["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"])
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         kvscope.attach("tcp://127.0.0.1:1", data_parallel_size=0)
-    with pytest.raises(ValueError, match="metrics_interval must be a number of seconds > 0"):
-        kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=0)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        for arg in ("metrics_interval", "replay_timeout"):
+            with pytest.raises(ValueError, match=f"{arg} must be a finite number of seconds > 0"):
+                kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", **{arg: bad})
     with pytest.raises(ValueError, match="metrics_urls names unknown instances"):
         kvscope.attach({"a": "tcp://127.0.0.1:1"}, metrics_urls={"b": "http://127.0.0.1:1/metrics"})
 

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-from kvscope.arg_checks import check_int
+from kvscope.arg_checks import check_int, is_finite_number
 
 if TYPE_CHECKING:
     from kvscope.attach.attached import Attached
@@ -54,8 +54,8 @@ def attach(
     for arg, value in (("data_parallel_size", data_parallel_size), ("hwm", hwm), ("max_events", max_events)):
         check_int(arg, value)
     for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{arg} must be a number of seconds > 0, got {value!r}")
+        if not (is_finite_number(value) and value > 0):
+            raise ValueError(f"{arg} must be a finite number of seconds > 0, got {value!r}")
     if not isinstance(topic, str):
         raise TypeError(f"topic must be a str, got {type(topic).__name__}")
     streams = [
