@@ -38,6 +38,13 @@ def assert_healthy(llm: LLM, fresh_tokens: list[list[int]]) -> None:
     assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens
 
 
+def changed(field: str, value: Any) -> SamplingParams:
+    """Valid params with one field set to ``value`` after they were built (no check runs then)."""
+    params = greedy(3)
+    setattr(params, field, value)
+    return params
+
+
 # (what is fed in, the exception, a pattern its message must match: the argument's name)
 REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "stop=123": (lambda llm: SamplingParams(stop=123), ValueError, r"^stop must be .* got 123"),
@@ -82,6 +89,17 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                            r"^level must be one of 'summary', 'blocks', 'full', got 'all'"),
     "record max_steps=0": (lambda llm: llm.record(max_steps=0).__enter__(), ValueError,
                            r"^max_steps must be an integer >= 1, got 0"),
+    # Fields changed after the params were built: checked again when the request is added.
+    "temperature=-1 set later": (lambda llm: llm.generate([[5, 6]], changed("temperature", -1.0), use_tqdm=False),
+                                 ValueError, r"^temperature must be a finite number >= 0, got -1.0"),
+    "top_k=-5 set later": (lambda llm: llm.add_request([5, 6], changed("top_k", -5)), ValueError,
+                           r"^top_k must be an integer >= -1"),
+    "logprobs=1.5 set later": (lambda llm: llm.add_request([5, 6], changed("logprobs", 1.5)), ValueError,
+                               r"^logprobs must be an integer >= 0 or None, got 1.5"),
+    "skip_special_tokens=None set later": (lambda llm: llm.add_request([5, 6], changed("skip_special_tokens", None)),
+                                           ValueError, r"^skip_special_tokens must be a bool, got None"),
+    "stop=123 set later": (lambda llm: llm.add_request([5, 6], changed("stop", 123)), ValueError,
+                           r"^stop must be .* got 123"),
     "int request_id": (lambda llm: llm.add_request([5, 6], request_id=5), TypeError,
                        r"request_id must be a str .* got int 5"),
     "abort an int request_id": (lambda llm: llm.abort_request(5), TypeError,
@@ -111,6 +129,26 @@ def test_numpy_ids_and_logprobs_up_to_the_vocabulary_are_served(llm: LLM, fresh_
     assert all(type(t) is int for t in numpy_ids.prompt_token_ids)
     assert numpy_ids.outputs[0].token_ids == plain.outputs[0].token_ids == fresh_tokens[0]
     assert all(len(lp) == VOCAB for lp in numpy_ids.outputs[0].logprobs)
+    assert_healthy(llm, fresh_tokens)
+
+
+def test_params_changed_later_act_as_if_built_so_and_never_reach_a_request_already_added(
+        llm: LLM, fresh_tokens: list[list[int]]) -> None:
+    """A stop string set after the params were built cuts the text as one passed to them does;
+    changing the params after add_request leaves that request as it was added."""
+    text = llm.generate([PROMPTS[0]], greedy(6), use_tqdm=False)[0].outputs[0].text
+    assert len(text) >= 4
+    built = llm.generate([PROMPTS[0]], greedy(6, stop=[text[2:4]]), use_tqdm=False)[0].outputs[0]
+    later = changed("stop", [text[2:4]])
+    later.max_tokens = 6
+    assert llm.generate([PROMPTS[0]], later, use_tqdm=False)[0].outputs[0].text == built.text == text[:2]
+    params = greedy(6)
+    rid = llm.add_request(PROMPTS[0], params)
+    params.max_tokens, params.stop_token_ids = 1, fresh_tokens[0][:2]
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.request_id == rid and o.finished]
+    assert token_ids(outs) == [fresh_tokens[0]]
     assert_healthy(llm, fresh_tokens)
 
 
@@ -167,6 +205,8 @@ def test_model_without_tokenizer_files_is_refused_at_construction(tmp_path: Path
         LLM(str(tmp_path), device="cpu")
     # ids in, ids out still works, with the same tokens as the full checkpoint
     bare = LLM(str(tmp_path), device="cpu", skip_tokenizer_init=True, num_kv_blocks=16)
+    with pytest.raises(ValueError, match=r"^stop strings need text, which skip_tokenizer_init=True leaves out"):
+        bare.generate([[5, 6, 7]], greedy(5, stop="a"), use_tqdm=False)
     full = make_llm(num_kv_blocks=16)
     assert token_ids(bare.generate([[5, 6, 7]], greedy(5), use_tqdm=False)) == \
         token_ids(full.generate([[5, 6, 7]], greedy(5), use_tqdm=False))

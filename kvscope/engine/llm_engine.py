@@ -15,6 +15,7 @@ step n+1's allocations (docs/ARCHITECTURE.md, "Async scheduling and the trace").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import time
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Iterator, MutableMapping, Sequence as Seq
 
-from kvscope.arg_checks import check_int
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
 from kvscope.engine.detokenizer import IncrementalDetokenizer
@@ -114,7 +114,12 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        check_int("n", params.n)  # (again: a SamplingParams may be changed after it was built)
+        # The request's own copy, checked again: a SamplingParams may be changed after it was
+        # built (and after this request was added), as vLLM's requests clone theirs.
+        params = dataclasses.replace(params)
+        if params.stop_strings and self.config.skip_tokenizer_init:
+            raise ValueError("stop strings need text, which skip_tokenizer_init=True leaves out; "
+                             "stop on token ids with stop_token_ids instead")
         if params.n == 1:
             request_id = self._add(prompt, params, request_id, arrival_time, final_only)
         else:
