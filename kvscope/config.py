@@ -7,6 +7,7 @@ valid one.
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -64,17 +65,30 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a local directory or a hub id (a str or a path), "
+                                f"got {type(value).__name__} {value!r}")
+            if isinstance(value, os.PathLike):  # (a str in the trace's metadata)
+                setattr(self, name, os.fspath(value))
         check_int("block_size", self.block_size)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks)
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_seqs > self.max_num_batched_tokens:  # (vLLM's rule too)
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): each sequence of a step takes a token of its budget")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.cpu_threads is not None:
             check_int("cpu_threads", self.cpu_threads)
+            cpus = os.cpu_count() or 1
+            if self.cpu_threads > cpus:  # (torch would try to start them all, and may crash)
+                raise ValueError(f"cpu_threads must be at most this machine's {cpus} CPUs, got {self.cpu_threads}")
         if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generator range), got {self.seed!r}")
         gmu = self.gpu_memory_utilization

@@ -73,8 +73,8 @@ class LLM:
         from kvscope.kv_pool_check import check_kv_pool_fits
 
         self._shut_down = False
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         model_dir = resolve_model_dir(model)
-        self.config = EngineConfig.from_kwargs(model=str(model) if model is not None else None, **kwargs)
         hf_config = AutoConfig.from_pretrained(model_dir)
         tokenizer = (
             _NoTokenizer() if self.config.skip_tokenizer_init

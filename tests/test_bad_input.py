@@ -161,6 +161,14 @@ def test_generate_after_shutdown_says_so() -> None:
 
 
 CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    "tokenizer=123": (dict(tokenizer=123), TypeError,
+                      r"^tokenizer must be a local directory or a hub id \(a str or a path\), got int 123"),
+    # (a numpy array of 10**9 rows failed once the weights had loaded, naming no setting)
+    "max_num_seqs=10**9": (dict(max_num_seqs=10**9), ValueError,
+                           r"^max_num_batched_tokens \(8192\) must be >= max_num_seqs \(1000000000\)"),
+    # (torch tried to start them all at the first step, and the process died)
+    "cpu_threads=10**6": (dict(cpu_threads=10**6), ValueError,
+                          r"^cpu_threads must be at most this machine's \d+ CPUs, got 1000000"),
     "seed=10**30": (dict(seed=10**30), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
     "num_kv_blocks=10**9": (dict(num_kv_blocks=10**9), ValueError,
                             r"num_kv_blocks=1000000000 needs .* GiB of KV cache .* more than"),
@@ -188,6 +196,11 @@ def test_bad_engine_config_is_refused_by_name(case: str) -> None:
     kwargs, error, pattern = CONFIG_CASES[case]
     with pytest.raises(error, match=pattern):
         make_llm(**kwargs)
+
+
+def test_a_model_that_is_not_a_path_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"^model must be a local directory or a hub id .* got int 123"):
+        LLM(123, device="cpu")
 
 
 def test_triton_backend_without_triton_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
