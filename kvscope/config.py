@@ -78,9 +78,6 @@ class EngineConfig:
         check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_num_seqs", self.max_num_seqs)
-        if self.max_num_seqs > self.max_num_batched_tokens:  # (vLLM's rule too)
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs}): each sequence of a step takes a token of its budget")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len)
         check_int("tensor_parallel_size", self.tensor_parallel_size)
