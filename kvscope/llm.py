@@ -272,6 +272,9 @@ class LLM:
                 "pip install 'kvscope[notebook]'"
             ) from exc
         with self._between_steps("llm.record"):  # (another thread may be stepping the engine)
+            if self.llm_engine.in_step:  # (this thread, from a hook: its first record would be half a step)
+                raise RuntimeError("llm.record was called from inside a kvscope hook while the engine was in a "
+                                   "step; start a recording between steps or from a step.end hook")
             recorder = Recorder(self.llm_engine, level, max_steps, model=self.model_dir)
             trace = recorder.start()
         try:

@@ -308,6 +308,36 @@ def test_recording_mid_run_and_reset_prefix_cache():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_recording_asked_for_mid_step_is_refused_and_one_from_step_end_replays_the_pool(async_scheduling):
+    """From a hook inside a step, llm.record() is refused (its first record would hold half a
+    step); from step.end it starts, and its replay equals the engine's pool at each later step.end."""
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    prompts, params = _workload()
+    refused, late, pools = [], {}, {}
+
+    def mid_step(**_) -> None:
+        if not refused:
+            with pytest.raises(RuntimeError) as err:
+                llm.record("blocks").__enter__()
+            refused.append(str(err.value))
+
+    def at_step_end(info) -> None:
+        pools[info.step] = llm.llm_engine.block_manager.ref_count.copy()
+        if info.step >= 3 and not late:
+            late["cm"] = llm.record("blocks")
+            late["trace"] = late["cm"].__enter__()
+
+    with llm.hooks({"block.allocated": mid_step, "step.end": at_step_end}):
+        llm.generate(prompts, params, use_tqdm=False)
+    late["cm"].__exit__(None, None, None)
+    assert refused and refused[0].startswith("llm.record was called from inside a kvscope hook while the engine")
+    trace = late["trace"]
+    assert len(trace.step_ids) > 3
+    for step in trace.step_ids:
+        assert np.array_equal(trace.pool_arrays(step)["ref_count"], pools[step])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_recording_started_with_requests_queued_and_running(async_scheduling):
     """Requests that were waiting or running when recording began get their rows, and the
     rows agree with the outputs they end with."""
