@@ -307,6 +307,23 @@ def test_recording_mid_run_and_reset_prefix_cache():
     assert set(idle.event) == {"block.evicted"} and (idle.step == cleared.step.iloc[0]).all()
 
 
+def test_blocks_asked_for_by_id_equal_the_whole_pools_rows_also_when_repeated():
+    llm = _tight_llm()
+    prompts, params = _workload()
+    with llm.record("blocks") as trace:
+        llm.generate(prompts, params, use_tqdm=False)
+    step = trace.step_ids[len(trace.step_ids) // 2]
+    whole = trace.blocks(step)
+    owned = whole[whole.owners.map(len) > 0].block_id.tolist()
+    asked = [owned[0], owned[-1], owned[0], 0]
+    picked = trace.blocks(step, asked)
+    expected = whole.set_index("block_id").loc[asked].reset_index()
+    assert_frame_equal(picked.reset_index(drop=True), expected[picked.columns], check_dtype=False)
+    for bad in (-1, trace.num_blocks, 1.0, True):
+        with pytest.raises(ValueError, match=rf"^block_id must be an integer in 0..{trace.num_blocks - 1}"):
+            trace.block_tokens(step, bad)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_recording_asked_for_mid_step_is_refused_and_one_from_step_end_replays_the_pool(async_scheduling):
     """From a hook inside a step, llm.record() is refused (its first record would hold half a

@@ -190,14 +190,15 @@ class Trace:
         ids = np.arange(self.num_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"block_ids must lie in 0..{self.num_blocks - 1}")
-        row_of = {int(b): i for i, b in enumerate(ids)} if block_ids is not None else None
+        rows_of: dict[int, list[int]] = {}  # (a block asked for twice gets two rows)
+        for i, b in enumerate(ids.tolist() if block_ids is not None else ()):
+            rows_of.setdefault(b, []).append(i)
         with self._lock:
             self._move(step)
             owners: list[list[str]] = [[] for _ in range(len(ids))]
             for rid, table in self._cursor.tables.items():
                 for b in table:
-                    i = b if row_of is None else row_of.get(b)
-                    if i is not None:
+                    for i in rows_of.get(b, ()) if block_ids is not None else (b,):
                         owners[i].append(rid)
         h = arrays["block_hash"][ids]
         hashes = pd.array(h, dtype="Int64")
@@ -213,6 +214,9 @@ class Trace:
 
     def block_tokens(self, step: int, block_id: int) -> list[int]:
         """The token ids whose K/V block ``block_id`` holds after ``step``."""
+        if not (isinstance(block_id, (int, np.integer)) and not isinstance(block_id, bool)
+                and 0 <= block_id < self.num_blocks):  # (numpy would read a negative one from the end)
+            raise ValueError(f"block_id must be an integer in 0..{self.num_blocks - 1}, got {block_id!r}")
         n = int(self.pool_arrays(step)["num_tokens"][block_id])
         with self._lock:
             self._move(step)
