@@ -307,6 +307,19 @@ def test_recording_mid_run_and_reset_prefix_cache():
     assert set(idle.event) == {"block.evicted"} and (idle.step == cleared.step.iloc[0]).all()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_ring_buffer_lists_the_requests_that_finished_in_the_steps_it_kept(async_scheduling):
+    """trace.requests of a 6-step ring buffer: the requests that finished at or after its oldest
+    step, by a recording that kept every step."""
+    llm = make_llm(block_size=4, num_kv_blocks=32, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    prompts = [[5 + i, 6, 7, 8] for i in range(6)]
+    with llm.record("blocks") as whole, llm.record("blocks", max_steps=6) as ring:
+        llm.generate(prompts, [greedy(2 + 3 * i) for i in range(6)], use_tqdm=False)
+    finished_at = whole.queues().query("queue == 'finished'").set_index("request_id").step
+    kept = sorted(finished_at[finished_at >= ring.step_ids[0]].index)
+    assert len(kept) < len(prompts) and sorted(ring.requests.request_id) == kept
+
+
 def test_blocks_asked_for_by_id_equal_the_whole_pools_rows_also_when_repeated():
     llm = _tight_llm()
     prompts, params = _workload()

@@ -240,6 +240,8 @@ class Recorder:
     ) -> None:
         req = self._touch(request_id)
         req.seq, req.output_len, req.finish_reason = None, len(output_token_ids), finish_reason
+        if self.records:  # (async scheduling: ``step`` is the one scheduled next, not the one it finished in)
+            step = min(step, self.records[-1].step + 1)
         self._finished.append((step, request_id))
 
     def _on_scheduled(self, scheduler_output: "SchedulerOutput", request_ids: dict[int, str], **_: Any) -> None:
