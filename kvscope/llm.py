@@ -335,7 +335,7 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(hasattr(t, "__index__") and not isinstance(t, bool) for t in prompts):
+        if prompts and not isinstance(prompts[0], (str, dict, list, tuple)):  # one prompt of token ids
             return [list(prompts)]
         return list(prompts)
     raise TypeError(f"prompts must be a str, a dict, or a list of them, got {type(prompts).__name__}")

@@ -75,6 +75,8 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                     r"prompt_token_ids contains -1, outside the vocabulary"),
     "float id": (lambda llm: llm.generate([[5.0, 6]], use_tqdm=False), TypeError,
                  r"prompt_token_ids\[0\] is 5.0 \(float\); token ids must be integers"),
+    "float id in a flat list": (lambda llm: llm.generate([5, 6.0], use_tqdm=False), TypeError,
+                                r"prompt_token_ids\[1\] is 6.0 \(float\); token ids must be integers"),
     "bool id": (lambda llm: llm.generate({"prompt_token_ids": [5, True]}, use_tqdm=False), TypeError,
                 r"prompt_token_ids\[1\] is True \(bool\)"),
     "logprobs over the vocabulary": (
