@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvscope.arg_checks import check_int, is_finite_number, is_int
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
@@ -32,6 +34,7 @@ class SamplingParams:
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._from_numpy()
         check_int("n", self.n)
         # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
         if not is_finite_number(self.temperature) or self.temperature < 0:
@@ -62,6 +65,17 @@ class SamplingParams:
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+
+    def _from_numpy(self) -> None:
+        """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, (np.integer, np.floating)):
+                setattr(self, name, value.item())
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in self.stop_token_ids]
+        elif isinstance(self.stop_token_ids, np.integer):
+            self.stop_token_ids = self.stop_token_ids.item()
 
     @property
     def stop_strings(self) -> list[str]:

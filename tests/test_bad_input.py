@@ -154,6 +154,20 @@ def test_params_changed_later_act_as_if_built_so_and_never_reach_a_request_alrea
     assert_healthy(llm, fresh_tokens)
 
 
+def test_numpy_numbers_in_sampling_params_act_as_python_numbers(llm: LLM, fresh_tokens: list[list[int]]) -> None:
+    plain = SamplingParams(temperature=0.5, top_p=0.9, top_k=5, max_tokens=5, min_tokens=2, seed=3, logprobs=2,
+                           stop_token_ids=[7], n=2)
+    numpy = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int64(5),
+                           max_tokens=np.int32(5), min_tokens=np.int16(2), seed=np.uint64(3), logprobs=np.int8(2),
+                           stop_token_ids=[np.int64(7)], n=np.int64(2))
+    assert numpy == plain and all(type(getattr(numpy, f)) is type(getattr(plain, f)) for f in ("n", "top_k", "top_p"))
+    outs = llm.generate([PROMPTS[0]] * 2, [plain, numpy], use_tqdm=False)
+    assert [c.token_ids for c in outs[0].outputs] == [c.token_ids for c in outs[1].outputs]
+    with pytest.raises(ValueError, match=r"^max_tokens must be an integer >= 1, got 0"):
+        SamplingParams(max_tokens=np.int64(0))
+    assert_healthy(llm, fresh_tokens)
+
+
 def test_generate_after_shutdown_says_so() -> None:
     llm = make_llm(num_kv_blocks=16)
     llm.shutdown()
