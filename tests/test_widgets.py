@@ -325,6 +325,26 @@ def test_a_slider_move_while_an_update_waits_for_the_lock_is_not_undone():
     dash.detach()
 
 
+def test_an_update_between_a_records_append_and_its_listener_shows_the_steps_the_series_holds():
+    """The recorder appends step n (trace.step_ids shows it) and then calls the dashboard's
+    listener; an update by the updater thread in between shows step n - 1 (it raised IndexError
+    reading step n's row before). Each step's update is forced into that moment."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, max_steps=2000, interval=10.0, max_load=1.0)  # (the updater thread stays out)
+    queue, shown = dash.series.add, []
+
+    def update_first(record) -> None:
+        dash._refresh(follow=True)
+        shown.append((record.step, dash.step))
+        queue(record)
+
+    dash.series.add = update_first
+    llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    dash.detach()
+    assert dash.last_error is None
+    assert len(shown) > 2 and [seen for _, seen in shown[1:]] == [step for step, _ in shown[:-1]]
+
+
 def test_live_dashboards_keep_full_collections_off_the_heap_they_attached_to():
     """Objects that existed when the first live dashboard attached are frozen until the last one
     detaches, which collects those that became garbage; a freeze the program made itself is

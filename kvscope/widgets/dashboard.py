@@ -219,9 +219,12 @@ class Dashboard:
             if follow is None:
                 follow = self.follow.value
             ids = self.trace.step_ids
+            self.series.sync()
+            # (A record joins trace.step_ids just before the series hears of it: show no newer step.)
+            newest = self.series.last_step
+            ids = [s for s in ids if newest is not None and s <= newest]
             if not ids:
                 return
-            self.series.sync()
             # Steps only grow: widen the top, move to the newest, then raise the bottom, each in
             # a message of its own. Any other order clamps a slider, here or in the browser (which
             # applies a message's value before its max, and sends the clamped value back); the
