@@ -441,6 +441,32 @@ def test_save_load_round_trip(run, tmp_path):
     assert run.full.meta["kv_shards"][0]["num_blocks"] == run.full.num_blocks == 16
 
 
+def test_a_trace_round_trips_the_rows_of_a_step_rolled_back_after_a_failed_launch(tmp_path):
+    """Async scheduling, the third launch raises: the step in flight then is rolled back and gets
+    no record, but its rows ran and wrote K/V. A saved and loaded trace replays them as the live
+    one does, and both replay the full level's pool."""
+    llm = make_llm(block_size=4, num_kv_blocks=12, max_num_batched_tokens=16, max_num_seqs=8, async_scheduling=True)
+    runner = llm.llm_engine.executor
+    launch, calls = runner.execute_async, []
+
+    def third_fails(out):
+        calls.append(out.step)
+        if len(calls) == 3:
+            raise RuntimeError("injected device error")
+        return launch(out)
+
+    runner.execute_async = third_fails
+    prompts = [[5 + i, 6, 7, 8, 9, 10, 11] for i in range(4)]
+    with llm.record("full", max_steps=1000) as full, llm.record("blocks") as blocks:
+        with pytest.raises(RuntimeError, match="injected device error"):
+            llm.generate(prompts, greedy(6), use_tqdm=False)
+        llm.generate(prompts, greedy(6), use_tqdm=False)
+    assert calls[1] not in blocks.step_ids  # the step in flight when the third launch failed
+    _assert_replay_equals_snapshot(Run(llm, full, blocks, [], {}))
+    for trace in (full, blocks):
+        _assert_same_trace(trace, Trace.load(trace.save(tmp_path / trace.level)))
+
+
 def test_a_trace_saved_without_launches_is_refused_clearly(run, tmp_path):
     path = run.blocks.save(tmp_path / "old")
     (path / "launches.parquet").unlink()  # as saved before launches were recorded

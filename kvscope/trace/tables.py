@@ -169,9 +169,10 @@ def launches_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
 
 
 def launched_beyond(records: Sequence[StepRecord]) -> list[tuple[int, Scheduled]]:
-    """Rows launched for a step that has no record (an async recording's last launch)."""
+    """Rows launched for a step that has no record: an async recording's last launch, and a
+    step rolled back after a later launch failed (its rows ran, and wrote K/V)."""
     recorded = {rec.step for rec in records}
-    return [(launch.step, launch.rows) for rec in records[-1:] for launch in rec.launches if launch.step not in recorded]
+    return [(launch.step, launch.rows) for rec in records for launch in rec.launches if launch.step not in recorded]
 
 
 def queues_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
