@@ -320,6 +320,37 @@ def test_a_ring_buffer_lists_the_requests_that_finished_in_the_steps_it_kept(asy
     assert len(kept) < len(prompts) and sorted(ring.requests.request_id) == kept
 
 
+def test_a_step_that_is_not_an_integer_is_refused_by_name_and_a_failed_replay_leaves_the_trace_readable(
+        monkeypatch):
+    import kvscope.trace.trace as trace_module
+
+    llm = _tight_llm()
+    prompts, params = _workload()
+    with llm.record("blocks") as trace:
+        llm.generate(prompts, params, use_tqdm=False)
+    for read in (trace.blocks, trace.pool_arrays, lambda step: trace.block_tokens(step, 0)):
+        for bad in ("3", None, True, 2.0):
+            with pytest.raises(TypeError, match=rf"^step must be an integer, one of trace.step_ids, got {bad!r}"):
+                read(bad)
+    first, last = trace.step_ids[0], trace.step_ids[-1]
+    expected = trace.blocks(last)
+    trace.blocks(first)
+    apply = trace_module._apply_keeping
+    calls = []
+
+    def fails_at_the_third(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected")
+        apply(*args)
+
+    monkeypatch.setattr(trace_module, "_apply_keeping", fails_at_the_third)
+    with pytest.raises(MemoryError):
+        trace.blocks(last)
+    monkeypatch.setattr(trace_module, "_apply_keeping", apply)
+    assert_frame_equal(trace.blocks(last), expected)
+
+
 def test_blocks_asked_for_by_id_equal_the_whole_pools_rows_also_when_repeated():
     llm = _tight_llm()
     prompts, params = _workload()

@@ -352,8 +352,12 @@ class Trace:
             recs, self._cursor, _ = self._source.view(with_baseline=True)
             i, lo = _index(recs, step), 0
             self._launches = _first_launch(recs, self._cursor)
-        for k in range(lo, i + 1):  # (step's launch is in its own record, or the one before: async)
-            _apply_keeping(self._cursor, recs[k], self._launches if k >= i - 1 else None)
+        try:
+            for k in range(lo, i + 1):  # (step's launch is in its own record, or the one before: async)
+                _apply_keeping(self._cursor, recs[k], self._launches if k >= i - 1 else None)
+        except BaseException:
+            self._cursor = None  # (half applied: the next read starts over from the baseline)
+            raise
         self._launches = {s: t for s, t in self._launches.items() if s >= step}
         self._forward = self._launches.get(step, {})
         self._cursor_step, self._cursor_arrays = step, None
@@ -368,6 +372,8 @@ class Trace:
 
 
 def _index(records: Sequence[StepRecord], step: int) -> int:
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+        raise TypeError(f"step must be an integer, one of trace.step_ids, got {step!r}")
     i = bisect.bisect_left(records, step, key=_STEP)
     if i == len(records) or records[i].step != step:
         span = f"{records[0].step}..{records[-1].step}" if records else "none"
