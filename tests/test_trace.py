@@ -366,6 +366,12 @@ def test_blocks_asked_for_by_id_equal_the_whole_pools_rows_also_when_repeated():
     for bad in (-1, trace.num_blocks, 1.0, True):
         with pytest.raises(ValueError, match=rf"^block_id must be an integer in 0..{trace.num_blocks - 1}"):
             trace.block_tokens(step, bad)
+    for bad in ([1.5], [-1], [[1]]):  # (a float was truncated to a block id)
+        with pytest.raises(ValueError, match=rf"^block_ids must be integers in 0..{trace.num_blocks - 1}"):
+            trace.blocks(step, bad)
+    assert trace.decode(np.array(trace.block_tokens(step, owned[0]))) == trace.decode(trace.block_tokens(step, owned[0]))
+    with pytest.raises(ValueError, match=r"^token ids must be >= 0, got -1"):
+        trace.decode([5, -1])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

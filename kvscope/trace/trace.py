@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import operator
 import threading
 from itertools import chain
 from operator import attrgetter
@@ -187,9 +188,10 @@ class Trace:
         """The pool after ``step``, one row per block, with the requests owning it: the whole
         pool, or only ``block_ids`` (a hover on a pool of millions asks for a few)."""
         arrays = self.pool_arrays(step)
-        ids = np.arange(self.num_blocks) if block_ids is None else np.asarray(block_ids, dtype=np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
-            raise ValueError(f"block_ids must lie in 0..{self.num_blocks - 1}")
+        ids = np.arange(self.num_blocks) if block_ids is None else np.asarray(block_ids)
+        if ids.ndim != 1 or (len(ids) and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.num_blocks)):
+            raise ValueError(f"block_ids must be integers in 0..{self.num_blocks - 1}, got {block_ids!r}")
+        ids = ids.astype(np.int64)
         rows_of: dict[int, list[int]] = {}  # (a block asked for twice gets two rows)
         for i, b in enumerate(ids.tolist() if block_ids is not None else ()):
             rows_of.setdefault(b, []).append(i)
@@ -224,7 +226,10 @@ class Trace:
 
     def decode(self, token_ids: Iterable[int]) -> str:
         """Text of ``token_ids``, token by token, from the texts the trace keeps (no tokenizer needed)."""
-        return "".join(self._token_text(int(t)) for t in token_ids)
+        ids = [operator.index(t) for t in token_ids]
+        if any(t < 0 for t in ids):
+            raise ValueError(f"token ids must be >= 0, got {[t for t in ids if t < 0][0]}")
+        return "".join(self._token_text(t) for t in ids)
 
     def kv_events(self) -> pd.DataFrame:
         """vLLM's KV-cache events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``) with

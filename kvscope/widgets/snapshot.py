@@ -151,7 +151,9 @@ def slots_state(d: StepData) -> dict[str, Any]:
     groups = []
     for a, b in zip(starts.tolist(), ends.tolist()):
         shown = range(a, min(b, a + MAX_SLOT_TOKENS))
-        tokens = [[cols[0][i], cols[1][i], trace.decode([cols[1][i]]), cols[2][i], cols[3][i], cols[4][i]] for i in shown]
+        # (token id -1: an input a recording that began with a step in flight never saw)
+        tokens = [[cols[0][i], cols[1][i], trace.decode([cols[1][i]]) if cols[1][i] >= 0 else "?", cols[2][i],
+                   cols[3][i], cols[4][i]] for i in shown]
         rid = str(rids[a])
         groups.append({"id": rid, "kind": str(kinds.get(rid, "prefill")), "num_tokens": b - a, "tokens": tokens})
     return {"step": d.step, "block_size": int(trace.block_size), "groups": groups}
