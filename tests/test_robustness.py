@@ -443,6 +443,40 @@ def test_an_aborted_requests_id_stays_taken_until_its_abort_is_reported(async_sc
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_forward_that_fails_at_any_step_costs_no_request_its_tokens(async_scheduling: bool) -> None:
+    """A device error in the forward pass of the k-th step, for every k of a run with chunked
+    prefill: that step raises, is rolled back, and every request still ends with a fresh
+    engine's tokens (the runner's cached sampling parameters once outlived the failed step and
+    were applied to the next step's rows)."""
+    want = fresh_tokens(PROMPTS)
+    for k in range(1, 16):
+        llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+        runner = llm.llm_engine.executor
+        forward, calls = runner._forward_rows, []
+
+        def fails_once(step, forward=forward, calls=calls, k=k):
+            calls.append(1)
+            if len(calls) == k:
+                raise RuntimeError("injected device error")
+            return forward(step)
+
+        runner._forward_rows = fails_once
+        ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+        final, failed = {}, 0
+        for _ in range(200):
+            if not llm.has_unfinished_requests():
+                break
+            try:
+                final.update({o.request_id: o for o in llm.step() if o.finished})
+            except RuntimeError as exc:
+                assert "injected" in str(exc)
+                failed += 1
+        assert failed == (len(calls) >= k) and [final[i].outputs[0].token_ids for i in ids] == want
+        del runner._forward_rows
+        assert_healthy(llm)
+
+
 # ------------------------------------------------------------------ case 5
 def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     llm = make_llm(**CONFIG)

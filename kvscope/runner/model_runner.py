@@ -151,7 +151,9 @@ class ModelRunner:
         self._last_sample: torch.Tensor | None = None
         self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
         self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
-        self._sampled_params: list[SamplingParams] | None = None  # and their sampling parameters
+        # The sampling parameters of the rows array they were built for (a launch that failed
+        # after building them left _sampled_rows as it was: they belong together only by identity).
+        self._sampled_params: tuple[np.ndarray, list[SamplingParams]] | None = None
         self._row_numbers = np.arange(config.max_num_seqs)
         # The last step's table rows and starts, when it ran a decode graph: a steady step
         # after it moves that graph's inputs on (_advance).
@@ -480,7 +482,7 @@ class ModelRunner:
             sample = cols.sample
             sampled = [r for r in out.requests if r.sample]
             table_rows, seq_ids, index = step.table_rows[sample], cols.seq_id[sample], cols.output_index[sample]
-        params = self._params_of(sampled, table_rows is self._sampled_rows)
+        params = self._params_of(sampled, table_rows)
         index = index.tolist()
         t1 = time.perf_counter()
         prepare_s = t1 - t0
@@ -515,12 +517,15 @@ class ModelRunner:
         step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
-    def _params_of(self, rows: Sequence[ScheduledRequest], same_rows: bool) -> list[SamplingParams]:
+    def _params_of(self, rows: Sequence[ScheduledRequest], table_rows: np.ndarray) -> list[SamplingParams]:
         """The sampled rows' params list. When they are the same sequences as the last step
-        sampled, in order (``same_rows``: BlockTables handed the very same rows array back), it
-        is the last step's very list, which the sampler has read already."""
-        params = self._sampled_params if same_rows and self._sampled_params is not None else [r.params for r in rows]
-        self._sampled_params = params
+        sampled, in order (BlockTables handed the very same rows array back), it is the last
+        step's very list, which the sampler has read already."""
+        cached = self._sampled_params
+        if cached is not None and cached[0] is table_rows and table_rows is self._sampled_rows:
+            return cached[1]
+        params = [r.params for r in rows]
+        self._sampled_params = (table_rows, params)
         return params
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest], params: list[SamplingParams],
