@@ -443,25 +443,47 @@ def test_an_aborted_requests_id_stays_taken_until_its_abort_is_reported(async_sc
     assert_healthy(llm)
 
 
+class _FailingReadBack:
+    """A launched step whose read-back raises, as an asynchronous device error surfaces there."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    def result(self):
+        raise RuntimeError("injected device error")
+
+
+@pytest.mark.parametrize("where", ["forward", "read-back"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_forward_that_fails_at_any_step_costs_no_request_its_tokens(async_scheduling: bool) -> None:
-    """A device error in the forward pass of the k-th step, for every k of a run with chunked
-    prefill: that step raises, is rolled back, and every request still ends with a fresh
-    engine's tokens (the runner's cached sampling parameters once outlived the failed step and
-    were applied to the next step's rows)."""
+def test_a_device_error_at_any_step_costs_no_request_its_tokens(async_scheduling: bool, where: str) -> None:
+    """A device error in the k-th step's forward pass, or at its read-back after a launch that
+    went through, for every k of a run with chunked prefill: that step raises and is rolled
+    back, and every request still ends with a fresh engine's tokens."""
     want = fresh_tokens(PROMPTS)
     for k in range(1, 16):
         llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
         runner = llm.llm_engine.executor
-        forward, calls = runner._forward_rows, []
+        calls = []
+        if where == "forward":
+            forward = runner._forward_rows
 
-        def fails_once(step, forward=forward, calls=calls, k=k):
-            calls.append(1)
-            if len(calls) == k:
-                raise RuntimeError("injected device error")
-            return forward(step)
+            def fails_once(step, forward=forward, calls=calls, k=k):
+                calls.append(1)
+                if len(calls) == k:
+                    raise RuntimeError("injected device error")
+                return forward(step)
 
-        runner._forward_rows = fails_once
+            runner._forward_rows = fails_once
+        else:
+            launch = runner.execute_async
+
+            def reads_back_an_error_once(out, launch=launch, calls=calls, k=k):
+                handle = launch(out)
+                calls.append(1)
+                return _FailingReadBack(handle) if len(calls) == k else handle
+
+            runner.execute_async = reads_back_an_error_once
+            runner.execute = lambda out, launch=reads_back_an_error_once: launch(out).result()
         ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
         final, failed = {}, 0
         for _ in range(200):
@@ -473,7 +495,8 @@ def test_a_forward_that_fails_at_any_step_costs_no_request_its_tokens(async_sche
                 assert "injected" in str(exc)
                 failed += 1
         assert failed == (len(calls) >= k) and [final[i].outputs[0].token_ids for i in ids] == want
-        del runner._forward_rows
+        for name in ("_forward_rows", "execute_async", "execute"):
+            runner.__dict__.pop(name, None)
         assert_healthy(llm)
 
 
