@@ -167,6 +167,9 @@ class KVEventsConfig:
                 raise ValueError(
                     f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
                 )
+            port = value.rpartition(":")[2] if value is not None and value.startswith("tcp://") else "*"
+            if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):  # (ZMQ took 99999 without a word)
+                raise ValueError(f"kv_events_config.{name} needs a tcp port in 1..65535 (or *), got {value!r}")
         if not isinstance(self.topic, str):
             raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
 

@@ -179,6 +179,9 @@ def test_generate_after_shutdown_says_so() -> None:
 CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "tokenizer=123": (dict(tokenizer=123), TypeError,
                       r"^tokenizer must be a local directory or a hub id \(a str or a path\), got int 123"),
+    "kv_events_config port 99999": (dict(kv_events_config={"enable_kv_cache_events": True,
+                                                           "endpoint": "tcp://*:99999"}), ValueError,
+                                    r"^kv_events_config.endpoint needs a tcp port in 1..65535 \(or \*\), got 'tcp://\*:99999'"),
     # (torch tried to start them all at the first step, and the process died)
     "cpu_threads=10**6": (dict(cpu_threads=10**6), ValueError,
                           r"^cpu_threads must be at most this machine's \d+ CPUs, got 1000000"),
