@@ -4,12 +4,24 @@ the argument's name, the limit, and the value it got."""
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 
 def is_int(value: Any) -> bool:
     """An integer, but not a bool (``True`` would otherwise pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_index(value: Any) -> bool:
+    """An integer, numpy's too, but not a bool: what may index an array."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def is_finite_number(value: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 import numpy as np
 import pandas as pd
 
+from kvscope.arg_checks import is_index
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.hooks import BlockEvent
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
@@ -216,8 +217,7 @@ class Trace:
 
     def block_tokens(self, step: int, block_id: int) -> list[int]:
         """The token ids whose K/V block ``block_id`` holds after ``step``."""
-        if not (isinstance(block_id, (int, np.integer)) and not isinstance(block_id, bool)
-                and 0 <= block_id < self.num_blocks):  # (numpy would read a negative one from the end)
+        if not (is_index(block_id) and 0 <= block_id < self.num_blocks):  # (numpy reads a negative one from the end)
             raise ValueError(f"block_id must be an integer in 0..{self.num_blocks - 1}, got {block_id!r}")
         n = int(self.pool_arrays(step)["num_tokens"][block_id])
         with self._lock:
@@ -377,7 +377,7 @@ class Trace:
 
 
 def _index(records: Sequence[StepRecord], step: int) -> int:
-    if not isinstance(step, (int, np.integer)) or isinstance(step, bool):
+    if not is_index(step):
         raise TypeError(f"step must be an integer, one of trace.step_ids, got {step!r}")
     i = bisect.bisect_left(records, step, key=_STEP)
     if i == len(records) or records[i].step != step:
