@@ -222,19 +222,19 @@ class Dashboard:
             self.series.sync()
             # (A record joins trace.step_ids just before the series hears of it: show no newer step.)
             newest = self.series.last_step
-            ids = [s for s in ids if newest is not None and s <= newest]
-            if not ids:
+            if not ids or newest is None or newest < ids[0]:
                 return
+            first, newest = ids[0], min(newest, ids[-1])
             # Steps only grow: widen the top, move to the newest, then raise the bottom, each in
             # a message of its own. Any other order clamps a slider, here or in the browser (which
             # applies a message's value before its max, and sends the clamped value back); the
             # clamped value reads as the user's move and stops the following.
-            self.slider.max = self.play.max = ids[-1]
-            if follow and self.slider.value != ids[-1]:
-                self.slider.value = ids[-1]  # the observer shows it
+            self.slider.max = self.play.max = newest
+            if follow and self.slider.value != newest:
+                self.slider.value = newest  # the observer shows it
             elif follow:
-                self.show_step(ids[-1])
-            self.slider.min = self.play.min = ids[0]
+                self.show_step(newest)
+            self.slider.min = self.play.min = first
             if not follow and self._shown is not None:  # not following: the views over all steps still grow
                 data = StepData(self.trace, self._shown, self.series)
                 for name in ("lifecycle", "timeline"):
