@@ -219,6 +219,18 @@ def test_a_model_that_is_not_a_path_is_refused_by_name() -> None:
         LLM(123, device="cpu")
 
 
+def test_a_huge_max_num_seqs_is_a_bound_not_an_allocation() -> None:
+    """vLLM users pass a large ``max_num_seqs`` to mean "no limit": the runner's per-request rows
+    grow with the requests it holds instead of being allocated for the bound (which failed with
+    numpy's MemoryError after the weights loaded). More requests run than one step can hold, so
+    the rows grow past what a step needs; the tokens equal a run with a small bound."""
+    prompts = [[5 + i, 6, 7, 8 + i][: 2 + i % 3] for i in range(12)]
+    bounded = make_llm(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=12)
+    huge = make_llm(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=10**12)
+    want = token_ids(bounded.generate(prompts, greedy(5), use_tqdm=False))
+    assert token_ids(huge.generate(prompts, greedy(5), use_tqdm=False)) == want
+
+
 def test_triton_backend_without_triton_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
     with pytest.raises(ImportError, match=r"attention_backend='triton' needs triton, not importable here: pip install triton"):

@@ -114,6 +114,10 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
+        # The most sequences one step schedules (each has at least one token): what the step-sized
+        # buffers, warm-ups and graphs are built for. max_num_seqs alone may be a bound far
+        # above anything held ("no limit"); the per-request rows grow with the requests instead.
+        self.max_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.cpu_threads = resolve_cpu_threads(config, hf_config) if self.device.type == "cpu" else None
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
@@ -144,17 +148,17 @@ class ModelRunner:
         self._staging: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
-        self.block_tables = BlockTables(capacity=config.max_num_seqs)
+        self.block_tables = BlockTables(capacity=self.max_rows)
         # The last step's sampled tokens on the device, and (per BlockTables row) each sampling
         # sequence's row in them, -1 for the others: async scheduling's placeholder tokens are
         # read from there.
         self._last_sample: torch.Tensor | None = None
-        self._sample_row = np.full(config.max_num_seqs, -1, dtype=np.int64)
+        self._sample_row = np.full(self.max_rows, -1, dtype=np.int64)
         self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
         # The sampling parameters of the rows array they were built for (a launch that failed
         # after building them left _sampled_rows as it was: they belong together only by identity).
         self._sampled_params: tuple[np.ndarray, list[SamplingParams]] | None = None
-        self._row_numbers = np.arange(config.max_num_seqs)
+        self._row_numbers = np.arange(self.max_rows)
         # The last step's table rows and starts, when it ran a decode graph: a steady step
         # after it moves that graph's inputs on (_advance).
         self._graph_step: tuple[np.ndarray, np.ndarray] | None = None
@@ -165,11 +169,11 @@ class ModelRunner:
             # One rank samples: with tensor parallelism the draw stays out of the graphs.
             head = None
             if tp_size == 1 and self.sampler.kernels is not None and cuda_graphs.CAPTURE_DRAW:
-                self.sampler.enable_captured_draws(config.max_num_seqs)
+                self.sampler.enable_captured_draws(self.max_rows)
                 head = self._head
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
-                    self._forward, hf_config.hidden_size, config.max_num_seqs,
+                    self._forward, hf_config.hidden_size, self.max_rows,
                     -(-max_model_len // self.block_size), max_model_len, self.block_size,
                     self.dtype, self.device, head,
                 )
@@ -215,7 +219,7 @@ class ModelRunner:
         """Top-k, top-p and 20 log-probs (vLLM's default cap, ``max_logprobs``) on every row a
         step can sample: float32 copies and a sort of ``[rows, vocab]``. A sampler of its own
         draws, so the engine's random streams are untouched."""
-        rows = self.config.max_num_seqs
+        rows = self.max_rows
         hidden = self._dummy_hidden()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=min(20, self.vocab_size))
         with torch.inference_mode():
@@ -242,12 +246,12 @@ class ModelRunner:
         without this the first run pays it on a step of each size, where the device waits."""
         hidden = self._dummy_hidden()
         with torch.inference_mode():
-            for rows in range(1, self.config.max_num_seqs + 1):
+            for rows in range(1, self.max_rows + 1):
                 self.model.compute_logits(hidden[:rows])
 
     def _dummy_hidden(self) -> torch.Tensor:
         """Zero hidden states for the most rows a step samples: the LM head's input at start-up."""
-        return torch.zeros(self.config.max_num_seqs, self.hf_config.hidden_size, dtype=self.dtype,
+        return torch.zeros(self.max_rows, self.hf_config.hidden_size, dtype=self.dtype,
                            device=self.device)
 
     def _dummy_step(self, q_lens: np.ndarray, context_lens: np.ndarray) -> None:
