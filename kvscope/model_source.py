@@ -31,10 +31,12 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
         return str(path)
     if path.exists():
         raise ValueError(f"model={str(model)!r} is a file; pass a HF-format model directory")
-    return _cached_hub_snapshot(str(model))
+    return _cached_hub_snapshot(str(model), "model")
 
 
-def _cached_hub_snapshot(repo_id: str) -> str:
+def _cached_hub_snapshot(repo_id: str, arg: str) -> str:
+    """``repo_id``'s snapshot in the local Hugging Face cache, never the network; ``arg`` is the
+    argument that named it, for the error."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -42,13 +44,13 @@ def _cached_hub_snapshot(repo_id: str) -> str:
         return snapshot_download(repo_id, local_files_only=True)
     except (LocalEntryNotFoundError, FileNotFoundError) as exc:
         raise FileNotFoundError(
-            f"model={repo_id!r} is neither a local directory nor in the local Hugging Face cache "
+            f"{arg}={repo_id!r} is neither a local directory nor in the local Hugging Face cache "
             f"({os.environ.get('HF_HUB_CACHE') or os.environ.get('HF_HOME') or '~/.cache/huggingface'}). "
             "kvscope never downloads weights: fetch it once with `huggingface-cli download "
             f"{repo_id}` on a machine with network access, or pass a local path."
         ) from exc
     except Exception as exc:  # invalid repo id and similar
-        raise FileNotFoundError(f"model={repo_id!r} is not a local directory and not a cached hub id: {exc}") from exc
+        raise FileNotFoundError(f"{arg}={repo_id!r} is not a local directory and not a cached hub id: {exc}") from exc
 
 
 # Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, tiktoken).
@@ -56,15 +58,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def resolve_tokenizer_dir(tokenizer: str | None, model_dir: str) -> str:
-    """The directory (or cached hub id) to load the tokenizer from.
+    """The directory to load the tokenizer from: ``tokenizer`` (a directory, or a hub id already
+    in the local cache), else the model's.
 
     transformers loads a directory without vocabulary files as an empty tokenizer, and every
     text prompt then tokenizes to nothing; refuse it here instead, naming the fix.
     """
-    source = tokenizer or model_dir
-    path = Path(source).expanduser()
-    if not path.is_dir():
-        return source
+    path = Path(tokenizer or model_dir).expanduser()
+    if tokenizer and not path.is_dir():
+        if path.exists():
+            raise ValueError(f"tokenizer={tokenizer!r} is a file; pass a directory with tokenizer files")
+        path = Path(_cached_hub_snapshot(tokenizer, "tokenizer"))
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         which = f"tokenizer={tokenizer!r}" if tokenizer else f"the model directory {model_dir}"
         raise FileNotFoundError(

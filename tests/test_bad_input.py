@@ -253,6 +253,23 @@ def test_model_without_tokenizer_files_is_refused_at_construction(tmp_path: Path
         token_ids(full.generate([[5, 6, 7]], greedy(5), use_tqdm=False))
 
 
+def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name() -> None:
+    """A missing path or a file given as ``tokenizer`` is named as such before anything loads (it
+    reached Hugging Face as a hub id, which failed with its own unrelated error or tried the
+    network); a tokenizer directory of its own still serves the checkpoint's tokens."""
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer='/nonexistent/tok' is not a local directory"):
+        make_llm(tokenizer="/nonexistent/tok")
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer='no-such-org/no-such-tokenizer' is neither a local "
+                                                r"directory nor in the local Hugging Face cache"):
+        make_llm(tokenizer="no-such-org/no-such-tokenizer")
+    config_file = str(tiny_checkpoint() / "config.json")
+    with pytest.raises(ValueError, match=rf"^tokenizer='{config_file}' is a file; pass a directory with tokenizer files"):
+        make_llm(tokenizer=config_file)
+    own = make_llm(num_kv_blocks=16, tokenizer=str(tiny_checkpoint()))
+    assert token_ids(own.generate(PROMPTS, greedy(4), use_tqdm=False)) == \
+        token_ids(make_llm(num_kv_blocks=16).generate(PROMPTS, greedy(4), use_tqdm=False))
+
+
 def test_dashboard_of_none_names_what_it_takes() -> None:
     pytest.importorskip("anywidget")
     with pytest.raises(TypeError, match=r"dashboard source must be an LLM \(live\) or a kvscope.Trace"):
