@@ -85,6 +85,10 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "stop_token_ids outside the vocabulary": (
         lambda llm: llm.generate([[5, 6]], SamplingParams(stop_token_ids=[3, VOCAB]), use_tqdm=False),
         ValueError, rf"stop_token_ids contains {VOCAB}, outside the vocabulary \[0, {VOCAB}\)"),
+    "min_tokens with every token a stop token": (
+        lambda llm: llm.generate([[5, 6]], SamplingParams(min_tokens=2, stop_token_ids=list(range(VOCAB))),
+                                 use_tqdm=False),
+        ValueError, rf"^min_tokens=2 holds back stop_token_ids and EOS, which cover the whole vocabulary \({VOCAB}\)"),
     "Recorder of an LLM": (lambda llm: Recorder(llm), TypeError,
                            r"^engine must be an LLMEngine, got LLM; for an LLM, use llm.record\(...\)"),
     "record level='all'": (lambda llm: llm.record(level="all").__enter__(), ValueError,
@@ -132,6 +136,19 @@ def test_numpy_ids_and_logprobs_up_to_the_vocabulary_are_served(llm: LLM, fresh_
     assert numpy_ids.outputs[0].token_ids == plain.outputs[0].token_ids == fresh_tokens[0]
     assert all(len(lp) == VOCAB for lp in numpy_ids.outputs[0].logprobs)
     assert_healthy(llm, fresh_tokens)
+
+
+def test_min_tokens_with_one_token_left_draws_it(llm: LLM) -> None:
+    """The valid side of the case above: with every token but one held back, the tokens before
+    ``min_tokens`` are that one, then a stop token ends the request."""
+    left = 9
+    params = SamplingParams(min_tokens=3, max_tokens=6, seed=1,
+                            stop_token_ids=[t for t in range(VOCAB) if t != left])
+    (out,) = llm.generate([[5, 6]], params, use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert tokens[:3] == [left] * 3
+    after = tokens[3:]  # `left` again, until the first stop token ends it (or max_tokens does)
+    assert after[:-1] == [left] * (len(after) - 1) and (after[-1] != left or len(tokens) == 6)
 
 
 def test_params_changed_later_act_as_if_built_so_and_never_reach_a_request_already_added(

@@ -44,11 +44,14 @@ def _check_id_container(ids: Any, name: str) -> None:
         raise TypeError(f"{name} must be a list of token ids, got {type(ids).__name__}")
 
 
-def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_size: int) -> list[int]:
-    """The prompt's token ids as plain ints, after checking them and ``params`` against the vocabulary.
+def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_size: int,
+                      eos_token_ids: frozenset[int]) -> list[int]:
+    """The prompt's token ids as plain ints, after checking them and ``params`` against the
+    vocabulary (``eos_token_ids``: the ones that end this request).
 
     numpy integers are accepted (converted); floats and bools are refused as not token ids,
-    rather than reported as "outside the vocabulary".
+    rather than reported as "outside the vocabulary". A request whose ``min_tokens`` holds back
+    every token of the vocabulary is refused: nothing could be drawn before it.
     """
     ids = _plain_ids(token_ids, vocab_size)
     if ids is None:
@@ -58,6 +61,9 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    if params.min_tokens and sum(t < vocab_size for t in eos_token_ids.union(params.stop_token_ids)) == vocab_size:
+        raise ValueError(f"min_tokens={params.min_tokens} holds back stop_token_ids and EOS, which cover "
+                         f"the whole vocabulary ({vocab_size}): no token could be drawn before it")
     return ids
 
 

@@ -169,7 +169,8 @@ class LLMEngine:
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
-        token_ids = check_request_ids(token_ids, params, self.vocab_size)
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        token_ids = check_request_ids(token_ids, params, self.vocab_size, eos)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise ValueError(
@@ -196,7 +197,7 @@ class LLMEngine:
             token_ids=list(token_ids),
             params=params,
             metrics=RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            eos_token_ids=eos,
             max_total_tokens=n + max_tokens,
             final_only=final_only,
         )
