@@ -158,6 +158,38 @@ def test_faults_are_counted_not_raised():
         raw.close(linger=0)
 
 
+def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
+    """Each batch holds one good BlockStored and one event whose field breaks vLLM's types: the bad
+    one is counted and skipped, and the thread lives on to apply every good one and every later batch."""
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
+    base = {"type": "BlockStored", "block_hashes": [0], "parent_block_hash": None, "token_ids": [1, 2],
+            "block_size": 2}
+    bad = [{"block_hashes": [[1, 2]]}, {"block_hashes": [{"a": 1}]}, {"parent_block_hash": [3]},
+           {"medium": ["GPU"]}, {"group_idx": {"g": 1}}, {"block_size": "2"}, {"lora_id": "x"},
+           {"block_size": 2**64 - 1}, {"token_ids": "ab"}]
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        for seq, fields in enumerate(bad, start=1):
+            good = dict(base, block_hashes=[1000 + seq])
+            raw.send_multipart([b"kv-events", seq_bytes(seq), msgspec.msgpack.encode(
+                {"ts": 1.0, "events": [dict(base, **fields), good]})])
+        last = len(bad) + 1
+        raw.send_multipart([b"kv-events", seq_bytes(last), Codec().encode(2.0, [removed([1001])], 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, last), what="the batch after the malformed ones")
+        want = {1000 + seq for seq in range(2, len(bad) + 1)}
+        assert att.block_hashes(name) == want
+        assert att.faults.unknown_tag.iloc[0] == len(bad)
+        assert set(att.blocks.block_hash) == want and all(t == [1, 2] for t in att.blocks.token_ids)
+        assert att.events.type.tolist() == ["BlockStored"] * len(bad) + ["BlockRemoved"]
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
 def _probe(raw, att) -> bool:
     """Send an empty batch 0 until the subscriber has it (the subscription is then live)."""
     raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])

@@ -11,11 +11,12 @@ their default left out. Both decode here into the same structs; tables show them
 
 import functools
 import types
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple, Union
 
 from kvscope.attach._deps import require
 
 END_SEQ = -1  # the replay socket's last reply carries this sequence number
+INT64_MAX = 2**63 - 1  # the tables hold sizes, ids and ranks as int64
 
 # Field order of vLLM's structs (the array-like encoding is positional, so order is the contract).
 STORED_FIELDS: tuple[str, ...] = (
@@ -63,28 +64,34 @@ def seq_bytes(seq: int) -> bytes:
 @functools.cache
 def event_structs(array_like: bool) -> types.SimpleNamespace:
     """msgspec Structs that read vLLM's events in one encoding: every field after ``block_size``
-    defaults to None (older releases omit them), and fields vLLM added later are ignored."""
+    defaults to None (older releases omit them), and fields vLLM added later are ignored.
+
+    Fields are typed as vLLM declares them (a hash is an int or bytes, ``ExternalBlockHash``), and
+    integers bounded to what an int64 column holds: an event that breaks these would otherwise
+    reach the cache (an unhashable hash) or the tables (an int they cannot hold) and fail there."""
     msgspec = require("msgspec")
     opts = dict(gc=False, array_like=array_like)
+    Hash = Union[int, bytes]
+    Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 
     class Event(msgspec.Struct, tag=True, **opts):
         pass
 
     class BlockStored(Event):
-        block_hashes: list[Any]
-        parent_block_hash: Any = None
+        block_hashes: list[Hash]
+        parent_block_hash: Hash | None = None
         token_ids: list[int] = []
-        block_size: int | None = None
-        lora_id: int | None = None
+        block_size: Count | None = None
+        lora_id: Count | None = None
         medium: str | None = None
         lora_name: str | None = None
         extra_keys: Any = None
-        group_idx: int | None = None
+        group_idx: Count | None = None
 
     class BlockRemoved(Event):
-        block_hashes: list[Any]
+        block_hashes: list[Hash]
         medium: str | None = None
-        group_idx: int | None = None
+        group_idx: Count | None = None
 
     class AllBlocksCleared(Event):
         pass
@@ -92,7 +99,7 @@ def event_structs(array_like: bool) -> types.SimpleNamespace:
     class KVEventBatch(msgspec.Struct, **opts):
         ts: float
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-        data_parallel_rank: int | None = None
+        data_parallel_rank: Count | None = None
 
     return types.SimpleNamespace(BlockStored=BlockStored, BlockRemoved=BlockRemoved,
                                  AllBlocksCleared=AllBlocksCleared, KVEventBatch=KVEventBatch)
@@ -117,6 +124,7 @@ class Codec:
         self._raw = msgspec.msgpack.Decoder().decode
         self._encode = msgspec.msgpack.Encoder().encode
         self._errors = (msgspec.DecodeError, msgspec.ValidationError)
+        self._convert = msgspec.convert
         self._structs = event_structs(False)
 
     def decode(self, payload: bytes) -> Batch:
@@ -143,7 +151,8 @@ class Codec:
         if not isinstance(ts, (int, float)) or not isinstance(events, list):
             raise WireError("bad_msgpack", "KVEventBatch needs a numeric ts and a list of events")
         out = [ev for ev in map(self._event, events) if ev is not None]
-        return Batch(float(ts), out, rank if isinstance(rank, int) else None, len(events) - len(out))
+        rank_ok = isinstance(rank, int) and not isinstance(rank, bool) and 0 <= rank <= INT64_MAX
+        return Batch(float(ts), out, rank if rank_ok else None, len(events) - len(out))
 
     def _event(self, ev: Any) -> Any:
         """One event of either encoding as a struct; None for an unknown tag or a malformed event."""
@@ -155,16 +164,12 @@ class Codec:
             values = dict(zip(fields, ev[1:]))
         else:
             return None
-        cls = getattr(self._structs, tag, None) if tag in TAGS else None
-        if cls is None:
+        if tag not in TAGS:
             return None
-        known = cls.__struct_fields__
-        try:
-            ev = cls(**{k: v for k, v in values.items() if k in known})
-        except TypeError:
+        try:  # validated as the typed decoder would: a struct's constructor checks no types
+            return self._convert({**values, "type": tag}, getattr(self._structs, tag))
+        except self._errors:
             return None
-        hashes = getattr(ev, "block_hashes", [])
-        return ev if isinstance(hashes, list) and isinstance(getattr(ev, "token_ids", []), list) else None
 
     def encode(self, ts: float, events: list[dict[str, Any]], data_parallel_rank: int | None) -> bytes:
         """A map-encoded ``KVEventBatch`` (the current vLLM encoding) of events made by :func:`stored` etc."""
