@@ -190,6 +190,25 @@ def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
         raw.close(linger=0)
 
 
+def test_a_payload_nested_too_deep_is_bad_msgpack():
+    """A payload of arrays nested past msgspec's depth limit is one bad batch; the next one applies."""
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        deep = b"\x91" * 100_000 + b"\xc0"  # [[[... None ...]]]
+        raw.send_multipart([b"kv-events", seq_bytes(1), deep])
+        raw.send_multipart([b"kv-events", seq_bytes(2), Codec().encode(1.0, [stored([5], None, [1, 2], 2)], 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, 2), timeout=5, what="the batch after the deep one")
+        assert att.block_hashes(name) == {5} and att.faults.bad_msgpack.iloc[0] == 1
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
 def _probe(raw, att) -> bool:
     """Send an empty batch 0 until the subscriber has it (the subscription is then live)."""
     raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])

@@ -123,7 +123,8 @@ class Codec:
         self._typed = [msgspec.msgpack.Decoder(event_structs(a).KVEventBatch).decode for a in (False, True)]
         self._raw = msgspec.msgpack.Decoder().decode
         self._encode = msgspec.msgpack.Encoder().encode
-        self._errors = (msgspec.DecodeError, msgspec.ValidationError)
+        # msgspec raises RecursionError for a payload nested deeper than it follows
+        self._errors = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
         self._convert = msgspec.convert
         self._structs = event_structs(False)
 
