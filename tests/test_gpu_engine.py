@@ -353,6 +353,9 @@ def test_a_pool_sized_at_full_memory_leaves_room_for_sampling_every_row(tmp_path
     dict(enable_prefix_caching=False, block_size=32, num_kv_blocks=40),
     dict(enable_prefix_caching=True, async_scheduling=True),
     dict(enable_prefix_caching=True, async_scheduling=True, max_num_batched_tokens=64, num_kv_blocks=40),
+    # more requests running than a step holds, under a max_num_seqs meant as "no limit": graphs,
+    # warm-ups and staging sized by a step's rows, the runner's table rows grown past them
+    dict(enable_prefix_caching=True, async_scheduling=True, max_num_batched_tokens=8, max_num_seqs=10**9),
 ])
 def test_prefix_caching_and_scheduling_do_not_change_tokens_on_gpu(checkpoint, variant):
     prompts = _prompts()
