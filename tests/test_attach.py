@@ -3,6 +3,7 @@
 import http.server
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -207,6 +208,32 @@ def test_a_payload_nested_too_deep_is_bad_msgpack():
     finally:
         att.close()
         raw.close(linger=0)
+
+
+def test_sequence_numbers_out_of_range_are_skipped():
+    """A negative sequence number is not a restart, and the largest one does not overflow the
+    idle probe's request: both are malformed messages. Two jumps of nearly 2**63 saturate the counter."""
+    with publisher() as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([1], None, [1, 2], 2)])
+            wait_for(applied(att, "p0", 0))
+            hostile = Codec().encode(1.0, [stored([66], None, [1, 2], 2)], 0)
+            for seq in (-1, -2**63, 2**63 - 1):
+                pub._pub.send_multipart([b"kv-events", seq_bytes(seq), hostile])
+            wait_for(lambda: att.faults.missing_frames.iloc[0] == 3, what="three malformed messages")
+            time.sleep(1.2)  # past the idle probe, which asks replay for what follows the last batch
+            last = pub.publish([stored([2], 1, [3, 4], 2)])
+            wait_for(applied(att, "p0", last), timeout=5, what="the batch after them")
+            assert att.block_hashes("p0") == {1, 2}
+            f = att.faults.iloc[0]
+            assert (f.publisher_restarts, f.gaps, f.missed_batches) == (0, 0, 0)
+            for seq in (2**63 - 2, 0, 2**63 - 2):  # jump, restart, jump
+                pub._pub.send_multipart([b"kv-events", seq_bytes(seq), hostile])
+            wait_for(lambda: att.streams[0].faults["gaps"] == 2, what="two jumps")
+            assert att.faults.missed_batches.iloc[0] == 2**63 - 1
+        finally:
+            att.close()
 
 
 def _probe(raw, att) -> bool:

@@ -16,7 +16,7 @@ import pandas as pd
 from kvscope.attach.cache import PrefixCache
 from kvscope.attach.metrics import MetricsScraper
 from kvscope.attach.subscriber import FAULTS, Stream, Subscriber
-from kvscope.attach.wire import Batch, event_row
+from kvscope.attach.wire import INT64_MAX, Batch, event_row
 from kvscope.attach.tables import SCHEMAS
 from kvscope.engine.hooks import warn_detached
 from kvscope.trace.recorder import ListenerHandle
@@ -132,10 +132,14 @@ class Attached:
 
     @property
     def faults(self) -> pd.DataFrame:
-        """Per instance, every fault counter (:data:`kvscope.attach.subscriber.FAULTS`) and scrape errors."""
+        """Per instance, every fault counter (:data:`kvscope.attach.subscriber.FAULTS`) and scrape errors.
+
+        A counter saturates at the int64 column's largest value (sequence numbers that jump by
+        nearly 2**63 more than once can count more missed batches than it holds)."""
         errors = self._scraper.errors if self._scraper is not None else {}
         return frame(SCHEMAS["faults"], [
-            (s.instance, s.data_parallel_rank, *(s.faults[f] for f in FAULTS), errors.get(s.instance, 0))
+            (s.instance, s.data_parallel_rank, *(min(s.faults[f], INT64_MAX) for f in FAULTS),
+             errors.get(s.instance, 0))
             for s in self.streams
         ])
 

@@ -48,13 +48,17 @@ class Batch(NamedTuple):
 
 
 def split_frames(frames: list[bytes]) -> tuple[bytes, int, bytes]:
-    """``(topic, seq, payload)`` of one PUB message, or ``WireError("missing_frames")``."""
+    """``(topic, seq, payload)`` of one PUB message, or ``WireError("missing_frames")`` (a sequence
+    number below 0 too: taken as a restart, it would clear the cache)."""
     if len(frames) != 3:
         raise WireError("missing_frames", f"expected 3 frames (topic, seq, payload), got {len(frames)}")
     topic, seq, payload = frames
     if len(seq) != 8:
         raise WireError("missing_frames", f"the sequence frame must be 8 bytes, got {len(seq)}")
-    return bytes(topic), int.from_bytes(seq, "big", signed=True), bytes(payload)
+    number = int.from_bytes(seq, "big", signed=True)
+    if not 0 <= number < INT64_MAX:  # publishers count from 0; the next one expected must fit 8 bytes too
+        raise WireError("missing_frames", f"the sequence number must be in 0..{INT64_MAX - 1}, got {number}")
+    return bytes(topic), number, bytes(payload)
 
 
 def seq_bytes(seq: int) -> bytes:
