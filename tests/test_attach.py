@@ -243,6 +243,43 @@ def _probe(raw, att) -> bool:
     return stream.next_seq == 1
 
 
+def test_close_while_a_replay_waits_twice_and_from_a_listener():
+    """close() does not wait out a pending replay, leaves no thread using the sockets it closed,
+    may be called again, and works from a listener (in the subscriber thread)."""
+    ctx = zmq.Context.instance()
+    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)  # the replay socket takes requests, never answers
+    port, replay_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=5.0,
+                         replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        raw.send_multipart([b"kv-events", seq_bytes(2), Codec().encode(1.0, [], 0)])  # 1 is missing
+        assert mute.poll(5000), "the replay request"
+        assert mute.recv_multipart()[2] == seq_bytes(1)
+        start = time.monotonic()
+        att.close()
+        assert time.monotonic() - start < 1.0 and not att._subscriber._thread.is_alive()
+        att.close()
+    finally:
+        att.close()
+        raw.close(linger=0)
+        mute.close(linger=0)
+    with publisher() as pub:
+        att = attach_to(pub)
+        errors = []
+
+        def close_here(name, seq):
+            try:
+                att.close()
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        att.add_listener(close_here)
+        pub.publish([stored([1], None, [1, 2], 2)])
+        wait_for(lambda: not att._subscriber._thread.is_alive(), timeout=5, what="the thread to end")
+        assert errors == [] and att.block_hashes("p0") == {1}
+
+
 def test_gaps_are_recovered_through_replay():
     with publisher() as pub:
         att = attach_to(pub)

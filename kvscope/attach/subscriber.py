@@ -43,6 +43,8 @@ FAULTS: tuple[str, ...] = (
     "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
 )
 
+_POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
+
 
 @dataclass
 class Stream:
@@ -98,17 +100,27 @@ class Subscriber:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop the thread, which closes the sockets itself (ZMQ sockets are not thread-safe).
+
+        Waits for it (a pending replay gives up at once), except from the thread itself (a
+        listener): the sockets close once the listener returns. Closing twice is harmless."""
         self._stop.set()
-        self._thread.join(timeout=self.replay_timeout + 2.0)
-        for s in self.streams:
-            s.sub.disable_monitor()
-            for sock in (s.sub, s.replay, s.monitor):
-                if sock is not None:
-                    sock.close(linger=0)
-        self._ctx.term()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.replay_timeout + 2.0)
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
+        try:
+            self._poll_until_stopped()
+        finally:
+            for s in self.streams:
+                s.sub.disable_monitor()
+                for sock in (s.sub, s.replay, s.monitor):
+                    if sock is not None:
+                        sock.close(linger=0)
+            self._ctx.term()
+
+    def _poll_until_stopped(self) -> None:
         zmq = self._zmq
         while not self._stop.is_set():
             now = time.monotonic()
@@ -116,7 +128,7 @@ class Subscriber:
                 if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
                     s.heard = now
                     self._probe_tail(s)
-            for sock, _ in self._poller.poll(100):
+            for sock, _ in self._poller.poll(_POLL_MS):
                 s = self._by_socket[sock]
                 if sock is s.monitor:
                     while sock.poll(0):
@@ -124,6 +136,8 @@ class Subscriber:
                         s.disconnected = True
                     continue
                 for _ in range(1000):  # drain in bursts, so one busy publisher cannot starve the loop
+                    if self._stop.is_set():
+                        return
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
@@ -194,7 +208,9 @@ class Subscriber:
             s.next_seq = start
         sock.send_multipart([b"", seq_bytes(start)])
         deadline = time.monotonic() + self.replay_timeout
-        while (left := deadline - time.monotonic()) > 0 and sock.poll(int(left * 1000) + 1):
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(min(int(left * 1000) + 1, _POLL_MS)):  # in slices, so close() need not wait
+                continue
             reply = sock.recv_multipart()
             if len(reply) != 3 or len(reply[1]) != 8:
                 s.faults["missing_frames"] += 1
