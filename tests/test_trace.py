@@ -11,7 +11,9 @@ the runner holds for each forward pass, as an independent witness for ``block_ta
 """
 from __future__ import annotations
 
+import json
 import random
+import re
 import time
 from dataclasses import dataclass
 
@@ -509,6 +511,74 @@ def test_a_trace_saved_without_launches_is_refused_clearly(run, tmp_path):
     (path / "launches.parquet").unlink()  # as saved before launches were recorded
     with pytest.raises(ValueError, match="no launches.parquet.*record it again"):
         Trace.load(path)
+
+
+def _drop_column(path, column):
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(path).drop([column]), path)
+
+
+def _strings_in(path, column):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    i = t.column_names.index(column)
+    pq.write_table(t.set_column(i, column, pa.array([f"x{v}" for v in t.column(i).to_pylist()])), path)
+
+
+def _edit_meta(path, **changes):
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def _halve_rows(path):
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path)
+    pq.write_table(t.slice(0, t.num_rows // 2), path)
+
+
+# (file, edit, what the error says about it: after the file's name, or another file's name and what)
+_DAMAGE = [
+    ("steps.parquet", lambda p: p.unlink(), "missing"),
+    ("block_events.parquet", lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), "not a readable parquet"),
+    ("scheduled.parquet", lambda p: p.write_bytes(b""), "not a readable parquet"),
+    ("queues.parquet", lambda p: _drop_column(p, "queue"), "no column 'queue'"),
+    ("tokens.parquet", lambda p: _drop_column(p, "text"), "no column 'text'"),
+    ("launches.parquet", lambda p: _strings_in(p, "launched_step"), "column 'launched_step'"),
+    ("baseline.parquet", lambda p: _drop_column(p, "contents"), "'contents' must be integers of shape"),
+    ("baseline.parquet", _halve_rows, "'ref_count' must be integers of shape"),
+    ("meta.json", lambda p: p.write_text("{not json"), "not readable JSON"),
+    ("meta.json", lambda p: p.write_text("[1, 2]"), "must hold a JSON object"),
+    ("meta.json", lambda p: _edit_meta(p, block_size=None), "'block_size' must be an integer >= 1"),
+    ("meta.json", lambda p: _edit_meta(p, num_blocks=-1), "'num_blocks' must be an integer >= 0"),
+    ("meta.json", lambda p: _edit_meta(p, num_blocks=17), "baseline.parquet: 'ref_count' must be integers of shape \\(17,\\)"),
+]
+
+
+@pytest.mark.parametrize("name,damage,says", _DAMAGE, ids=[f"{f}-{s.split()[0]}" for f, _, s in _DAMAGE])
+def test_a_damaged_save_is_refused_naming_the_file_and_what_is_wrong(run, tmp_path, name, damage, says):
+    """A file cut short, emptied, edited or taken away: Trace.load names it and says what is
+    wrong, never a KeyError or IndexError from inside the replay. The undamaged copy loads as the
+    live trace (test_save_load_round_trip)."""
+    path = run.blocks.save(tmp_path / "t")
+    damage(path / name)
+    named = path if "parquet:" in says else path / name
+    with pytest.raises(ValueError, match=f"^{re.escape(str(named))}.*{says}"):
+        Trace.load(path)
+
+
+def test_a_path_that_is_no_trace_directory_is_refused_by_name(tmp_path):
+    file = tmp_path / "trace.zip"
+    file.write_bytes(b"PK")
+    for path, error in ((tmp_path / "nope", FileNotFoundError), (file, NotADirectoryError)):
+        with pytest.raises(error, match=f"^{re.escape(str(path))}: not a directory"):
+            Trace.load(path)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'meta.json'))}: missing"):
+        Trace.load(tmp_path)
 
 
 def test_round_trip_of_summary_and_wrapped_traces(tmp_path):

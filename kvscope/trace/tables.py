@@ -10,7 +10,7 @@ from __future__ import annotations
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -261,13 +261,38 @@ def write_frame(df: pd.DataFrame, path: Path) -> None:
 
 
 def read_frame(name: str, path: Path) -> pd.DataFrame:
-    df = pd.read_parquet(path)
-    for c, t in SCHEMAS[name].items():
-        if c in _LISTS:  # parquet lists come back as numpy arrays
-            df[c] = [None if x is None else x.tolist() for x in df[c]]
-        elif t is _S:  # and strings as pandas' string dtype
-            df[c] = df[c].astype(object).where(df[c].notna(), None)
-    return df.astype(SCHEMAS[name])
+    """Table ``name`` of a saved trace, in its schema; a file that is missing, not parquet, or
+    lacks a column of the schema or holds one of another type is refused naming ``path``."""
+    df = _read_parquet(path, pd.read_parquet)
+    schema = SCHEMAS[name]
+    missing = [c for c in schema if c not in df.columns]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(map(repr, missing))} of the {name!r} table; "
+                         "not a file saved by Trace.save?")
+    out = {}
+    for c, t in schema.items():
+        col = df[c]
+        try:
+            if c in _LISTS:  # parquet lists come back as numpy arrays
+                col = pd.Series([None if x is None else x.tolist() for x in col], dtype=object)
+            elif t is _S:  # and strings as pandas' string dtype
+                col = col.astype(object).where(col.notna(), None)
+            out[c] = col.astype(t)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: column {c!r} of the {name!r} table is not of type {t}: {e}") from None
+    return pd.DataFrame(out)
+
+
+def _read_parquet(path: Path, read: Callable[[Path], Any]) -> Any:
+    """``read(path)``, with a file that is missing or is not readable parquet refused by name."""
+    import pyarrow as pa
+
+    if not path.is_file():
+        raise ValueError(f"{path}: missing; a trace saved by Trace.save has it (cut short, or not a trace?)")
+    try:
+        return read(path)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e})") from None
 
 
 def write_arrays(path: Path, columns: dict[str, np.ndarray]) -> None:
@@ -287,7 +312,7 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    table = _read_parquet(path, pq.read_table)
     out = {}
     for name in table.column_names:
         col = table.column(name).combine_chunks()
@@ -296,6 +321,20 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
         else:
             out[name] = col.to_numpy(zero_copy_only=False)
     return out
+
+
+def read_baseline(path: Path, num_blocks: int, block_size: int) -> dict[str, np.ndarray]:
+    """The baseline pool's arrays, refused by name unless they are integers sized by the pool
+    (``num_blocks`` rows of ``block_size`` tokens, as ``meta.json`` says)."""
+    arrays = read_arrays(path)
+    for name, shape in (("ref_count", (num_blocks,)), ("block_hash", (num_blocks,)),
+                        ("contents", (num_blocks, block_size))):
+        a = arrays.get(name)
+        if a is None or a.shape != shape or a.dtype.kind not in "iu":
+            got = "no such column" if a is None else f"{a.dtype} of shape {a.shape}"
+            raise ValueError(f"{path}: {name!r} must be integers of shape {shape} (meta.json's num_blocks and "
+                             f"block_size), got {got}")
+    return arrays
 
 
 def baseline_frames(state: PoolState) -> tuple[dict[str, np.ndarray], pd.DataFrame]:

@@ -29,7 +29,7 @@ from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
-    pool_frames, queues_frame, read_arrays, read_frame, records_from_frames, scheduled_frame, steps_frame,
+    pool_frames, queues_frame, read_baseline, read_frame, records_from_frames, scheduled_frame, steps_frame,
     write_arrays, write_frame,
 )
 
@@ -268,15 +268,11 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        """A trace saved by :meth:`save`; it decodes tokens without a tokenizer."""
+        """A trace saved by :meth:`save`; it decodes tokens without a tokenizer. A directory
+        that is not a whole, unedited save is refused with an error naming the file at fault."""
         path = Path(path)
-        from kvscope.trace.recorder import LEVELS  # (the recorder imports this module)
-
-        meta = json.loads((path / "meta.json").read_text())
-        level = meta.get("level")
-        if level not in LEVELS:
-            raise ValueError(f"{path / 'meta.json'}: 'level' must be one of {', '.join(map(repr, LEVELS))}, "
-                             f"got {level!r}; not a trace saved by Trace.save?")
+        meta = _read_meta(path)
+        level = meta["level"]
         steps = read_frame("steps", path / "steps.parquet")
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":
@@ -291,7 +287,7 @@ class Trace:
             *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues", "launches")),
             pool=pool,
         )
-        baseline = baseline_from_frames(read_arrays(path / "baseline.parquet"),
+        baseline = baseline_from_frames(read_baseline(path / "baseline.parquet", meta["num_blocks"], meta["block_size"]),
                                         read_frame("baseline_tables", path / "baseline_tables.parquet"))
         tokens = read_frame("tokens", path / "tokens.parquet")
         return cls(meta, _Loaded(records, baseline, requests),
@@ -374,6 +370,34 @@ class Trace:
                 raise KeyError(f"token id {token_id} does not occur in this trace, and a loaded trace has no tokenizer")
             text = self._texts[token_id] = self._tokenizer.decode([token_id])
         return text
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json`` of the trace directory ``path``, with the level and the pool's shape
+    (which size every replay) checked."""
+    from kvscope.trace.recorder import LEVELS  # (the recorder imports this module)
+
+    if not path.is_dir():
+        raise (NotADirectoryError if path.exists() else FileNotFoundError)(
+            f"{path}: not a directory; Trace.load takes the directory Trace.save wrote")
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{file}: missing; not a trace saved by Trace.save?") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: not readable JSON ({e}); not a trace saved by Trace.save?") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(meta).__name__}; not a trace saved by Trace.save?")
+    level = meta.get("level")
+    if level not in LEVELS:
+        raise ValueError(f"{file}: 'level' must be one of {', '.join(map(repr, LEVELS))}, "
+                         f"got {level!r}; not a trace saved by Trace.save?")
+    for key, least in (("num_blocks", 0), ("block_size", 1)):
+        value = meta.get(key)
+        if not (is_index(value) and value >= least):
+            raise ValueError(f"{file}: {key!r} must be an integer >= {least}, got {value!r}")
+    return meta
 
 
 def _index(records: Sequence[StepRecord], step: int) -> int:
