@@ -316,6 +316,29 @@ def test_gap_without_replay_socket_is_counted_lost():
             att.close()
 
 
+def test_many_gaps_with_a_replay_socket_that_is_down():
+    """Each gap asks a replay socket nobody listens on; past ZMQ's queue of unsent requests the
+    next ask must fail at once, not block the thread, and every batch after keeps applying."""
+    ctx = zmq.Context.instance()
+    raw, free = ctx.socket(zmq.PUB), ctx.socket(zmq.PUB)
+    port, down = raw.bind_to_random_port("tcp://127.0.0.1"), free.bind_to_random_port("tcp://127.0.0.1")
+    free.close(linger=0)
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.001,
+                         replay_endpoints=f"tcp://127.0.0.1:{down}")
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        gaps = 1200  # more requests than the replay socket queues (its high-water mark, 1000)
+        for i in range(1, gaps + 1):
+            raw.send_multipart([b"kv-events", seq_bytes(2 * i), Codec().encode(1.0, [stored([i], None, [1], 1)], 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, 2 * gaps), timeout=8, what="the last batch")
+        f = att.faults.iloc[0]
+        assert (f.gaps, f.lost_batches) == (gaps, gaps) and att.block_hashes(name) == set(range(1, gaps + 1))
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
 def test_publisher_that_dies_and_comes_back():
     """A new publisher process on the same port starts counting at 0 with an empty cache."""
     first = publisher()

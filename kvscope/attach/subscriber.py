@@ -206,7 +206,10 @@ class Subscriber:
                 break
         if s.next_seq is None:
             s.next_seq = start
-        sock.send_multipart([b"", seq_bytes(start)])
+        try:  # a replay peer that is down queues requests up to the high-water mark, then would block
+            sock.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
         deadline = time.monotonic() + self.replay_timeout
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
             if not sock.poll(min(int(left * 1000) + 1, _POLL_MS)):  # in slices, so close() need not wait
