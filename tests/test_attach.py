@@ -300,6 +300,26 @@ def test_gaps_are_recovered_through_replay():
             att.close()
 
 
+def test_batches_a_replay_answer_skips_are_counted_lost():
+    """Replay keeps the last two batches: of the four dropped live, one comes back and three are lost."""
+    with publisher(buffer_steps=2) as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([0], None, [0, 0], 2)])
+            wait_for(applied(att, "p0", 0))
+            real, pub._pub = pub._pub, types.SimpleNamespace(send_multipart=lambda frames: None)
+            for i in range(1, 5):
+                pub.publish([stored([i], None, [i, i], 2)])
+            pub._pub = real
+            last = pub.publish([stored([5], None, [5, 5], 2)])  # the buffer now holds 4 and 5
+            wait_for(applied(att, "p0", last))
+            f = att.faults.iloc[0]
+            assert (f.gaps, f.missed_batches, f.replayed_batches, f.lost_batches) == (1, 4, 1, 3)
+            assert att.block_hashes("p0") == {0, 4, 5}
+        finally:
+            att.close()
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

@@ -160,6 +160,8 @@ class Subscriber:
         if s.next_seq is None:
             if seq > 0 and s.replay is not None:
                 self._replay(s, 0, seq)  # joined late: what the publisher still buffers
+            if s.next_seq is not None:  # from the first batch replay returned on, what it left out was lost
+                s.faults["lost_batches"] += seq - s.next_seq
             s.next_seq = seq
         elif seq < s.next_seq:
             s.faults["duplicate_batches"] += 1
@@ -186,15 +188,17 @@ class Subscriber:
         """Ask replay for batches after the last one applied; any that come back were dropped live."""
         before = s.next_seq
         if not self._replay(s, before, sys.maxsize):
-            s.heard = float("inf")  # no answer (the publisher is gone?): probe again only after it speaks
-            return
+            s.heard = float("inf")  # no full answer (the publisher is gone?): probe again only after it speaks
         if s.next_seq > before:
             s.faults["gaps"] += 1
             s.faults["missed_batches"] += s.next_seq - before
 
     def _replay(self, s: Stream, start: int, end: int) -> bool:
         """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns;
-        False if it did not finish its answer within ``replay_timeout``."""
+        False if it did not finish its answer within ``replay_timeout``.
+
+        A batch the answer skips (past the publisher's buffer, or dropped by its high-water mark)
+        is counted lost, except before the first one returned to a stream that is joining."""
         if s.replay is None:
             return False
         zmq = self._zmq
@@ -204,8 +208,7 @@ class Subscriber:
                 sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-        if s.next_seq is None:
-            s.next_seq = start
+        joining = s.next_seq is None
         try:  # a replay peer that is down queues requests up to the high-water mark, then would block
             sock.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
         except zmq.Again:
@@ -221,7 +224,10 @@ class Subscriber:
             seq = int.from_bytes(reply[1], "big", signed=True)
             if seq == END_SEQ:
                 return True
-            if s.next_seq <= seq < end:
+            if (start if joining else s.next_seq) <= seq < end:
+                if not joining:
+                    s.faults["lost_batches"] += seq - s.next_seq
+                joining = False
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
         return False
