@@ -320,6 +320,31 @@ def test_batches_a_replay_answer_skips_are_counted_lost():
             att.close()
 
 
+def test_a_late_subscriber_that_stalls_gets_the_whole_replay_buffer():
+    """A subscriber joins after 3000 batches and stalls on the first one it applies: the replay
+    answer backs up on the publisher, which must queue all of it rather than drop past ZMQ's default."""
+    with publisher(buffer_steps=5000) as pub:
+        tokens = list(range(2048))  # big batches, so the socket buffers between the two fill up
+        for i in range(3000):
+            pub.publish([stored([i], None, tokens, 2048)])
+        stall = threading.Event()
+        att = kvscope.attach({"p0": pub.endpoint}, topic="kv-events", replay_endpoints={"p0": pub.replay_endpoint},
+                             replay_timeout=5.0)
+        handle = att.add_listener(lambda name, seq: stall.wait(5.0) and None)
+        try:
+            time.sleep(0.3)  # the subscription reaches the publisher
+            last = pub.publish([stored([3000], None, [1], 1)])
+            time.sleep(0.5)
+            stall.set()
+            handle.remove()
+            wait_for(applied(att, "p0", last), timeout=10, what="the live batch")
+            assert att.block_hashes("p0") == set(range(3001))
+            assert att.faults.iloc[0][["replayed_batches", "lost_batches"]].tolist() == [3000, 0]
+        finally:
+            stall.set()
+            att.close()
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

@@ -71,6 +71,8 @@ class KVEventPublisher:
         if replay_endpoint is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
+            # a ROUTER drops what a peer's queue cannot hold: room for one whole answer and its end
+            self._router.setsockopt(zmq.SNDHWM, buffer_steps + 1)
             self._router.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve_replay, name="kvscope-kv-replay", daemon=True)
