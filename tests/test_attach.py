@@ -1,6 +1,7 @@
 """kvscope.attach against real loopback sockets: vLLM's encodings, gap recovery, faults, overlap, metrics."""
 
 import http.server
+import socket
 import sys
 import threading
 import time
@@ -577,6 +578,74 @@ def test_metrics_are_scraped_at_an_interval_and_failures_counted():
         finally:
             att.close()
             server.shutdown()
+
+
+def _tcp_server(answer, stop):
+    """A loopback server calling ``answer(conn)`` per connection (until ``stop`` is set); its URL."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            threading.Thread(target=lambda: _answer_once(answer, conn), daemon=True).start()
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}/metrics"
+
+
+def _answer_once(answer, conn):
+    with conn:
+        try:
+            conn.recv(65536)
+            answer(conn)
+        except OSError:
+            pass  # the scraper hung up
+
+
+def test_metrics_servers_that_misbehave_are_scrape_errors():
+    """Garbage instead of HTTP, a cut page, a page without end and one a byte at a time: each scrape
+    of them fails within the timeout and is counted, and the good server keeps being scraped."""
+    from kvscope.attach.metrics import MetricsScraper
+
+    stop = threading.Event()
+    page = VLLM_METRICS.encode()
+
+    def good(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page) + page)
+
+    def endless(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+        while not stop.is_set():
+            conn.sendall(b"#" * (1 << 20) + b"\n")
+            time.sleep(0.005)
+
+    def trickle(conn):
+        conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+        while not stop.is_set():
+            conn.sendall(b"#")
+            time.sleep(0.05)
+
+    answers = {"good": good, "garbage": lambda conn: conn.sendall(b"\x00\x01 not http\r\n\r\n"),
+               "cut": lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page)
+                                                + page[:len(page) // 2]),
+               "endless": endless, "trickle": trickle}
+    urls = {name: _tcp_server(answer, stop) for name, answer in answers.items()}
+    rows = []
+    scraper = MetricsScraper(urls, 0.05, rows.extend, timeout=0.5)
+    try:
+        wait_for(lambda: min(scraper.errors[n] for n in answers if n != "good") >= 2, timeout=8,
+                 what="two failed scrapes of each bad server")
+        assert scraper.errors["good"] == 0 and scraper._thread.is_alive()
+        assert {r[1] for r in rows} == {"good"} and len(rows) >= 4  # two engines per scrape
+        assert [r[3] for r in rows if r[2] == 0] == [7.0] * (len(rows) // 2)  # num_requests_running
+    finally:
+        stop.set()
+        scraper.close()
 
 
 # ----------------------------------------------------------------------------- API boundary

@@ -7,6 +7,7 @@ exposed with prometheus_client's ``_total`` suffix. Each row is one scrape of on
 """
 from __future__ import annotations
 
+import http.client
 import math
 import re
 import threading
@@ -24,6 +25,7 @@ METRICS: dict[str, tuple[str, ...]] = {
     "num_preemptions": ("vllm:num_preemptions_total",),
 }
 COLUMNS: tuple[str, ...] = ("time_s", "instance", "data_parallel_rank", *METRICS)
+MAX_PAGE_BYTES = 32 << 20  # far above any vLLM /metrics page; a server that sends more is not one
 _BY_NAME = {name: (col, rank) for col, names in METRICS.items() for rank, name in enumerate(names)}
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -62,7 +64,10 @@ def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
 class MetricsScraper:
     """A daemon thread fetching each URL every ``interval`` seconds and handing rows to ``sink``.
 
-    A failed fetch is counted in ``errors[url]`` and retried at the next interval, never raised.
+    A failed fetch is counted in ``errors[url]`` and retried at the next interval, never raised:
+    no answer, one that is not HTTP, or a page that takes longer than ``timeout`` or is larger
+    than :data:`MAX_PAGE_BYTES` (a server that never stops sending would otherwise hold the
+    thread and fill memory).
     """
 
     def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
@@ -75,13 +80,30 @@ class MetricsScraper:
 
     def scrape_once(self) -> None:
         for instance, url in self.urls.items():
+            if self._stop.is_set():
+                return
             try:
-                with urllib.request.urlopen(url, timeout=self.timeout) as resp:  # noqa: S310 - the user's URL
-                    text = resp.read().decode("utf-8", "replace")
-            except (OSError, ValueError):
+                text = self._fetch(url)
+            except (OSError, ValueError, http.client.HTTPException):
                 self.errors[instance] += 1
                 continue
             self.sink(parse_metrics(text, instance, time.time()))
+
+    def _fetch(self, url: str) -> str:
+        """The page at ``url``, read in chunks against one deadline for the whole page."""
+        deadline = time.monotonic() + self.timeout
+        chunks, size = [], 0
+        with urllib.request.urlopen(url, timeout=self.timeout) as resp:  # noqa: S310 - the user's URL
+            while chunk := resp.read1(1 << 16):
+                size += len(chunk)
+                if size > MAX_PAGE_BYTES:
+                    raise ValueError(f"{url} sent more than {MAX_PAGE_BYTES} bytes")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} took longer than {self.timeout} s")
+                chunks.append(chunk)
+            if resp.length:  # the connection closed before the Content-Length promised: a cut page
+                raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+        return b"".join(chunks).decode("utf-8", "replace")
 
     def _run(self) -> None:
         while not self._stop.is_set():
