@@ -580,6 +580,37 @@ def test_metrics_are_scraped_at_an_interval_and_failures_counted():
             server.shutdown()
 
 
+def test_metrics_with_an_engine_label_that_is_not_a_rank_are_skipped():
+    """Only decimal ranks an int64 holds are engines: the others' series are skipped, and
+    src.metrics stays readable (it failed for good once a huge rank was kept)."""
+    page = ('vllm:num_requests_running{engine="99999999999999999999999"} 5.0\n'
+            'vllm:num_requests_running{engine=" 1_0 "} 6.0\n'
+            'vllm:num_requests_running{engine="-3"} 8.0\n'
+            'vllm:num_requests_running{engine="2"} 7.0\n')
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(page.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with publisher() as pub:
+        att = attach_to(pub, metrics_urls=f"http://127.0.0.1:{server.server_address[1]}/metrics",
+                        metrics_interval=0.05)
+        try:
+            wait_for(lambda: len(att._metrics) >= 2, what="two scrapes")
+            m = att.metrics
+            assert set(m.data_parallel_rank) == {2} and m.num_requests_running.eq(7.0).all()
+        finally:
+            att.close()
+            server.shutdown()
+
+
 def _tcp_server(answer, stop):
     """A loopback server calling ``answer(conn)`` per connection (until ``stop`` is set); its URL."""
     srv = socket.create_server(("127.0.0.1", 0))

@@ -29,6 +29,7 @@ MAX_PAGE_BYTES = 32 << 20  # far above any vLLM /metrics page; a server that sen
 _BY_NAME = {name: (col, rank) for col, names in METRICS.items() for rank, name in enumerate(names)}
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ENGINE = re.compile(r"[0-9]{1,18}")  # a data-parallel rank, as the int64 column can hold it
 
 
 def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
@@ -47,8 +48,11 @@ def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
             continue
         col, rank = _BY_NAME[m.group(1)]
         labels = dict(_LABEL.findall(m.group(2) or ""))
+        engine = labels.get("engine", "0")
+        if not _ENGINE.fullmatch(engine):  # int() would take " 1_0 " or a number the table cannot hold
+            continue
         try:
-            value, engine = float(m.group(3)), int(labels.get("engine", "0"))
+            value, engine = float(m.group(3)), int(engine)
         except ValueError:
             continue
         cols = found.setdefault(engine, {})
