@@ -1,6 +1,7 @@
 """kvscope.attach against real loopback sockets: vLLM's encodings, gap recovery, faults, overlap, metrics."""
 
 import http.server
+import os
 import socket
 import sys
 import threading
@@ -695,6 +696,36 @@ def test_bad_arguments_name_the_argument():
                 kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", **{arg: bad})
     with pytest.raises(ValueError, match="metrics_urls names unknown instances"):
         kvscope.attach({"a": "tcp://127.0.0.1:1"}, metrics_urls={"b": "http://127.0.0.1:1/metrics"})
+
+
+def test_bad_addresses_and_limits_name_the_argument():
+    """Addresses ZMQ would take and never reach, and values it would refuse with no name, are refused
+    here naming the argument and its limit; a failed subscription leaves no socket open."""
+    ok = "tcp://127.0.0.1:1"
+    for kwargs, message in (
+        (dict(endpoints="tcp://127.0.0.1"), r"endpoints\['127.0.0.1'\] must be tcp://host:port with a port in 1..65535"),
+        (dict(endpoints="tcp://127.0.0.1:99999"), r"must be tcp://host:port with a port in 1..65535"),
+        (dict(endpoints="tcp://:5557"), r"endpoints\[':5557'\] must be tcp://host:port"),
+        (dict(endpoints={"a": "tcp://127.0.0.1:65535"}, data_parallel_size=2),
+         r"endpoints\['a'\] must be tcp://host:port with a port in 1..65534 \(data_parallel_size=2"),
+        (dict(endpoints=ok, replay_endpoints=[5]), r"replay_endpoints\['127.0.0.1:1'\] must start with one of tcp://"),
+        (dict(endpoints=ok, replay_endpoints="127.0.0.1:2"), r"replay_endpoints\['127.0.0.1:1'\] must start with"),
+        (dict(endpoints=ok, replay_endpoints=5), r"replay_endpoints must be an address"),
+        (dict(endpoints=ok, metrics_urls="127.0.0.1:8000/metrics"),
+         r"metrics_urls\['127.0.0.1:1'\] must be a URL starting with http:// or https://"),
+        (dict(endpoints=ok, metrics_urls=[8000]), r"metrics_urls\['127.0.0.1:1'\] must be a URL"),
+        (dict(endpoints=ok, hwm=2**31), r"hwm must be an integer in 1..2147483647"),
+        (dict(endpoints=ok, data_parallel_size=70_000), r"data_parallel_size must be an integer in 1..65535"),
+        (dict(endpoints=ok, replay_timeout=1e300), r"replay_timeout must be a finite number of seconds > 0 and <= 86400"),
+        (dict(endpoints=ok, metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=1e12),
+         r"metrics_interval must be a finite number of seconds > 0 and <= 86400"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kvscope.attach(**kwargs)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match=r"cannot subscribe to 'b' at 'ipc:///x+'.*File name too long"):
+        kvscope.attach({"a": "inproc://kvscope-ok", "b": "ipc:///" + "x" * 300})
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_missing_extra_names_the_install_command(monkeypatch):

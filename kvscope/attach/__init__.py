@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
 Endpoints = Union[str, Sequence[str], Mapping[str, str]]
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
+_URL_SCHEMES = ("http://", "https://")
+MAX_PORT = 65535
+MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
+MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
 
 
 def attach(
@@ -45,17 +49,24 @@ def attach(
     from kvscope.attach.publisher import offset_endpoint
     from kvscope.attach.subscriber import Stream
 
-    named = _by_name(endpoints, "endpoints")
-    for name, address in named.items():
-        if not address.startswith(_SCHEMES):
-            raise ValueError(f"endpoints[{name!r}] must start with one of {', '.join(_SCHEMES)}, got {address!r}")
-    replays = _matched(replay_endpoints, named, "replay_endpoints")
-    urls = _matched(metrics_urls, named, "metrics_urls")
     for arg, value in (("data_parallel_size", data_parallel_size), ("hwm", hwm), ("max_events", max_events)):
         check_int(arg, value)
+    for arg, value, limit in (("data_parallel_size", data_parallel_size, MAX_PORT), ("hwm", hwm, MAX_HWM)):
+        if value > limit:
+            raise ValueError(f"{arg} must be an integer in 1..{limit}, got {value!r}")
     for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
-        if not (is_finite_number(value) and value > 0):
-            raise ValueError(f"{arg} must be a finite number of seconds > 0, got {value!r}")
+        if not (is_finite_number(value) and 0 < value <= MAX_SECONDS):
+            raise ValueError(f"{arg} must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, got {value!r}")
+    named = _by_name(endpoints, "endpoints")
+    replays = _matched(replay_endpoints, named, "replay_endpoints")
+    urls = _matched(metrics_urls, named, "metrics_urls")
+    for arg, addresses in (("endpoints", named), ("replay_endpoints", replays)):
+        for name, address in addresses.items():
+            _check_address(f"{arg}[{name!r}]", address, data_parallel_size)
+    for name, url in urls.items():
+        if not (isinstance(url, str) and url.startswith(_URL_SCHEMES)):
+            raise ValueError(f"metrics_urls[{name!r}] must be a URL starting with {' or '.join(_URL_SCHEMES)}, "
+                             f"got {url!r}")
     if not isinstance(topic, str):
         raise TypeError(f"topic must be a str, got {type(topic).__name__}")
     streams = [
@@ -84,12 +95,28 @@ def _by_name(value: Endpoints, arg: str) -> dict[str, str]:
     return out
 
 
+def _check_address(arg: str, address: object, data_parallel_size: int) -> None:
+    """A ZMQ address to connect to; a tcp one needs a host and a port that, offset by each
+    data-parallel rank, stays a port (ZMQ connects to a bad one without a word, forever)."""
+    if not (isinstance(address, str) and address.startswith(_SCHEMES)):
+        raise ValueError(f"{arg} must start with one of {', '.join(_SCHEMES)}, got {address!r}")
+    if not address.startswith("tcp://"):
+        return
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    last = MAX_PORT - data_parallel_size + 1
+    if not host or not port.isdecimal() or not 1 <= int(port) <= last:
+        raise ValueError(f"{arg} must be tcp://host:port with a port in 1..{last} "
+                         f"(data_parallel_size={data_parallel_size} ranks from it), got {address!r}")
+
+
 def _matched(value: Endpoints | None, named: dict[str, str], arg: str) -> dict[str, str]:
     """``value`` keyed by the instance names of ``endpoints`` (by position for a list)."""
     if value is None:
         return {}
     if isinstance(value, str):
         value = [value]
+    if not isinstance(value, (Mapping, Sequence)):
+        raise ValueError(f"{arg} must be an address, a list of them or a dict name -> address; got {value!r}")
     if isinstance(value, Mapping):
         unknown = set(value) - set(named)
         if unknown:

@@ -83,21 +83,30 @@ class Subscriber:
         self._poller = zmq.Poller()
         self._by_socket: dict[Any, Stream] = {}
         for s in streams:
-            s.sub = self._ctx.socket(zmq.SUB)
-            s.sub.setsockopt(zmq.RCVHWM, hwm)
-            s.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            s.sub.connect(s.endpoint)
-            if s.replay_endpoint is not None:
-                s.replay = self._ctx.socket(zmq.DEALER)
-                s.replay.setsockopt(zmq.LINGER, 0)
-                s.replay.connect(s.replay_endpoint)
-            s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            for sock in (s.sub, s.monitor):
-                self._poller.register(sock, zmq.POLLIN)
-                self._by_socket[sock] = s
+            try:
+                self._connect(s, topic, hwm)
+            except zmq.ZMQError as exc:  # an address ZMQ refuses, or too many sockets: none stay open
+                self._close_sockets()
+                raise ValueError(f"cannot subscribe to {s.name!r} at {s.endpoint!r} "
+                                 f"(replay {s.replay_endpoint!r}): {exc}") from exc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-attach", daemon=True)
         self._thread.start()
+
+    def _connect(self, s: Stream, topic: str, hwm: int) -> None:
+        zmq = self._zmq
+        s.sub = self._ctx.socket(zmq.SUB)
+        s.sub.setsockopt(zmq.RCVHWM, hwm)
+        s.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        s.sub.connect(s.endpoint)
+        if s.replay_endpoint is not None:
+            s.replay = self._ctx.socket(zmq.DEALER)
+            s.replay.setsockopt(zmq.LINGER, 0)
+            s.replay.connect(s.replay_endpoint)
+        s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for sock in (s.sub, s.monitor):
+            self._poller.register(sock, zmq.POLLIN)
+            self._by_socket[sock] = s
 
     def close(self) -> None:
         """Stop the thread, which closes the sockets itself (ZMQ sockets are not thread-safe).
@@ -113,12 +122,16 @@ class Subscriber:
         try:
             self._poll_until_stopped()
         finally:
-            for s in self.streams:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in self.streams:
+            if s.monitor is not None:
                 s.sub.disable_monitor()
-                for sock in (s.sub, s.replay, s.monitor):
-                    if sock is not None:
-                        sock.close(linger=0)
-            self._ctx.term()
+            for sock in (s.sub, s.replay, s.monitor):
+                if sock is not None:
+                    sock.close(linger=0)
+        self._ctx.term()
 
     def _poll_until_stopped(self) -> None:
         zmq = self._zmq
