@@ -238,6 +238,27 @@ def test_sequence_numbers_out_of_range_are_skipped():
             att.close()
 
 
+def test_a_topic_that_only_starts_with_ours_is_another_stream():
+    """One socket publishes "kv-events" and "kv-events-b", each numbered from 0: only the first is ours."""
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        for i in range(1, 6):
+            raw.send_multipart([b"kv-events", seq_bytes(i), Codec().encode(1.0, [stored([i], None, [1], 1)], 0)])
+            raw.send_multipart([b"kv-events-b", seq_bytes(i - 1),
+                                Codec().encode(1.0, [stored([100 + i], None, [1], 1)], 0)])
+        raw.send_multipart([b"kv-events", seq_bytes(6), Codec().encode(1.0, [], 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, 6), timeout=5)
+        assert att.block_hashes(name) == {1, 2, 3, 4, 5} and att.faults.gaps.iloc[0] == 0
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
 def _probe(raw, att) -> bool:
     """Send an empty batch 0 until the subscriber has it (the subscription is then live)."""
     raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])

@@ -78,6 +78,7 @@ class Subscriber:
         self._zmq = zmq
         self.streams, self.apply, self.reset = streams, apply, reset
         self.replay_timeout, self.idle_probe = replay_timeout, idle_probe
+        self.topic = topic.encode()
         self.codec = Codec()
         self._ctx = zmq.Context()
         self._poller = zmq.Poller()
@@ -160,9 +161,11 @@ class Subscriber:
 
     def _on_message(self, s: Stream, frames: list[bytes]) -> None:
         try:
-            _topic, seq, payload = split_frames(frames)
+            topic, seq, payload = split_frames(frames)
         except WireError as exc:
             s.faults[exc.kind] += 1
+            return
+        if topic != self.topic:  # ZMQ subscribes by prefix: "kv-events-b" is another stream, with its own numbers
             return
         restarted = s.last_live is not None and seq <= s.last_live
         if restarted or s.disconnected:
