@@ -555,7 +555,7 @@ _DAMAGE = [
     ("meta.json", lambda p: p.write_text("[1, 2]"), "must hold a JSON object"),
     ("meta.json", lambda p: _edit_meta(p, block_size=None), "'block_size' must be an integer >= 1"),
     ("meta.json", lambda p: _edit_meta(p, num_blocks=-1), "'num_blocks' must be an integer >= 0"),
-    ("meta.json", lambda p: _edit_meta(p, num_blocks=17), "baseline.parquet: 'ref_count' must be integers of shape \\(17,\\)"),
+    ("meta.json", lambda p: _edit_meta(p, num_blocks=17), "steps.parquet: free and used blocks do not add up"),
 ]
 
 
@@ -568,6 +568,54 @@ def test_a_damaged_save_is_refused_naming_the_file_and_what_is_wrong(run, tmp_pa
     damage(path / name)
     named = path if "parquet:" in says else path / name
     with pytest.raises(ValueError, match=f"^{re.escape(str(named))}.*{says}"):
+        Trace.load(path)
+
+
+def _edit_rows(path, edit):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    df = pq.read_table(path).to_pandas()
+    pq.write_table(pa.Table.from_pandas(edit(df).reset_index(drop=True), preserve_index=False), path)
+
+
+def _set(df, column, value, row=0):
+    df.loc[df.index[row], column] = value(df[column].iloc[row]) if callable(value) else value
+    return df
+
+
+# (file, edit): each still parses and has every column, but no longer is what the engine did
+_EDITS = [
+    ("block_events.parquet", lambda df: _set(df, "block_id", lambda b: (b + 1) % 16, row=len(df) // 2)),
+    ("block_events.parquet", lambda df: df.drop(df.index[len(df) // 3])),
+    ("block_events.parquet", lambda df: _set(df, "block_id", 16)),
+    ("block_events.parquet", lambda df: df.iloc[::-1]),
+    ("scheduled.parquet", lambda df: pd.concat([df.iloc[:5], df.iloc[4:]])),
+    ("scheduled.parquet", lambda df: df.drop(df.index[len(df) // 2])),
+    ("launches.parquet", lambda df: df.iloc[:0]),
+    ("launches.parquet", lambda df: _set(df, "num_events_before", 10**6)),
+    ("steps.parquet", lambda df: _set(df, "num_used_blocks", lambda n: n + 1, row=len(df) // 2)),
+    ("steps.parquet", lambda df: _set(_set(df, "num_used_blocks", lambda n: n + 1, row=len(df) // 2),
+                                      "num_free_blocks", lambda n: n - 1, row=len(df) // 2)),
+    ("steps.parquet", lambda df: _set(df, "num_cached_blocks", lambda n: n + 1, row=len(df) // 2)),
+    ("steps.parquet", lambda df: df.drop(df.index[1])),
+    ("queues.parquet", lambda df: df[df["queue"] != "waiting"]),
+    ("pool_changes.parquet", lambda df: df.drop(df.index[3])),
+    ("pool_changes.parquet", lambda df: _set(df, "ref_count", lambda n: n + 1, row=len(df) - 1)),
+    ("pool_fills.parquet", lambda df: _set(df, "num_tokens", lambda n: n % 4 + 1 if n != 4 else 2, row=len(df) // 2)),
+    ("tokens.parquet", lambda df: df.iloc[1:]),
+]
+
+
+@pytest.mark.parametrize("name,edit", _EDITS, ids=[f"{f.split('.')[0]}-{i}" for i, (f, _) in enumerate(_EDITS)])
+def test_a_save_edited_so_it_replays_another_pool_is_refused(run, tmp_path, name, edit):
+    """Rows dropped, doubled, reordered or changed: the tables must fit together, and the events
+    must replay, after every step, to the used and cached blocks the engine counted, to the
+    count each block's last event carried, and to the full level's snapshot (read from the block
+    manager). A trace that loads but shows another pool is the one outcome not allowed."""
+    path = run.full.save(tmp_path / "t")
+    _edit_rows(path / name, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}.*not a whole, unedited save"):
         Trace.load(path)
 
 

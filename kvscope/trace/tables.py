@@ -291,7 +291,7 @@ def _read_parquet(path: Path, read: Callable[[Path], Any]) -> Any:
         raise ValueError(f"{path}: missing; a trace saved by Trace.save has it (cut short, or not a trace?)")
     try:
         return read(path)
-    except (OSError, ValueError, pa.ArrowException) as e:
+    except (OSError, TypeError, ValueError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable parquet file ({e})") from None
 
 

@@ -27,6 +27,7 @@ from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
+from kvscope.trace.verify import check_frames, check_replay, check_tokens
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
     pool_frames, queues_frame, read_baseline, read_frame, records_from_frames, scheduled_frame, steps_frame,
@@ -276,20 +277,24 @@ class Trace:
         steps = read_frame("steps", path / "steps.parquet")
         requests = read_frame("requests", path / "requests.parquet")
         if level == "summary":
+            check_frames(path, {"steps": steps}, meta["num_blocks"])
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
         if not (path / "launches.parquet").exists():
             raise ValueError(f"{path}: no launches.parquet; a {level!r} trace saved before kvscope kept "
                              "async scheduling on under block-level recording cannot be loaded: record it again")
-        pool = tuple(read_frame(n, path / f"{n}.parquet") for n in ("pool_changes", "pool_fills")) \
-            if level == "full" else None
+        names = ("scheduled", "block_events", "queues", "launches", "baseline_tables", "tokens") + \
+            (("pool_changes", "pool_fills") if level == "full" else ())
+        frames = {"steps": steps, **{n: read_frame(n, path / f"{n}.parquet") for n in names}}
+        check_frames(path, frames, meta["num_blocks"])
         records = records_from_frames(
-            level, steps,
-            *(read_frame(n, path / f"{n}.parquet") for n in ("scheduled", "block_events", "queues", "launches")),
-            pool=pool,
+            level, steps, *(frames[n] for n in ("scheduled", "block_events", "queues", "launches")),
+            pool=(frames["pool_changes"], frames["pool_fills"]) if level == "full" else None,
         )
         baseline = baseline_from_frames(read_baseline(path / "baseline.parquet", meta["num_blocks"], meta["block_size"]),
-                                        read_frame("baseline_tables", path / "baseline_tables.parquet"))
-        tokens = read_frame("tokens", path / "tokens.parquet")
+                                        frames["baseline_tables"])
+        tokens = frames["tokens"]
+        check_tokens(path, tokens, frames["scheduled"], baseline)
+        check_replay(path, records, baseline)
         return cls(meta, _Loaded(records, baseline, requests),
                    token_texts=dict(zip(tokens["token_id"].tolist(), tokens["text"])))
 

@@ -1,0 +1,160 @@
+"""Checks that a saved trace is whole before :meth:`Trace.load` hands it out.
+
+A save cut short, merged from two recordings or edited by hand may still parse; replayed, it
+would show a pool the engine never had. So the tables must fit together (sorted steps, blocks
+inside the pool, rows whose tokens add up, launches inside their records), and the replay of
+the block events must give, after every step, the used and cached block counts the engine
+reported in ``steps`` and the reference count each block's last event carried. A ``full``
+trace's snapshots, read from the block manager, must equal that replay too.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, block_states, last_fills
+from kvscope.trace.record import StepRecord
+from kvscope.trace.tables import QUEUES
+
+# Tables with a row per event, queue entry, launch or pool change of a recorded step.
+_PER_STEP = ("block_events", "queues", "launches", "pool_changes", "pool_fills")
+
+
+def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -> None:
+    """Refuse tables that cannot belong to one save: unsorted or unknown steps, blocks outside
+    the pool, scheduled rows or queues that are not what ``steps`` counted, launches outside
+    their records. A ``summary`` save has only ``steps``."""
+    st = frames["steps"]
+    steps = st["step"].to_numpy()
+    if (np.diff(steps) <= 0).any():
+        _refuse(path / "steps.parquet", "steps are not strictly increasing")
+    if ((st["num_free_blocks"] + st["num_used_blocks"]) != num_blocks).any():
+        _refuse(path / "steps.parquet", f"free and used blocks do not add up to meta.json's num_blocks ({num_blocks})")
+    if "scheduled" not in frames:
+        return
+    for name in _PER_STEP:
+        if name in frames:
+            _check_steps(path / f"{name}.parquet", frames[name]["step"].to_numpy(), steps)
+    launches, sched = frames["launches"], frames["scheduled"]
+    launched = np.unique(launches["launched_step"].to_numpy())
+    # (the first step's rows may have been launched before the recording began)
+    rows = sched["step"].to_numpy()  # (each step's rows together; those of steps without a record come last)
+    if np.count_nonzero(np.diff(rows)) + 1 != len(np.unique(rows)) and len(rows):
+        _refuse(path / "scheduled.parquet", "a step's rows are not all together")
+    _check_steps(path / "scheduled.parquet", np.sort(rows), np.union1d(steps[:1], launched), "launched")
+    if not np.isin(launched, sched["step"].to_numpy()).all():
+        _refuse(path / "launches.parquet", "a launched step has no scheduled rows")
+    lens = np.fromiter(map(len, sched["token_ids"]), np.int64, len(sched))
+    if (lens != sched["num_new_tokens"].to_numpy()).any() or (lens < 1).any() or (sched["start"] < 0).any():
+        _refuse(path / "scheduled.parquet", "a row's token_ids do not number its num_new_tokens (>= 1), or it starts below 0")
+    if sched.duplicated(["step", "request_id"]).any():
+        _refuse(path / "scheduled.parquet", "a request has two rows in one step")
+    per_step = sched.groupby("step").agg(tokens=("num_new_tokens", "sum"), rows=("request_id", "size"))
+    per_step = per_step.reindex(steps, fill_value=0)
+    if ((per_step["tokens"].to_numpy() != st["num_scheduled_tokens"].to_numpy()).any()
+            or (per_step["rows"].to_numpy() != (st["num_prefill_seqs"] + st["num_decode_seqs"]).to_numpy()).any()):
+        _refuse(path / "scheduled.parquet", "a step's rows or tokens are not what steps.parquet counted")
+    queues = frames["queues"]
+    if not queues["queue"].isin(QUEUES).all():
+        _refuse(path / "queues.parquet", f"a queue other than {', '.join(QUEUES)}")
+    counts = queues.groupby(["step", "queue"]).size().unstack(fill_value=0).reindex(index=steps, columns=QUEUES, fill_value=0)
+    for queue, column in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
+                          ("preempted", "num_preemptions")):
+        if (counts[queue].to_numpy() != st[column].to_numpy()).any():
+            _refuse(path / "queues.parquet", f"a step's {queue} queue is not the {column} of steps.parquet")
+    for name in ("block_events", "pool_changes", "pool_fills"):
+        if name in frames:
+            _check_blocks(path / f"{name}.parquet", frames[name]["block_id"].to_numpy(), num_blocks)
+    tables = frames["baseline_tables"]
+    _check_blocks(path / "baseline_tables.parquet",
+                  np.fromiter((b for t in tables["block_table"] for b in t), np.int64), num_blocks)
+    if tables["request_id"].duplicated().any():
+        _refuse(path / "baseline_tables.parquet", "a request has two block tables")
+    events = frames["block_events"]
+    if (events["ref_count"] < 0).any():
+        _refuse(path / "block_events.parquet", "a reference count below 0")
+    in_record = events.groupby("step").size().reindex(launches["step"], fill_value=0).to_numpy()
+    before = launches["num_events_before"].to_numpy()
+    later = launches["step"].duplicated().to_numpy()  # a record's second launch comes after its first
+    if ((before < 0) | (before > in_record)).any() or (later & (np.diff(before, prepend=0) < 0)).any():
+        _refuse(path / "launches.parquet", "a launch lies outside its record's block events")
+    if frames["tokens"]["token_id"].duplicated().any():
+        _refuse(path / "tokens.parquet", "a token id has two texts")
+
+
+def check_tokens(path: Path, tokens: pd.DataFrame, sched: pd.DataFrame, baseline: PoolState) -> None:
+    """Every token id the scheduled rows or the baseline's blocks hold needs its text."""
+    held = baseline.contents[np.arange(baseline.block_size) < baseline.num_tokens()[:, None]]
+    used = np.concatenate([np.fromiter((t for ids in sched["token_ids"] for t in ids), np.int64), held])
+    lacking = np.setdiff1d(used[used >= 0], tokens["token_id"].to_numpy())
+    if len(lacking):
+        _refuse(path / "tokens.parquet", f"no text for token id {lacking[0]}, which the trace holds")
+
+
+def check_replay(path: Path, records: Sequence[StepRecord], baseline: PoolState) -> None:
+    """Replay ``records`` from ``baseline``: after each step its used and cached blocks must be
+    the counts the step reported, each block's count the one its last event carried, and a
+    ``full`` trace's snapshot this replay."""
+    state = baseline.copy()
+    states = block_states(state.ref_count, state.block_hash)
+    used, cached = int((states == USED).sum()), int((states == CACHED).sum())
+    snap_ref = snap_hash = None
+    for rec in records:
+        log = rec.block_events
+        blocks = log.column("block_id")
+        touched = np.unique(blocks)
+        before = block_states(state.ref_count[touched], state.block_hash[touched])
+        try:
+            state.apply(rec)
+        except (KeyError, IndexError, ValueError) as e:  # a freed block no table holds, and the like
+            _refuse(path / "block_events.parquet", f"the events of step {rec.step} do not replay ({e!r})")
+        after = block_states(state.ref_count[touched], state.block_hash[touched])
+        used += int((after == USED).sum() - (before == USED).sum())
+        cached += int((after == CACHED).sum() - (before == CACHED).sum())
+        last = len(blocks) - 1 - np.unique(blocks[::-1], return_index=True)[1]
+        if (state.ref_count[touched] != log.column("ref_count")[last]).any() or (state.ref_count < 0).any():
+            _refuse(path / "block_events.parquet", f"a reference count of step {rec.step} is not its events' recount")
+        if (used, cached) != (rec.num_used_blocks, rec.num_cached_blocks):
+            _refuse(path, f"the block events replay to {used} used and {cached} cached blocks after step "
+                          f"{rec.step}, where steps.parquet says {rec.num_used_blocks} and {rec.num_cached_blocks}")
+        if rec.pool is not None:
+            d = rec.pool
+            if snap_ref is None:  # the keyframe lists every block
+                if not np.array_equal(np.sort(d.block_ids), np.arange(len(state.ref_count))):
+                    _refuse(path / "pool_changes.parquet", f"its first step, {rec.step}, does not list every block")
+                snap_ref, snap_hash = np.empty_like(state.ref_count), np.empty_like(state.block_hash)
+                touched = d.block_ids
+            snap_ref[d.block_ids], snap_hash[d.block_ids] = d.ref_count, d.block_hash
+            check = np.union1d(touched, d.block_ids)
+            if not (np.array_equal(snap_ref[check], state.ref_count[check])
+                    and np.array_equal(snap_hash[check], state.block_hash[check])):
+                _refuse(path / "pool_changes.parquet", f"the pool snapshot of step {rec.step} is not the replay of the block events")
+            replayed = last_fills([(t[-1], len(t), state.computed.get(r, 0)) for r, t in state.tables.items() if t],
+                                  state.block_size)
+            if _fills(state, *replayed) != _fills(state, d.last_blocks, d.last_counts):
+                _refuse(path / "pool_fills.parquet", f"the tokens in the blocks of step {rec.step} are not the replay's")
+
+
+def _fills(state: PoolState, last_blocks: np.ndarray, last_counts: np.ndarray) -> dict[int, int]:
+    """Tokens per block where the tables' last blocks make it differ from a full or empty block."""
+    full = np.where((state.ref_count[last_blocks] > 0) | (state.block_hash[last_blocks] != NO_HASH), state.block_size, 0)
+    return {b: c for b, c, f in zip(last_blocks.tolist(), last_counts.tolist(), full.tolist()) if c != f}
+
+
+def _check_steps(file: Path, steps: np.ndarray, known: np.ndarray, what: str = "recorded") -> None:
+    if (np.diff(steps) < 0).any():
+        _refuse(file, "rows are not in step order")
+    if not np.isin(steps, known).all():
+        _refuse(file, f"step {steps[~np.isin(steps, known)][0]} has rows but was not {what}")
+
+
+def _check_blocks(file: Path, blocks: np.ndarray, num_blocks: int) -> None:
+    if len(blocks) and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        _refuse(file, f"a block id outside 0..{num_blocks - 1} (meta.json's num_blocks)")
+
+
+def _refuse(file: Path, what: str) -> None:
+    raise ValueError(f"{file}: {what}; not a whole, unedited save of Trace.save")
