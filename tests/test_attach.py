@@ -749,6 +749,18 @@ def test_bad_addresses_and_limits_name_the_argument():
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_block_hashes_of_an_instance_not_attached_names_the_instances():
+    with publisher() as pub:
+        att = attach_to(pub)
+        try:
+            for bad in ("p1", 0, None):
+                with pytest.raises(ValueError, match=rf"instance must be one of \['p0'\], got {bad!r}"):
+                    att.block_hashes(bad)
+            assert att.block_hashes("p0") == set()
+        finally:
+            att.close()
+
+
 def test_missing_extra_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "zmq", None)  # as if pyzmq were not installed
     with pytest.raises(ImportError, match=r'pip install "kvscope\[attach\]"'):

@@ -119,9 +119,12 @@ class Attached:
         return frame(SCHEMAS["blocks"], rows)
 
     def block_hashes(self, instance: str) -> set[Hashable]:
-        """The content hashes ``instance`` holds now."""
+        """The content hashes ``instance`` (one of :attr:`instances`) holds now."""
+        cache = self.caches.get(instance) if isinstance(instance, str) else None
+        if cache is None:
+            raise ValueError(f"instance must be one of {self.instances}, got {instance!r}")
         with self.lock:
-            return self.caches[instance].hashes()
+            return cache.hashes()
 
     @property
     def metrics(self) -> pd.DataFrame:
