@@ -619,6 +619,26 @@ def test_a_save_edited_so_it_replays_another_pool_is_refused(run, tmp_path, name
         Trace.load(path)
 
 
+def test_a_save_with_a_step_launched_without_rows_loads_as_recorded(tmp_path):
+    """Async scheduling, a ``step.scheduled`` hook aborts the only request: its step is launched
+    with no row. The save is whole, so it loads, and equals the live trace (a check that every
+    launch has rows refused it)."""
+    llm = make_llm(block_size=4, num_kv_blocks=16, async_scheduling=True)
+
+    def abort_at_schedule(step, request_ids, **_):
+        if step == 4:
+            llm.abort_request(list(request_ids.values()))
+
+    with llm.record("full") as full, llm.record("blocks") as blocks, llm.hooks({"step.scheduled": abort_at_schedule}):
+        llm.generate([[5, 6, 7, 8, 9]], greedy(8), use_tqdm=False)
+        llm.generate([[9, 8, 7]], greedy(3), use_tqdm=False)
+    assert 4 not in set(blocks.scheduled().step)
+    for trace in (full, blocks):
+        path = trace.save(tmp_path / trace.level)
+        assert 4 in set(pd.read_parquet(path / "launches.parquet").launched_step)
+        _assert_same_trace(trace, Trace.load(path))
+
+
 def test_a_path_that_is_no_trace_directory_is_refused_by_name(tmp_path):
     file = tmp_path / "trace.zip"
     file.write_bytes(b"PK")

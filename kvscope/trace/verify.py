@@ -45,8 +45,6 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
     if np.count_nonzero(np.diff(rows)) + 1 != len(np.unique(rows)) and len(rows):
         _refuse(path / "scheduled.parquet", "a step's rows are not all together")
     _check_steps(path / "scheduled.parquet", np.sort(rows), np.union1d(steps[:1], launched), "launched")
-    if not np.isin(launched, sched["step"].to_numpy()).all():
-        _refuse(path / "launches.parquet", "a launched step has no scheduled rows")
     lens = np.fromiter(map(len, sched["token_ids"]), np.int64, len(sched))
     if (lens != sched["num_new_tokens"].to_numpy()).any() or (lens < 1).any() or (sched["start"] < 0).any():
         _refuse(path / "scheduled.parquet", "a row's token_ids do not number its num_new_tokens (>= 1), or it starts below 0")
