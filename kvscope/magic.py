@@ -1,11 +1,14 @@
 """``%kvscope`` / ``%%kvscope``: the dashboard from one line of a notebook (``%load_ext kvscope``)."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
+from IPython.utils.process import arg_split
 
 from kvscope.widgets.views import VIEW_CLASSES
 
@@ -43,7 +46,7 @@ class KvscopeMagics(Magics):
                                 watch a vLLM deployment's prefix caches from its KV events (docs/ATTACH.md)
         %%kvscope [llm] -o t    run the cell with a live dashboard; the recorded Trace is stored in `t`
         """
-        args = parse_argstring(self.kvscope, line)
+        args = self._parse(line)
         if args.target == "attach":
             return self._attach(args)
         if args.endpoints:
@@ -71,6 +74,16 @@ class KvscopeMagics(Magics):
         if args.html:
             dash.to_html(args.html)
         return None if cell is not None else dash
+
+    def _parse(self, line: str) -> Any:
+        """The magic's arguments; an unclosed quote is a usage error. An argument in quotes is
+        read without them, as a shell reads it; one that only holds quotes stays as written
+        (the target is an expression: ``d['t']``)."""
+        try:
+            argv = arg_split(line, posix=False, strict=True)
+        except ValueError as e:  # (shlex: an unclosed quote)
+            raise UsageError(f"%kvscope: {e} in {line!r}") from None
+        return self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
 
     def _attach(self, args: Any) -> Any:
         """``%kvscope attach ...``: ``kvscope.attach`` the endpoints and show ``kvscope.dashboard`` of it."""
@@ -102,6 +115,10 @@ class KvscopeMagics(Magics):
                 f"%%kvscope: name the LLM to watch (found {len(found)} LLM variables: {', '.join(found) or 'none'})"
             )
         return self.shell.user_ns[found[0]]
+
+
+# An argument wholly in matching quotes, or an option's value after "=" in them.
+_QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
 
 
 def load_ipython_extension(ipython: Any) -> None:

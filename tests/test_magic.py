@@ -84,6 +84,24 @@ def test_errors_name_the_fix(ip):
         ip.run_line_magic("kvscope", "llm --nope")
 
 
+def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
+    """``--views "pool,queues"`` shows those views, and ``--html "a b.html"`` writes the file a
+    shell would name (the quotes were kept: unknown views, or a file named with its quotes)."""
+    ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    dash = ip.run_line_magic("kvscope", "llm --views \"pool,queues\" --interval '0.01'")
+    dash.detach()
+    assert set(dash.views) == {"pool", "queues"}
+    page = tmp_path / "a b.html"
+    ip.run_cell_magic("kvscope", f"-o 'tq' --html \"{page}\"",
+                      "llm.generate('the quick brown fox', SamplingParams(max_tokens=3))")
+    assert page.exists() and "kvscope-pool" in page.read_text()
+    assert isinstance(ip.user_ns["tq"], Trace)
+    ip.user_ns["d"] = {"t": ip.user_ns["tq"]}  # a target in quotes only in part is an expression
+    assert ip.run_line_magic("kvscope", "d['t']").trace is ip.user_ns["tq"]
+    with pytest.raises(UsageError, match="No closing quotation"):
+        ip.run_line_magic("kvscope", "llm --html 'x.html")
+
+
 def test_attach_magic_shows_the_attach_dashboard(ip):
     """``%kvscope attach <endpoint> --replay <endpoint> -o src`` subscribes and shows the attach views."""
     pytest.importorskip("zmq")
