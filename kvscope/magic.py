@@ -1,7 +1,9 @@
 """``%kvscope`` / ``%%kvscope``: the dashboard from one line of a notebook (``%load_ext kvscope``)."""
 from __future__ import annotations
 
+import keyword
 import re
+from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -10,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 from IPython.utils.process import arg_split
 
+from kvscope.trace import Trace
 from kvscope.widgets.views import VIEW_CLASSES
 
 
@@ -34,7 +37,8 @@ class KvscopeMagics(Magics):
     @argument("--interval", type=float, default=0.25, help="least seconds between two browser updates")
     @argument("--max-load", type=float, default=0.02,
               help="largest share of the time live updates may take (they share the GIL with the engine)")
-    @argument("--html", default=None, help="also write a static HTML export of the trace to this file")
+    @argument("--html", default=None,
+              help="also write a static HTML export of the trace to this file (of a Trace, or in cell mode)")
     @line_cell_magic
     def kvscope(self, line: str, cell: str | None = None) -> Any:
         """Show kvscope's dashboard: the KV block pool, queues, block tables, slot mapping, timeline.
@@ -63,12 +67,14 @@ class KvscopeMagics(Magics):
                 self.shell.run_cell(cell)
             finally:
                 dash.detach()
-        elif args.target == "demo":
-            dash = demo(**options)
         elif args.target is None:
             raise ValueError("usage: %kvscope llm | %kvscope trace | %kvscope demo (see %kvscope?)")
-        else:
-            dash = Dashboard(self._resolve(args.target), **options)
+        else:  # (--html: a live dashboard would export the nothing it recorded so far, then stay attached)
+            source = None if args.target == "demo" else self._resolve(args.target)
+            if args.html and not isinstance(source, Trace):
+                raise UsageError("%kvscope: --html exports a recorded Trace, and a live dashboard has recorded "
+                                 "nothing yet: give it a Trace, or use it in cell mode (%%kvscope --html ...)")
+            dash = demo(**options) if source is None else Dashboard(source, **options)
         if args.out:
             self.shell.user_ns[args.out] = dash.trace
         if args.html:
@@ -76,14 +82,28 @@ class KvscopeMagics(Magics):
         return None if cell is not None else dash
 
     def _parse(self, line: str) -> Any:
-        """The magic's arguments; an unclosed quote is a usage error. An argument in quotes is
+        """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
+        unclosed quote, an ``-o`` that is no variable name, a ``--html`` into no directory, or
+        options of ``attach`` without it (and the other way round). An argument in quotes is
         read without them, as a shell reads it; one that only holds quotes stays as written
         (the target is an expression: ``d['t']``)."""
         try:
             argv = arg_split(line, posix=False, strict=True)
         except ValueError as e:  # (shlex: an unclosed quote)
             raise UsageError(f"%kvscope: {e} in {line!r}") from None
-        return self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
+        args = self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
+        if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
+            raise UsageError(f"%kvscope: -o/--out must be a variable name, got {args.out!r}")
+        if args.html is not None and not Path(args.html).parent.is_dir():
+            raise UsageError(f"%kvscope: --html {args.html!r}: no directory {str(Path(args.html).parent)!r} to write it in")
+        parser = self.kvscope.parser
+        attach = args.target == "attach"
+        wrong = [name for name in (_NOT_ATTACH if attach else _ATTACH_ONLY)
+                 if getattr(args, name) != parser.get_default(name)]
+        if wrong:
+            flags = ", ".join("--" + n.replace("_", "-") for n in wrong)
+            raise UsageError(f"%kvscope: {flags}: {'not' if attach else 'only'} with 'attach' (see %kvscope?)")
+        return args
 
     def _attach(self, args: Any) -> Any:
         """``%kvscope attach ...``: ``kvscope.attach`` the endpoints and show ``kvscope.dashboard`` of it."""
@@ -119,6 +139,8 @@ class KvscopeMagics(Magics):
 
 # An argument wholly in matching quotes, or an option's value after "=" in them.
 _QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
+_ATTACH_ONLY = ("topic", "replay", "metrics")
+_NOT_ATTACH = ("views", "level", "max_steps", "max_load", "html")
 
 
 def load_ipython_extension(ipython: Any) -> None:

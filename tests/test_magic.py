@@ -1,6 +1,8 @@
 """``%load_ext kvscope``, ``%kvscope`` and ``%%kvscope`` through IPython's own test shell."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("anywidget")
@@ -10,7 +12,7 @@ from IPython.testing.globalipapp import get_ipython  # noqa: E402
 from engine_helpers import make_llm  # noqa: E402
 
 from kvscope import SamplingParams  # noqa: E402
-from kvscope.trace import Trace  # noqa: E402
+from kvscope.trace import HOOK_POINTS, Trace  # noqa: E402
 from kvscope.widgets import Dashboard  # noqa: E402
 
 
@@ -100,6 +102,27 @@ def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     assert ip.run_line_magic("kvscope", "d['t']").trace is ip.user_ns["tq"]
     with pytest.raises(UsageError, match="No closing quotation"):
         ip.run_line_magic("kvscope", "llm --html 'x.html")
+
+
+@pytest.mark.parametrize("line,says", [
+    ("llm --html {tmp}/page.html -o kept", "--html exports a recorded Trace"),
+    ("demo --html {tmp}/page.html", "--html exports a recorded Trace"),
+    ("llm --html {tmp}/no/such/dir/page.html", "no directory"),
+    ("llm -o 'a b'", "-o/--out must be a variable name"),
+    ("llm -o class", "-o/--out must be a variable name"),
+    ("llm --replay tcp://127.0.0.1:1", "--replay: only with 'attach'"),
+    ("attach tcp://127.0.0.1:1 --views pool --max-steps 5", "--views, --max-steps: not with 'attach'"),
+])
+def test_options_that_do_not_fit_are_refused_before_anything_is_built(ip, tmp_path, line, says):
+    """Refused with a usage error before a dashboard attaches: no hook or block sink left on the
+    engine, no variable set (a line-mode --html exported the empty recording, failed, and left
+    the dashboard recording with no handle to detach it; -o took any string as a name)."""
+    llm = ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    before = set(ip.user_ns)
+    with pytest.raises(UsageError, match=re.escape(says)):
+        ip.run_line_magic("kvscope", line.format(tmp=tmp_path))
+    assert not llm.hooks.block_sinks and not any(llm.hooks.active(name) for name in HOOK_POINTS)
+    assert set(ip.user_ns) == before and not list(tmp_path.iterdir())
 
 
 def test_attach_magic_shows_the_attach_dashboard(ip):
