@@ -31,6 +31,12 @@ def demo(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> No
         llm = LLM(args.model, device=args.device, block_size=args.block_size)
     except (ValueError, TypeError, FileNotFoundError) as e:
         usage_error(str(e))
+    # (the engine refuses a request past max_model_len only once generate adds it: a traceback)
+    longest = max(len(llm.get_tokenizer().encode(p, add_special_tokens=False)) for p in DEMO_PROMPTS)
+    room = llm.llm_engine.max_model_len - longest
+    if args.max_tokens > room:
+        usage_error(f"--max-tokens must be at most {room} (the longest demo prompt has {longest} tokens, "
+                    f"max_model_len is {llm.llm_engine.max_model_len}), got {args.max_tokens}")
     print(f"loaded {llm.model_dir} on {llm.llm_engine.executor.device} in {time.perf_counter() - t0:.1f}s; "
           f"{llm.llm_engine.block_manager.num_blocks} KV blocks of {args.block_size} tokens")
     steps: list[int] = []

@@ -145,3 +145,22 @@ def test_attach_magic_shows_the_attach_dashboard(ip):
             src.close()
     with pytest.raises(ValueError, match="usage: %kvscope attach"):
         ip.run_line_magic("kvscope", "attach")
+
+
+def test_demo_command_refuses_max_tokens_past_the_model_length_with_a_usage_error(capsys):
+    """``python -m kvscope demo --max-tokens N`` past what max_model_len leaves the longest demo
+    prompt exits with status 2 and one line naming the limit (a traceback from generate before);
+    the limit it names is the one the engine keeps: it takes that many tokens, and refuses one more."""
+    from kvscope import LLM
+    from kvscope.__main__ import DEMO_PROMPTS, main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--device", "cpu", "--max-tokens", "10000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err[-1].startswith("kvscope demo: error: --max-tokens must be at most ")
+    limit = int(re.search(r"at most (\d+)", err[-1]).group(1))
+    engine = LLM(device="cpu").llm_engine
+    longest = max(DEMO_PROMPTS, key=lambda p: len(engine.tokenizer.encode(p, add_special_tokens=False)))
+    engine.add_request(longest, SamplingParams(max_tokens=limit))
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        engine.add_request(longest, SamplingParams(max_tokens=limit + 1))
