@@ -368,6 +368,45 @@ def test_a_late_subscriber_that_stalls_gets_the_whole_replay_buffer():
             att.close()
 
 
+def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
+    """The idle probe asks replay for what follows the last batch; a reply numbered far ahead of it
+    is not taken, the real next batch (dropped live) is, and the live batches after it apply."""
+    ctx = zmq.Context.instance()
+    raw, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, replay_port = raw.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    history = {1: Codec().encode(1.0, [stored([1], None, [1, 2], 2)], 0)}  # batch 1 never goes out live
+    stop = threading.Event()
+
+    def serve():  # a replay socket that puts a reply 10**9 ahead before the real ones
+        while not stop.is_set():
+            if router.poll(50):
+                client, _, start = router.recv_multipart()
+                start = int.from_bytes(start, "big", signed=True)
+                router.send_multipart([client, b"", seq_bytes(start + 10**9), Codec().encode(1.0, [], 0)])
+                for seq in sorted(q for q in history if q >= start):
+                    router.send_multipart([client, b"", seq_bytes(seq), history[seq]])
+                router.send_multipart([client, b"", seq_bytes(-1), b""])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.5,
+                         replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
+    try:
+        wait_for(lambda: _probe(raw, att), what="subscription")
+        name = att.instances[0]
+        wait_for(applied(att, name, 1), timeout=5, what="batch 1, through the idle probe")
+        for seq in (2, 3):
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1, 2], 2)], 0)])
+        wait_for(applied(att, name, 3), timeout=5, what="the live batches after it")
+        assert att.block_hashes(name) == {1, 2, 3} and att.faults.duplicate_batches.iloc[0] == 0
+    finally:
+        att.close()
+        stop.set()
+        server.join()
+        raw.close(linger=0)
+        router.close(linger=0)
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

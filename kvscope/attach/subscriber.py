@@ -203,18 +203,21 @@ class Subscriber:
     def _probe_tail(self, s: Stream) -> None:
         """Ask replay for batches after the last one applied; any that come back were dropped live."""
         before = s.next_seq
-        if not self._replay(s, before, sys.maxsize):
+        if not self._replay(s, before, sys.maxsize, contiguous=True):
             s.heard = float("inf")  # no full answer (the publisher is gone?): probe again only after it speaks
         if s.next_seq > before:
             s.faults["gaps"] += 1
             s.faults["missed_batches"] += s.next_seq - before
 
-    def _replay(self, s: Stream, start: int, end: int) -> bool:
+    def _replay(self, s: Stream, start: int, end: int, contiguous: bool = False) -> bool:
         """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns;
         False if it did not finish its answer within ``replay_timeout``.
 
         A batch the answer skips (past the publisher's buffer, or dropped by its high-water mark)
-        is counted lost, except before the first one returned to a stream that is joining."""
+        is counted lost, except before the first one returned to a stream that is joining.
+        ``contiguous`` takes only the batch after the last one applied: with no live batch to
+        bound the answer (the idle probe), a number far ahead would make every later live batch
+        look like one already applied; what a skip leaves out comes back at the next gap."""
         if s.replay is None:
             return False
         zmq = self._zmq
@@ -240,6 +243,8 @@ class Subscriber:
             seq = int.from_bytes(reply[1], "big", signed=True)
             if seq == END_SEQ:
                 return True
+            if contiguous and seq != s.next_seq:
+                continue
             if (start if joining else s.next_seq) <= seq < end:
                 if not joining:
                     s.faults["lost_batches"] += seq - s.next_seq
