@@ -424,6 +424,28 @@ def test_html_export_contains_the_pool(tmp_path):
     assert len(load_payload(small.read_text())["steps"]) == 5
 
 
+@pytest.mark.parametrize("options, error, says", [
+    (dict(max_steps=0), ValueError, "max_steps must be an integer >= 2"),
+    (dict(max_steps=1), ValueError, "max_steps must be an integer >= 2"),
+    (dict(max_steps=2.5), ValueError, "max_steps must be an integer >= 2"),
+    (dict(max_steps=None), ValueError, "max_steps must be an integer >= 2"),
+    (dict(max_steps=True), ValueError, "max_steps must be an integer >= 2"),
+    (dict(step="last"), TypeError, "step must be an integer"),
+])
+def test_export_options_out_of_range_are_refused_by_name_and_write_nothing(tmp_path, options, error, says):
+    """Before, max_steps 0 raised an IndexError, a float or None a bare TypeError, and 1 wrote a
+    page of the first step only, though the first and last are always exported; the smallest
+    accepted, 2, exports exactly those two."""
+    llm = make_llm(**ENGINE)
+    with llm.record("blocks") as trace:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    with pytest.raises(error, match=says):
+        export_html(trace, tmp_path / "bad.html", **options)
+    assert not (tmp_path / "bad.html").exists()
+    page = export_html(trace, tmp_path / "two.html", max_steps=2, step=-10**9).read_text()
+    assert load_payload(page)["steps"] == [trace.step_ids[0], trace.step_ids[-1]]
+
+
 def test_queues_view_shows_each_ranks_kv_shard():
     """Under tensor parallelism the scheduler view lists which KV heads, blocks and bytes each rank holds."""
     from kvscope.widgets.views import QueuesView

@@ -19,6 +19,7 @@ import numpy as np
 import plotly.io as pio
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
+from kvscope.arg_checks import is_index, is_int
 from kvscope.widgets import snapshot
 from kvscope.widgets.pool_sync import PoolSync, decode_blocks
 from kvscope.widgets.snapshot import StepData
@@ -88,6 +89,11 @@ def export_html(
     ``max_steps`` bounds the file size: that many recorded steps, evenly spread, get a slider
     position (the timeline always covers every step). ``step`` is the step shown first.
     """
+    if not is_int(max_steps) or max_steps < 2:
+        raise ValueError(f"max_steps must be an integer >= 2 (the first and last recorded steps always get a "
+                         f"slider position), got {max_steps!r}")
+    if step is not None and not is_index(step):
+        raise TypeError(f"step must be an integer (a recorded step; the nearest exported one is shown) or None, got {step!r}")
     ids = trace.step_ids
     if not len(ids):
         raise ValueError("the trace has no recorded steps to export")
