@@ -22,7 +22,7 @@ from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
 from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
-from kvscope.widgets.views import STATIC  # noqa: E402
+from kvscope.widgets.views import STATIC, VIEW_CLASSES  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
     "a paged key value cache stores attention keys and values in blocks",
@@ -250,6 +250,26 @@ def test_a_view_is_usable_alone():
     assert facts["tokens"] == trace.block_tokens(2, b)
     assert facts["text"] == trace.decode(facts["tokens"])
     assert facts["owners"] == trace.blocks(2)["owners"][b]
+
+
+@pytest.mark.parametrize("name", list(VIEW_CLASSES))
+def test_a_view_of_a_trace_with_no_steps_yet_shows_nothing_and_a_step_not_recorded_is_refused(name):
+    """A view built on a live trace before its first step is empty (an IndexError before) and
+    shows the newest step once there is one, as the trace holds it; a step the trace does not
+    hold is refused by name (the lifecycle and timeline views showed it, the others raised a
+    KeyError from inside the trace)."""
+    llm = make_llm(**ENGINE)
+    with llm.record("blocks") as trace:
+        view = VIEW_CLASSES[name](trace)
+        assert getattr(view, "step", -1) == -1
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    newest = trace.step_ids[-1]
+    view.update_from(trace, newest)
+    if name == "pool":
+        assert (BrowserPool(view).state == trace.pool_arrays(newest)["state"]).all()
+    for step in (newest + 1, trace.step_ids[0] - 1, 1.0):
+        with pytest.raises(ValueError, match=f"step must be one of trace.step_ids .*got {step!r}"):
+            view.update_from(trace, step)
 
 
 def test_pause_step_resume_hold_the_background_run_between_steps():

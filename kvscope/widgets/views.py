@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 import traitlets
 from plotly.subplots import make_subplots
 
+from kvscope.arg_checks import is_index
 from kvscope.widgets import snapshot
 from kvscope.widgets.pool_sync import KEYFRAME, PoolSync, PoolUpdate
 from kvscope.widgets.snapshot import StepData, StepSeries
@@ -42,11 +43,16 @@ class _ShowsSteps:
     """What every view offers: built on a step of a trace, moved by ``update_from`` or ``show``."""
 
     def _start(self, trace: Any, step: int | None) -> None:
-        if trace is not None:
+        """Show ``step`` of ``trace``, by default its newest; a trace with no step yet shows nothing."""
+        if trace is not None and (step is not None or trace.step_ids):
             self.update_from(trace, trace.step_ids[-1] if step is None else step)
 
     def update_from(self, trace: Any, step: int) -> None:
-        """Show ``step`` of ``trace``."""
+        """Show ``step`` of ``trace``, one of its ``step_ids``."""
+        ids = trace.step_ids
+        if not (is_index(step) and step in ids):
+            span = f"{ids[0]}..{ids[-1]}" if ids else "none yet"
+            raise ValueError(f"step must be one of trace.step_ids (recorded steps: {span}), got {step!r}")
         self.show(StepData(trace, step))
 
     def show(self, data: StepData) -> None:
