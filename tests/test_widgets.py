@@ -228,6 +228,21 @@ def test_bad_dashboard_options_are_refused_by_name_and_attach_nothing(option, pa
     assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].finished
 
 
+def test_a_summary_trace_replays_in_the_timeline_and_block_views_are_refused_by_name(tmp_path):
+    """The level check reads the replayed trace's level (it read the ``level`` option, so a
+    summary trace failed inside the pool view, naming pool_arrays)."""
+    llm = make_llm(**ENGINE)
+    with llm.record("summary") as trace:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    loaded = Trace.load(trace.save(tmp_path / "t"))
+    for source in (trace, loaded):
+        with pytest.raises(ValueError, match=re.escape("level='summary' records no blocks; it can feed views=['timeline'] only")):
+            Dashboard(source)
+        dash = Dashboard(source, views="timeline")
+        assert dash.step == trace.step_ids[-1]
+        assert list(dash.views["timeline"].data[0].x) == trace.step_ids
+
+
 def test_views_as_one_comma_separated_str_are_the_views_as_a_list():
     llm = make_llm(num_kv_blocks=16)
     for views in (["pool", "queues"], "pool, queues"):

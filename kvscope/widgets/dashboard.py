@@ -103,6 +103,8 @@ class Dashboard:
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
+        if isinstance(source, Trace):  # (a replay shows the level it was recorded at)
+            level = source.level
         if level == "summary" and set(views) != {"timeline"}:
             raise ValueError("level='summary' records no blocks; it can feed views=['timeline'] only")
         self.interval, self.max_load = check_interval(interval), check_max_load(max_load)
