@@ -35,3 +35,11 @@ def check_int(name: str, value: Any, minimum: int = 1) -> int:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def check_seed(name: str, value: Any) -> int:
+    """``value`` if it is an integer torch's generator takes, [-2**63, 2**64); else a ValueError
+    naming ``name`` (the engine's seed and a request's share this range)."""
+    if not is_int(value) or not -(2**63) <= value < 2**64:
+        raise ValueError(f"{name} must be an integer in [-2**63, 2**64) (torch's generator range), got {value!r}")
+    return value

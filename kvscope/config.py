@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvscope.arg_checks import check_int, is_finite_number, is_int
+from kvscope.arg_checks import check_int, check_seed, is_finite_number
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -86,8 +86,7 @@ class EngineConfig:
             cpus = os.cpu_count() or 1
             if self.cpu_threads > cpus:  # (torch would try to start them all, and may crash)
                 raise ValueError(f"cpu_threads must be at most this machine's {cpus} CPUs, got {self.cpu_threads}")
-        if not is_int(self.seed) or not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch's generator range), got {self.seed!r}")
+        check_seed("seed", self.seed)
         gmu = self.gpu_memory_utilization
         if not is_finite_number(gmu) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")

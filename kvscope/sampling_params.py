@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvscope.arg_checks import check_int, is_finite_number, is_int
+from kvscope.arg_checks import check_int, check_seed, is_finite_number, is_int
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
 
@@ -51,8 +51,11 @@ class SamplingParams:
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None:
+            check_seed("seed", self.seed)
+            if self.seed + self.n - 1 >= 2**64:  # (child i draws with seed + i)
+                raise ValueError(f"seed + n - 1 must be < 2**64: the n={self.n} children draw with seeds "
+                                 f"seed..seed+n-1, got seed={self.seed}")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

@@ -60,6 +60,13 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "skip_special_tokens=1": (lambda llm: SamplingParams(skip_special_tokens=1), ValueError,
                               r"^skip_special_tokens must be a bool, got 1"),
     "ignore_eos='no'": (lambda llm: SamplingParams(ignore_eos="no"), ValueError, r"^ignore_eos must be a bool, got 'no'"),
+    # (the engine's seed range: torch's generator; an int past it was folded into another seed's stream)
+    "seed=2**64": (lambda llm: SamplingParams(seed=2**64), ValueError,
+                   r"^seed must be an integer in \[-2\*\*63, 2\*\*64\) \(torch's generator range\), got 18446744073709551616"),
+    "seed=-2**63-1 set later": (lambda llm: llm.add_request([5, 6], changed("seed", -2**63 - 1)), ValueError,
+                                r"^seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    "n=3 children past the seed range": (lambda llm: SamplingParams(n=3, seed=2**64 - 2), ValueError,
+                                         r"^seed \+ n - 1 must be < 2\*\*64: the n=3 children draw with seeds"),
     "NaN top_p": (lambda llm: SamplingParams(top_p=float("nan")), ValueError, r"top_p must be in"),
     "prompt_token_ids None": (lambda llm: llm.generate({"prompt_token_ids": None}, use_tqdm=False),
                               TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),
