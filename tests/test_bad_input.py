@@ -70,6 +70,12 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "NaN top_p": (lambda llm: SamplingParams(top_p=float("nan")), ValueError, r"top_p must be in"),
     "prompt_token_ids None": (lambda llm: llm.generate({"prompt_token_ids": None}, use_tqdm=False),
                               TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),
+    "a prompt dict with multi_modal_data": (
+        lambda llm: llm.generate([[5, 6], {"prompt": "hi", "multi_modal_data": {"image": None}}], use_tqdm=False),
+        ValueError, r"^prompt dict key 'multi_modal_data' is not supported: kvscope reads 'prompt' and 'prompt_token_ids'"),
+    "a prompt dict's text that is not a str beside ids": (
+        lambda llm: llm.add_request({"prompt_token_ids": [5, 6], "prompt": 7}), TypeError,
+        r"^prompt\['prompt'\] must be a str, got int"),
     "a lone surrogate in the prompt": (lambda llm: llm.generate(["ok", "ab\ud800"], use_tqdm=False), ValueError,
                                        r"^prompt is not valid Unicode text: surrogates not allowed at index 2"),
     "a lone surrogate in prompt['prompt']": (lambda llm: llm.add_request({"prompt": "\udfff"}), ValueError,

@@ -12,17 +12,25 @@ from typing import Any
 
 from kvscope.sampling_params import SamplingParams
 
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # what a prompt dict may hold
+
 
 def check_prompt(prompt: Any) -> None:
     """Refuse a prompt whose shape the engine cannot read, naming the field at fault."""
     if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            _check_id_container(prompt["prompt_token_ids"], "prompt['prompt_token_ids']")
-        elif "prompt" in prompt:
+        # (vLLM's prompt dicts have more keys, e.g. multi_modal_data: dropping one silently would
+        # serve a different request than the one asked for)
+        unknown = [k for k in prompt if k not in PROMPT_KEYS]
+        if unknown:
+            raise ValueError(f"prompt dict key {unknown[0]!r} is not supported: kvscope reads "
+                             f"{' and '.join(map(repr, PROMPT_KEYS))}")
+        if "prompt" in prompt:  # (beside the ids, it is the text reported with them)
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"prompt['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
             _check_text(prompt["prompt"], "prompt['prompt']")
-        else:
+        if "prompt_token_ids" in prompt:
+            _check_id_container(prompt["prompt_token_ids"], "prompt['prompt_token_ids']")
+        elif "prompt" not in prompt:
             raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
     elif isinstance(prompt, str):
         _check_text(prompt, "prompt")
