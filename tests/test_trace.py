@@ -619,6 +619,33 @@ def test_a_save_edited_so_it_replays_another_pool_is_refused(run, tmp_path, name
         Trace.load(path)
 
 
+# (file, edit): each leaves the tables fitting together, so only the checksums tell
+_UNSEEN_EDITS = [
+    ("tokens.parquet", lambda df: _set(df, "text", "EDITED")),
+    ("requests.parquet", lambda df: _set(df, "prompt_len", lambda n: n + 1)),
+    ("block_events.parquet", lambda df: _set(df, "block_hash", lambda h: h + 1, row=int(df["block_hash"].notna().argmax()))),
+    ("scheduled.parquet", lambda df: _set(df, "token_ids", lambda t: t[::-1])),
+    ("steps.parquet", lambda df: _set(df, "duration_s", lambda d: d * 2)),
+]
+
+
+@pytest.mark.parametrize("name,edit", _UNSEEN_EDITS, ids=[f.split(".")[0] for f, _ in _UNSEEN_EDITS])
+def test_an_edit_the_tables_cannot_show_is_refused_by_the_checksums(run, tmp_path, name, edit):
+    """A token's text, a request's length, an event's hash, a token a row computed, a step's
+    time: the edited save would load and show what the engine never did (the live trace is the
+    truth: the unedited save loads equal to it). The SHA-256 the save wrote names the file."""
+    path = run.blocks.save(tmp_path / "t")
+    _assert_same_trace(run.blocks, Trace.load(path))
+    _edit_rows(path / name, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path / name))}: its SHA-256 is not the one checksums.json lists"):
+        Trace.load(path)
+    meta = path / "meta.json"
+    _edit_meta(meta, model="another model")
+    (path / "checksums.json").write_text(json.dumps({"sha256": {"meta.json": "0" * 64}}))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(meta))}: its SHA-256"):
+        Trace.load(path)
+
+
 def test_a_save_with_a_step_launched_without_rows_loads_as_recorded(tmp_path):
     """Async scheduling, a ``step.scheduled`` hook aborts the only request: its step is launched
     with no row. The save is whole, so it loads, and equals the live trace (a check that every

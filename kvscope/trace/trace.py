@@ -27,7 +27,7 @@ from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
-from kvscope.trace.verify import check_frames, check_replay, check_tokens
+from kvscope.trace.verify import check_checksums, check_frames, check_replay, check_tokens, write_checksums
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
     pool_frames, queues_frame, read_baseline, read_frame, records_from_frames, scheduled_frame, steps_frame,
@@ -241,31 +241,33 @@ class Trace:
 
     # ------------------------------------------------------------ save/load
     def save(self, path: str | Path) -> Path:
-        """Write the trace as parquet files (plus ``meta.json``) into directory ``path``."""
+        """Write the trace as parquet files (plus ``meta.json``) into directory ``path``, and
+        ``checksums.json``, the SHA-256 of each, so that a load can tell an edited file."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        write_checksums(path, self._write(path))
+        return path
+
+    def _write(self, path: Path) -> list[str]:
+        """Write the trace's files into ``path``; their names."""
         recs, base, _ = self._source.view(with_baseline=True)
         (path / "meta.json").write_text(json.dumps(self.meta, indent=1))
-        write_frame(steps_frame(recs), path / "steps.parquet")
-        write_frame(self._source.requests_frame(), path / "requests.parquet")
-        if self.level == "summary":
-            return path
-        tail = launched_beyond(recs)  # saved, so that a loaded trace replays them too
-        for name, df in (("scheduled", scheduled_frame(recs, tail)), ("block_events", block_events_frame(recs)),
-                         ("queues", queues_frame(recs)), ("launches", launches_frame(recs))):
+        frames = {"steps": steps_frame(recs), "requests": self._source.requests_frame()}
+        if self.level != "summary":
+            tail = launched_beyond(recs)  # saved, so that a loaded trace replays them too
+            arrays, frames["baseline_tables"] = baseline_frames(base)
+            write_arrays(path / "baseline.parquet", arrays)
+            held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
+            ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs), *(t.token_ids for _, t in tail)]))
+            ids = ids[ids >= 0].tolist()  # (-1: an input a recording that began mid-step never saw)
+            frames.update(scheduled=scheduled_frame(recs, tail), block_events=block_events_frame(recs),
+                          queues=queues_frame(recs), launches=launches_frame(recs),
+                          tokens=frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}))
+            if self.level == "full":
+                frames.update(zip(("pool_changes", "pool_fills"), pool_frames(recs)))
+        for name, df in frames.items():
             write_frame(df, path / f"{name}.parquet")
-        arrays, tables = baseline_frames(base)
-        write_arrays(path / "baseline.parquet", arrays)
-        write_frame(tables, path / "baseline_tables.parquet")
-        held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
-        ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs), *(t.token_ids for _, t in tail)]))
-        ids = ids[ids >= 0].tolist()  # (-1: an input a recording that began mid-step never saw)
-        write_frame(frame("tokens", {"token_id": ids, "text": [self._token_text(t) for t in ids]}),
-                    path / "tokens.parquet")
-        if self.level == "full":
-            for name, df in zip(("pool_changes", "pool_fills"), pool_frames(recs)):
-                write_frame(df, path / f"{name}.parquet")
-        return path
+        return ["meta.json", *(f"{name}.parquet" for name in frames), *(() if self.level == "summary" else ("baseline.parquet",))]
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
@@ -273,6 +275,13 @@ class Trace:
         that is not a whole, unedited save is refused with an error naming the file at fault."""
         path = Path(path)
         meta = _read_meta(path)
+        trace = cls._read(path, meta)
+        check_checksums(path)
+        return trace
+
+    @classmethod
+    def _read(cls, path: Path, meta: dict[str, Any]) -> "Trace":
+        """The trace in ``path``, its tables checked to fit together (see :mod:`kvscope.trace.verify`)."""
         level = meta["level"]
         steps = read_frame("steps", path / "steps.parquet")
         requests = read_frame("requests", path / "requests.parquet")

@@ -5,10 +5,15 @@ would show a pool the engine never had. So the tables must fit together (sorted 
 inside the pool, rows whose tokens add up, launches inside their records), and the replay of
 the block events must give, after every step, the used and cached block counts the engine
 reported in ``steps`` and the reference count each block's last event carried. A ``full``
-trace's snapshots, read from the block manager, must equal that replay too.
+trace's snapshots, read from the block manager, must equal that replay too. What no such check
+can see (a changed token, hash, time or request row) the SHA-256 of each file, which
+:meth:`Trace.save` writes to ``checksums.json``, does; a save made before it was written is
+checked by its contents alone.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -19,8 +24,39 @@ from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, block_states, l
 from kvscope.trace.record import StepRecord
 from kvscope.trace.tables import QUEUES
 
+CHECKSUMS = "checksums.json"
 # Tables with a row per event, queue entry, launch or pool change of a recorded step.
 _PER_STEP = ("block_events", "queues", "launches", "pool_changes", "pool_fills")
+
+
+def write_checksums(path: Path, names: Sequence[str]) -> None:
+    """Write the SHA-256 of the files ``names`` in ``path`` to its ``checksums.json``."""
+    (path / CHECKSUMS).write_text(json.dumps({"sha256": {n: _sha256(path / n) for n in names}}, indent=1))
+
+
+def check_checksums(path: Path) -> None:
+    """Refuse a file whose SHA-256 is not the one ``checksums.json`` lists (none: nothing to check)."""
+    file = path / CHECKSUMS
+    if not file.exists():
+        return
+    try:
+        sums = json.loads(file.read_text())["sha256"]
+        items = [(str(n), str(h)) for n, h in sums.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{file}: not the checksums Trace.save writes ({e!r})") from None
+    for name, digest in items:
+        if not (path / name).is_file():
+            _refuse(path / name, f"missing, though {CHECKSUMS} lists it")
+        if _sha256(path / name) != digest:
+            _refuse(path / name, f"its SHA-256 is not the one {CHECKSUMS} lists: edited or damaged since the save")
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -> None:
