@@ -133,6 +133,8 @@ def check_replay(path: Path, records: Sequence[StepRecord], baseline: PoolState)
     the counts the step reported, each block's count the one its last event carried, and a
     ``full`` trace's snapshot this replay."""
     state = baseline.copy()
+    if (state.ref_count < 0).any():
+        _refuse(path / "baseline.parquet", "a reference count below 0")
     states = block_states(state.ref_count, state.block_hash)
     used, cached = int((states == USED).sum()), int((states == CACHED).sum())
     snap_ref = snap_hash = None
@@ -149,7 +151,7 @@ def check_replay(path: Path, records: Sequence[StepRecord], baseline: PoolState)
         used += int((after == USED).sum() - (before == USED).sum())
         cached += int((after == CACHED).sum() - (before == CACHED).sum())
         last = len(blocks) - 1 - np.unique(blocks[::-1], return_index=True)[1]
-        if (state.ref_count[touched] != log.column("ref_count")[last]).any() or (state.ref_count < 0).any():
+        if (state.ref_count[touched] != log.column("ref_count")[last]).any() or (state.ref_count[touched] < 0).any():
             _refuse(path / "block_events.parquet", f"a reference count of step {rec.step} is not its events' recount")
         if (used, cached) != (rec.num_used_blocks, rec.num_cached_blocks):
             _refuse(path, f"the block events replay to {used} used and {cached} cached blocks after step "
