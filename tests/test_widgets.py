@@ -243,6 +243,24 @@ def test_a_summary_trace_replays_in_the_timeline_and_block_views_are_refused_by_
         assert list(dash.views["timeline"].data[0].x) == trace.step_ids
 
 
+def test_show_step_takes_integers_only_and_a_refused_step_leaves_the_views_where_they_were():
+    """``show_step`` shows the nearest recorded step at or before an integer; NaN showed the
+    newest, 1.5 and True step 1, None and a str raised a bare comparison error."""
+    llm = make_llm(**ENGINE)
+    with llm.record("blocks") as trace:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    dash = Dashboard(trace, views="pool")
+    ids = trace.step_ids
+    dash.show_step(np.int64(ids[1]))
+    assert dash.step == dash.views["pool"].step == ids[1]
+    for step in (float("nan"), 1.5, True, None, "3"):
+        with pytest.raises(TypeError, match=f"step must be an integer .*got {re.escape(repr(step))}"):
+            dash.show_step(step)
+        assert dash.step == dash.views["pool"].step == ids[1]
+    dash.show_step(ids[-1] + 100)
+    assert dash.step == ids[-1] and (BrowserPool(dash.views["pool"]).state == trace.pool_arrays(ids[-1])["state"]).all()
+
+
 def test_views_as_one_comma_separated_str_are_the_views_as_a_list():
     llm = make_llm(num_kv_blocks=16)
     for views in (["pool", "queues"], "pool, queues"):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import ipywidgets as W
 
+from kvscope.arg_checks import is_index
 from kvscope.trace.trace import Trace
 from kvscope.trace import frozen_heap
 from kvscope.widgets.options import check_interval, check_max_load, view_names
@@ -188,6 +189,8 @@ class Dashboard:
     # ------------------------------------------------------------ showing steps
     def show_step(self, step: int) -> None:
         """Show recorded step ``step`` (the nearest recorded one at or before it) in every view."""
+        if not is_index(step):  # (NaN, 1.5 or True once showed a step nobody asked for)
+            raise TypeError(f"step must be an integer (the nearest recorded step at or before it is shown), got {step!r}")
         ids = self.trace.step_ids
         if not ids:
             return
