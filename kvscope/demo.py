@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvscope.arg_checks import check_int
+
 if TYPE_CHECKING:
     from kvscope.widgets.dashboard import Dashboard
 
@@ -39,6 +41,9 @@ def demo(llm: Any = None, num_prompts: int = 8, max_tokens: int = 64, **dashboar
     from kvscope import LLM, SamplingParams
     from kvscope.widgets.dashboard import Dashboard
 
+    # Checked before the dashboard attaches: a refusal after it would leave ``llm`` recording.
+    prompts = demo_prompts(check_int("num_prompts", num_prompts))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     dash = Dashboard(llm if llm is not None else LLM(**DEMO_ENGINE_ARGS), **dashboard_options)
-    dash.generate_async(demo_prompts(num_prompts), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    dash.generate_async(prompts, params)
     return dash

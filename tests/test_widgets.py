@@ -261,6 +261,23 @@ def test_show_step_takes_integers_only_and_a_refused_step_leaves_the_views_where
     assert dash.step == ids[-1] and (BrowserPool(dash.views["pool"]).state == trace.pool_arrays(ids[-1])["state"]).all()
 
 
+@pytest.mark.parametrize("options, error, says", [
+    (dict(max_tokens=0), ValueError, "max_tokens must be an integer >= 1"),
+    (dict(num_prompts=0), ValueError, "num_prompts must be an integer >= 1"),
+    (dict(num_prompts=2.5), ValueError, "num_prompts must be an integer >= 1"),
+])
+def test_a_demo_refused_for_its_workload_leaves_the_llm_unrecorded(options, error, says):
+    """``demo(llm, ...)`` with a workload it refuses: the dashboard attached first, so the refusal
+    left ``llm`` recording with no dashboard to detach (num_prompts 0 ran nothing, unsaid)."""
+    from kvscope.demo import demo
+    from kvscope.trace import HOOK_POINTS
+
+    llm = make_llm(**ENGINE)
+    with pytest.raises(error, match=says):
+        demo(llm, **options)
+    assert not llm.hooks.block_sinks and not any(llm.hooks.active(name) for name in HOOK_POINTS)
+
+
 def test_views_as_one_comma_separated_str_are_the_views_as_a_list():
     llm = make_llm(num_kv_blocks=16)
     for views in (["pool", "queues"], "pool, queues"):
