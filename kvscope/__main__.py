@@ -22,14 +22,15 @@ DEMO_PROMPTS = [
 
 def demo(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> None:
     """Run the demo; a bad option (an engine config or sampling value the engine refuses, a
-    model directory that is not there) goes to ``usage_error`` as a one-line message."""
+    model directory that is not there or whose files do not read) goes to ``usage_error`` as a
+    one-line message."""
     from kvscope import LLM, SamplingParams
 
     t0 = time.perf_counter()
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
         llm = LLM(args.model, device=args.device, block_size=args.block_size)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:
         usage_error(str(e))
     # (the engine refuses a request past max_model_len only once generate adds it: a traceback)
     longest = max(len(llm.get_tokenizer().encode(p, add_special_tokens=False)) for p in DEMO_PROMPTS)

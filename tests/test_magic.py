@@ -164,3 +164,16 @@ def test_demo_command_refuses_max_tokens_past_the_model_length_with_a_usage_erro
     engine.add_request(longest, SamplingParams(max_tokens=limit))
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         engine.add_request(longest, SamplingParams(max_tokens=limit + 1))
+
+
+def test_demo_command_refuses_a_model_directory_whose_config_does_not_read_with_a_usage_error(tmp_path, capsys):
+    """A --model directory whose config.json is not JSON: exit status 2 and one line naming the
+    file (an OSError traceback, exit 1, before)."""
+    from kvscope.__main__ import main
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--device", "cpu", "--model", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert err[-1].startswith("kvscope demo: error: ") and str(tmp_path / "config.json") in err[-1]
