@@ -322,6 +322,25 @@ def test_a_view_of_a_trace_with_no_steps_yet_shows_nothing_and_a_step_not_record
             view.update_from(trace, step)
 
 
+def test_a_hover_on_a_step_the_ring_buffer_dropped_gets_no_facts_and_raises_nothing():
+    """Live, with a small ring buffer, the browser may ask for the blocks of a step the trace
+    has dropped since it showed it: the answer is empty (a KeyError from the trace before, whose
+    traceback ipywidgets prints in the notebook), and a held step's answer is its facts."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, views="pool", max_steps=2, interval=0.001, max_load=1.0)
+    llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    dash.detach()
+    pool, trace = dash.views["pool"], dash.trace
+    sent = []
+    pool.send = lambda content, buffers=None: sent.append(content)
+    dropped, held = trace.step_ids[0] - 1, trace.step_ids[-1]
+    block = int(np.argmax(trace.pool_arrays(held)["num_tokens"]))
+    pool._on_msg(pool, {"type": "inspect", "step": dropped, "blocks": [block]}, [])
+    pool._on_msg(pool, {"type": "inspect", "step": held, "blocks": [block]}, [])
+    assert sent == [{"type": "details", "step": dropped, "blocks": {}},
+                    {"type": "details", "step": held, "blocks": block_details(StepData(trace, held), [block])}]
+
+
 def test_pause_step_resume_hold_the_background_run_between_steps():
     llm = make_llm(**ENGINE)
     want = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))

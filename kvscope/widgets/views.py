@@ -132,8 +132,11 @@ class BlockPoolView(_StepView):
         # because a large pool would make every update heavy.
         elif kind == "inspect" and self.trace is not None:
             step = int(content["step"])
+            # A live ring buffer may have dropped the step the browser showed: no facts, and no
+            # traceback in the notebook (ipywidgets shows a handler's).
+            held = step in self.trace.step_ids
             self.send({"type": "details", "step": step,
-                       "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"])})
+                       "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"]) if held else {}})
 
 
 class BlockTablesView(_StepView):
