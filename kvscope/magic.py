@@ -83,7 +83,8 @@ class KvscopeMagics(Magics):
 
     def _parse(self, line: str) -> Any:
         """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
-        unclosed quote, an ``-o`` that is no variable name, a ``--html`` into no directory, or
+        unclosed quote, an ``-o`` that is no variable name, a ``--html`` into no directory or of
+        a ``summary`` recording, or
         options of ``attach`` without it (and the other way round). An argument in quotes is
         read without them, as a shell reads it; one that only holds quotes stays as written
         (the target is an expression: ``d['t']``)."""
@@ -94,6 +95,8 @@ class KvscopeMagics(Magics):
         args = self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
         if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
             raise UsageError(f"%kvscope: -o/--out must be a variable name, got {args.out!r}")
+        if args.html is not None and args.level == "summary":
+            raise UsageError("%kvscope: --html exports the block views: it needs --level blocks or full")
         if args.html is not None and not Path(args.html).parent.is_dir():
             raise UsageError(f"%kvscope: --html {args.html!r}: no directory {str(Path(args.html).parent)!r} to write it in")
         parser = self.kvscope.parser

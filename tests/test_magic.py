@@ -108,6 +108,7 @@ def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     ("llm --html {tmp}/page.html -o kept", "--html exports a recorded Trace"),
     ("demo --html {tmp}/page.html", "--html exports a recorded Trace"),
     ("llm --html {tmp}/no/such/dir/page.html", "no directory"),
+    ("llm --level summary --views timeline --html {tmp}/page.html", "--html exports the block views"),
     ("llm -o 'a b'", "-o/--out must be a variable name"),
     ("llm -o class", "-o/--out must be a variable name"),
     ("llm --replay tcp://127.0.0.1:1", "--replay: only with 'attach'"),
@@ -123,6 +124,17 @@ def test_options_that_do_not_fit_are_refused_before_anything_is_built(ip, tmp_pa
         ip.run_line_magic("kvscope", line.format(tmp=tmp_path))
     assert not llm.hooks.block_sinks and not any(llm.hooks.active(name) for name in HOOK_POINTS)
     assert set(ip.user_ns) == before and not list(tmp_path.iterdir())
+
+
+def test_a_cell_whose_export_cannot_be_made_is_refused_before_it_runs(ip, tmp_path):
+    """``%%kvscope --level summary --html page``: the export needs the block views, so the
+    magic refuses it before the cell runs (the cell ran, then the export failed)."""
+    llm = ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    with pytest.raises(UsageError, match="--html exports the block views"):
+        ip.run_cell_magic("kvscope", f"--level summary --views timeline --html {tmp_path}/page.html -o ts",
+                          "ran = llm.generate('the quick', SamplingParams(max_tokens=2))")
+    assert "ran" not in ip.user_ns and "ts" not in ip.user_ns and not list(tmp_path.iterdir())
+    assert llm.llm_engine.scheduler.step_count == 0
 
 
 def test_attach_magic_shows_the_attach_dashboard(ip):

@@ -228,6 +228,17 @@ def test_bad_dashboard_options_are_refused_by_name_and_attach_nothing(option, pa
     assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].finished
 
 
+def test_a_summary_trace_is_not_exported_and_nothing_is_written(tmp_path):
+    """The page shows the block views: a summary trace is refused by its level up front (the
+    error named block_tables, from inside the page's build)."""
+    llm = make_llm(**ENGINE)
+    with llm.record("summary") as trace:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="export_html needs a trace recorded at level 'blocks' or 'full'.*'summary'"):
+        export_html(trace, tmp_path / "page.html")
+    assert not (tmp_path / "page.html").exists()
+
+
 def test_a_summary_trace_replays_in_the_timeline_and_block_views_are_refused_by_name(tmp_path):
     """The level check reads the replayed trace's level (it read the ``level`` option, so a
     summary trace failed inside the pool view, naming pool_arrays)."""

@@ -94,6 +94,9 @@ def export_html(
                          f"slider position), got {max_steps!r}")
     if step is not None and not is_index(step):
         raise TypeError(f"step must be an integer (a recorded step; the nearest exported one is shown) or None, got {step!r}")
+    if trace.level == "summary":
+        raise ValueError("export_html needs a trace recorded at level 'blocks' or 'full' (the page shows the "
+                         "block views); this one is 'summary'")
     ids = trace.step_ids
     if not len(ids):
         raise ValueError("the trace has no recorded steps to export")
