@@ -85,7 +85,7 @@ class Subscriber:
         self._by_socket: dict[Any, Stream] = {}
         for s in streams:
             try:
-                self._connect(s, topic, hwm)
+                self._connect(s, hwm)
             except zmq.ZMQError as exc:  # an address ZMQ refuses, or too many sockets: none stay open
                 self._close_sockets()
                 raise ValueError(f"cannot subscribe to {s.name!r} at {s.endpoint!r} "
@@ -94,11 +94,11 @@ class Subscriber:
         self._thread = threading.Thread(target=self._run, name="kvscope-attach", daemon=True)
         self._thread.start()
 
-    def _connect(self, s: Stream, topic: str, hwm: int) -> None:
+    def _connect(self, s: Stream, hwm: int) -> None:
         zmq = self._zmq
         s.sub = self._ctx.socket(zmq.SUB)
         s.sub.setsockopt(zmq.RCVHWM, hwm)
-        s.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        s.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         s.sub.connect(s.endpoint)
         if s.replay_endpoint is not None:
             s.replay = self._ctx.socket(zmq.DEALER)
