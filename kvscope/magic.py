@@ -74,6 +74,11 @@ class KvscopeMagics(Magics):
             if args.html and not isinstance(source, Trace):
                 raise UsageError("%kvscope: --html exports a recorded Trace, and a live dashboard has recorded "
                                  "nothing yet: give it a Trace, or use it in cell mode (%%kvscope --html ...)")
+            live_only = [n for n in _LIVE_ONLY if getattr(args, n) != self.kvscope.parser.get_default(n)]
+            if isinstance(source, Trace) and live_only:
+                flags = ", ".join("--" + n.replace("_", "-") for n in live_only)
+                raise UsageError(f"%kvscope: {flags}: only with a live dashboard (an LLM, or demo); "
+                                 "a Trace replays what it recorded")
             dash = demo(**options) if source is None else Dashboard(source, **options)
         if args.out:
             self.shell.user_ns[args.out] = dash.trace
@@ -144,6 +149,7 @@ class KvscopeMagics(Magics):
 _QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
 _ATTACH_ONLY = ("topic", "replay", "metrics")
 _NOT_ATTACH = ("views", "level", "max_steps", "max_load", "html")
+_LIVE_ONLY = ("level", "max_steps", "interval", "max_load")  # what a replay of a Trace leaves unused
 
 
 def load_ipython_extension(ipython: Any) -> None:

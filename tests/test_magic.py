@@ -126,6 +126,20 @@ def test_options_that_do_not_fit_are_refused_before_anything_is_built(ip, tmp_pa
     assert set(ip.user_ns) == before and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("options", ["--level full", "--max-steps 5", "--interval 0.5", "--level summary --max-load 0.5"])
+def test_options_of_a_live_dashboard_are_refused_for_a_trace(ip, options):
+    """A Trace replays what it recorded: the recording level, ring buffer and update pacing it
+    took in silence are refused by name; its views still apply."""
+    llm = make_llm(num_kv_blocks=16, block_size=8)
+    with llm.record("blocks") as trace:
+        llm.generate("the quick brown fox", SamplingParams(max_tokens=3), use_tqdm=False)
+    ip.user_ns["tr"] = trace
+    flags = ", ".join(o for o in options.split() if o.startswith("--"))
+    with pytest.raises(UsageError, match=f"{re.escape(flags)}: only with a live dashboard"):
+        ip.run_line_magic("kvscope", f"tr {options}")
+    assert set(ip.run_line_magic("kvscope", "tr --views pool").views) == {"pool"}
+
+
 def test_a_cell_whose_export_cannot_be_made_is_refused_before_it_runs(ip, tmp_path):
     """``%%kvscope --level summary --html page``: the export needs the block views, so the
     magic refuses it before the cell runs (the cell ran, then the export failed)."""
