@@ -669,8 +669,9 @@ def test_a_save_with_a_step_launched_without_rows_loads_as_recorded(tmp_path):
 def test_a_path_that_is_no_trace_directory_is_refused_by_name(tmp_path):
     file = tmp_path / "trace.zip"
     file.write_bytes(b"PK")
-    for path, error in ((tmp_path / "nope", FileNotFoundError), (file, NotADirectoryError)):
-        with pytest.raises(error, match=f"^{re.escape(str(path))}: not a directory"):
+    for path, error, says in ((tmp_path / "nope", FileNotFoundError, "no such directory"),
+                              (file, NotADirectoryError, "not a directory")):
+        with pytest.raises(error, match=f"^{re.escape(str(path))}: {says}"):
             Trace.load(path)
     with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'meta.json'))}: missing"):
         Trace.load(tmp_path)

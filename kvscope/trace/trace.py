@@ -391,9 +391,10 @@ def _read_meta(path: Path) -> dict[str, Any]:
     (which size every replay) checked."""
     from kvscope.trace.recorder import LEVELS  # (the recorder imports this module)
 
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such directory; Trace.load takes the directory Trace.save wrote")
     if not path.is_dir():
-        raise (NotADirectoryError if path.exists() else FileNotFoundError)(
-            f"{path}: not a directory; Trace.load takes the directory Trace.save wrote")
+        raise NotADirectoryError(f"{path}: not a directory; Trace.load takes the directory Trace.save wrote")
     file = path / "meta.json"
     try:
         meta = json.loads(file.read_text())
