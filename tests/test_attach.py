@@ -561,6 +561,16 @@ def test_data_parallel_ranks_publish_on_port_plus_rank():
             p.close()
 
 
+def test_a_rank_whose_port_would_pass_65535_is_refused():
+    """ZMQ binds port 65536 + k as port k without a word: the publisher refuses the offset instead."""
+    from kvscope.attach.publisher import KVEventPublisher, offset_endpoint
+
+    assert offset_endpoint("tcp://127.0.0.1:65534", 1) == "tcp://127.0.0.1:65535"
+    with pytest.raises(ValueError, match=r"'tcp://127.0.0.1:65535' offset by data_parallel_rank=3 is port 65538, "
+                                         r"past 65535"):
+        KVEventPublisher("tcp://127.0.0.1:65535", topic="kv-events", data_parallel_rank=3, bind=True)
+
+
 def _publish_until(pubs, att) -> bool:
     for r, p in enumerate(pubs):
         if not att.block_hashes(f"dep/dp{r}"):

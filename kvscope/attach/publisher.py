@@ -13,13 +13,16 @@ import time
 from collections import deque
 from typing import Any
 
+from kvscope.attach import MAX_PORT
 from kvscope.attach._deps import require
 from kvscope.attach.wire import END_SEQ, Codec, cleared, removed, seq_bytes, stored
 from kvscope.trace.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """vLLM's rule: rank r publishes on the endpoint's port + r (``inproc://x`` gets ``_dp<r>``)."""
+    """vLLM's rule: rank r publishes on the endpoint's port + r (``inproc://x`` gets ``_dp<r>``).
+
+    The sum must stay a port: ZMQ takes 65536 and up without a word, modulo 65536."""
     if not endpoint or data_parallel_rank == 0:
         return endpoint
     if endpoint.startswith("inproc://"):
@@ -29,7 +32,11 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         raise ValueError(
             f"endpoint {endpoint!r} needs a numeric tcp port to offset by data_parallel_rank={data_parallel_rank}"
         )
-    return f"{base}:{int(port) + data_parallel_rank}"
+    offset = int(port) + data_parallel_rank
+    if offset > MAX_PORT:
+        raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
+                         f"past {MAX_PORT}")
+    return f"{base}:{offset}"
 
 
 def _binds(endpoint: str) -> bool:
