@@ -187,6 +187,7 @@ class LLM:
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
                 with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once the outputs are kept
+                    self._check_open()  # (another thread's shutdown() waits for a step, then lands here)
                     self._keep(engine.step())
         finally:
             if bar is not None:
@@ -214,6 +215,7 @@ class LLM:
         self._check_open()
         with self._lock, deferred_interrupts():
             with self._step_lock:
+                self._check_open()
                 outputs = self.llm_engine.step()
             self._keep(outputs)
             if interrupt_pending():  # the caller gets KeyboardInterrupt instead: the next step delivers them
@@ -305,13 +307,23 @@ class LLM:
             raise RuntimeError("this LLM was shut down; create a new LLM(...) to generate again")
 
     def shutdown(self) -> None:
-        self._shut_down = True
-        if getattr(self, "kv_events", None) is not None:
-            self.kv_events.close()
-            self.kv_events = None
-        executor = getattr(getattr(self, "llm_engine", None), "executor", None)
-        if executor is not None:
-            executor.shutdown()
+        """Release the weights, the KV pool and any workers now. From another thread while a
+        step runs, it waits for that step to end; the call stepping the engine then raises that
+        this LLM was shut down, as every later call does. From a hook inside a step it is
+        refused (the step would go on without its model); a ``step.end`` hook may call it."""
+        if self._step_lock.acquire(blocking=False):  # (free, or this thread's: then is it in a step?)
+            try:
+                if self.llm_engine.in_step:
+                    raise RuntimeError("LLM.shutdown was called from inside a kvscope hook while the engine was "
+                                       "in a step; call it from a step.end hook or once the call returns")
+            finally:
+                self._step_lock.release()
+        self._shut_down = True  # (first: a generate() in another thread stops at its next step)
+        with self._between_steps("LLM.shutdown"):
+            if self.kv_events is not None:
+                self.kv_events.close()
+                self.kv_events = None
+            self.llm_engine.executor.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -520,6 +520,56 @@ def test_threads_calling_generate_on_one_llm_run_one_after_another() -> None:
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("point", ["step.scheduled", "block.allocated", "step.end"])
+def test_shutdown_from_another_thread_mid_step_waits_for_the_step_and_generate_says_so(
+        point: str, async_scheduling: bool) -> None:
+    """``llm.shutdown()`` from another thread while ``generate`` is inside a step: the shutdown
+    waits for that step to end (it tore the model and pool down under the step, which then
+    failed with a NoneType error from inside the model), then ``generate`` raises that the LLM
+    was shut down, and every call after it says the same."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    fired, done, shut_mid_step = [0], threading.Event(), []
+    shut = threading.Thread(target=lambda: (llm.shutdown(), done.set()))
+
+    def hook(**_) -> None:
+        fired[0] += 1
+        if fired[0] == 3:
+            shut.start()
+            shut_mid_step.append(done.wait(0.3))  # (False: the shutdown waits for this step)
+
+    with llm.hooks({point: hook}), pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
+        llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    shut.join(10)
+    assert shut_mid_step == [False] and done.is_set()
+    for call in (lambda: llm.generate([[5, 6]], use_tqdm=False), llm.step):
+        with pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
+            call()
+
+
+@pytest.mark.parametrize("point", ["step.scheduled", "block.allocated", "step.end"])
+def test_shutdown_from_a_hook_is_refused_inside_a_step_and_works_from_step_end(point: str) -> None:
+    llm = make_llm(**CONFIG)
+    refused: list[Exception] = []
+
+    def hook(**_) -> None:
+        try:
+            llm.shutdown()
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    if point != "step.end":
+        with llm.hooks({point: hook}):
+            outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+        assert refused and all("inside a kvscope hook" in str(e) for e in refused)
+        assert token_ids(outs) == fresh_tokens(PROMPTS)
+        assert_healthy(llm)
+        return
+    with llm.hooks({point: hook}), pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
+        llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    assert not refused
+
+
 def test_two_llms_generating_in_two_threads_at_once_each_give_their_own_tokens() -> None:
     """Two engines of one process stepping at the same time (a notebook's background demo
     beside the user's ``LLM``): each forward pass reads its own step's attention metadata. The
