@@ -298,8 +298,11 @@ class LLM:
             self._step_lock.release()
 
     def check_invariants(self) -> None:
-        """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now."""
-        self.llm_engine.check_invariants()
+        """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now:
+        between two steps when another thread is stepping (half-way through a transition the
+        engine's tables disagree by design), at once from a hook."""
+        with self._between_steps("llm.check_invariants"):
+            self.llm_engine.check_invariants()
 
     def _check_open(self) -> None:
         """After ``shutdown()`` the weights and KV pool are gone: say so instead of failing inside."""

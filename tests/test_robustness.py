@@ -570,6 +570,34 @@ def test_shutdown_from_a_hook_is_refused_inside_a_step_and_works_from_step_end(p
     assert not refused
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_check_invariants_from_another_thread_reads_the_engine_between_steps(async_scheduling: bool) -> None:
+    """A notebook checks the invariants while a background generate runs: the check waits for
+    the step under way instead of reading the engine half-way through a transition (a block
+    twice in the free pool, a hash that did not map back: broken invariants that were not)."""
+    llm = make_llm(async_scheduling=async_scheduling, validate=False, **CONFIG)
+    stop, checks, errors = threading.Event(), [0], []
+
+    def check() -> None:
+        while not stop.is_set():
+            try:
+                llm.check_invariants()
+                checks[0] += 1
+            except Exception as exc:  # (an InvariantError, or a dict changed during iteration)
+                errors.append(exc)
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    try:
+        for _ in range(10):
+            assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+    finally:
+        stop.set()
+        checker.join()
+    assert not errors, errors[:3]
+    assert checks[0] > 0
+
+
 def test_two_llms_generating_in_two_threads_at_once_each_give_their_own_tokens() -> None:
     """Two engines of one process stepping at the same time (a notebook's background demo
     beside the user's ``LLM``): each forward pass reads its own step's attention metadata. The
