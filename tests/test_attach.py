@@ -570,6 +570,27 @@ def test_a_rank_whose_port_would_pass_65535_is_refused():
         KVEventPublisher("tcp://127.0.0.1:65535", topic="kv-events", data_parallel_rank=3, bind=True)
 
 
+def test_a_publisher_that_fails_to_bind_leaves_no_port_bound():
+    """The replay port is taken: the publisher fails, and its live port is free for the retry at once
+    (a notebook keeps the failed call's frames, so nothing would close it)."""
+    from kvscope.attach.publisher import KVEventPublisher
+
+    ctx = zmq.Context.instance()
+    taken, probe = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    taken_port, port = taken.bind_to_random_port("tcp://127.0.0.1"), probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    try:
+        with pytest.raises(zmq.ZMQError, match="Address already in use") as err:
+            KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{taken_port}", bind=True)
+        with pytest.raises(ValueError, match="past 65535") as err_offset:
+            KVEventPublisher(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:65535", data_parallel_rank=1, bind=True)
+        with KVEventPublisher(f"tcp://127.0.0.1:{port}", bind=True) as retry:
+            assert retry.endpoint == f"tcp://127.0.0.1:{port}"
+        assert err.value is not None and err_offset.value is not None
+    finally:
+        taken.close(linger=0)
+
+
 def _publish_until(pubs, att) -> bool:
     for r, p in enumerate(pubs):
         if not att.block_hashes(f"dep/dp{r}"):

@@ -58,30 +58,36 @@ class KVEventPublisher:
         self._codec = Codec()
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        endpoint = offset_endpoint(endpoint, data_parallel_rank)
-        if _binds(endpoint) if bind is None else bind:
-            self._pub.bind(endpoint)
-            endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._pub.connect(endpoint)
-        self.endpoint = endpoint
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._seq = 0
         self._stop = threading.Event()
         self.replay_endpoint = None
         self._thread = None
-        if replay_endpoint is not None:
-            self._router = self._ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            # a ROUTER drops what a peer's queue cannot hold: room for one whole answer and its end
-            self._router.setsockopt(zmq.SNDHWM, buffer_steps + 1)
-            self._router.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
-            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ctx = zmq.Context()
+        self._pub = self._router = None
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            endpoint = offset_endpoint(endpoint, data_parallel_rank)
+            if _binds(endpoint) if bind is None else bind:
+                self._pub.bind(endpoint)
+                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            self.endpoint = endpoint
+            if replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                # a ROUTER drops what a peer's queue cannot hold: room for one whole answer and its end
+                self._router.setsockopt(zmq.SNDHWM, buffer_steps + 1)
+                self._router.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except Exception:  # a port in use, an address refused: unbind the rest, so that a retry can have it
+            self._close_sockets()
+            raise
+        if self._router is not None:
             self._thread = threading.Thread(target=self._serve_replay, name="kvscope-kv-replay", daemon=True)
             self._thread.start()
 
@@ -125,8 +131,12 @@ class KVEventPublisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
-            self._router.close(linger=0)
-        self._pub.close(linger=0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._router, self._pub):
+            if sock is not None:
+                sock.close(linger=0)
         self._ctx.term()
 
     def __enter__(self) -> "KVEventPublisher":
