@@ -507,8 +507,13 @@ def test_a_trace_round_trips_the_rows_of_a_step_rolled_back_after_a_failed_launc
 
 
 def test_a_trace_saved_without_launches_is_refused_clearly(run, tmp_path):
+    """Saved before launches were recorded (and so before checksums.json): record it again. A
+    save that has checksums.json lost the file: it is missing."""
     path = run.blocks.save(tmp_path / "old")
-    (path / "launches.parquet").unlink()  # as saved before launches were recorded
+    (path / "launches.parquet").unlink()
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path / 'launches.parquet'))}: missing"):
+        Trace.load(path)
+    (path / "checksums.json").unlink()
     with pytest.raises(ValueError, match="no launches.parquet.*record it again"):
         Trace.load(path)
 

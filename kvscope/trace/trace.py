@@ -27,7 +27,7 @@ from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.snapshots import SnapshotCursor
-from kvscope.trace.verify import check_checksums, check_frames, check_replay, check_tokens, write_checksums
+from kvscope.trace.verify import CHECKSUMS, check_checksums, check_frames, check_replay, check_tokens, write_checksums
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
     pool_frames, queues_frame, read_baseline, read_frame, records_from_frames, scheduled_frame, steps_frame,
@@ -288,7 +288,7 @@ class Trace:
         if level == "summary":
             check_frames(path, {"steps": steps}, meta["num_blocks"])
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
-        if not (path / "launches.parquet").exists():
+        if not (path / "launches.parquet").exists() and not (path / CHECKSUMS).exists():  # (else: a file lost)
             raise ValueError(f"{path}: no launches.parquet; a {level!r} trace saved before kvscope kept "
                              "async scheduling on under block-level recording cannot be loaded: record it again")
         names = ("scheduled", "block_events", "queues", "launches", "baseline_tables", "tokens") + \
