@@ -826,6 +826,20 @@ def test_bad_addresses_and_limits_name_the_argument():
         xpub.close(linger=0)
 
 
+def test_endpoints_of_the_wrong_shape_name_the_argument():
+    """A nested list, bytes (a sequence of ints) or a name that is not a string are refused by name,
+    not with an unhashable-type error, a list of ints, or an instance no table lookup can find."""
+    ok = "tcp://127.0.0.1:1"
+    for kwargs, message in (
+        (dict(endpoints=[[ok]]), r"endpoints must be an address, a non-empty list of them"),
+        (dict(endpoints=ok.encode()), r"endpoints must be an address, a non-empty list of them"),
+        (dict(endpoints={5: ok}), r"endpoints must map names \(strings\) to address strings"),
+        (dict(endpoints=ok, replay_endpoints=b"tcp://127.0.0.1:2"), r"replay_endpoints must be an address, a list"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            kvscope.attach(**kwargs)
+
+
 def test_block_hashes_of_an_instance_not_attached_names_the_instances():
     with publisher() as pub:
         att = attach_to(pub)

@@ -80,19 +80,25 @@ def attach(
 
 
 def _by_name(value: Endpoints, arg: str) -> dict[str, str]:
+    """``value`` as ``{name: address}``; names are strings, since tables and views show them."""
     if isinstance(value, str):
         value = [value]
     if isinstance(value, Mapping):
         out = dict(value)
-    elif isinstance(value, Sequence) and value:
+    elif _is_list(value) and value and all(isinstance(v, str) for v in value):
         out = {_short(v): v for v in value}
         if len(out) != len(value):
             raise ValueError(f"{arg} lists the same address twice: {list(value)}")
     else:
         raise ValueError(f"{arg} must be an address, a non-empty list of them, or a dict name -> address; got {value!r}")
-    if not out or not all(isinstance(v, str) for v in out.values()):
-        raise ValueError(f"{arg} must map names to address strings, got {value!r}")
+    if not out or not all(isinstance(k, str) and isinstance(v, str) for k, v in out.items()):
+        raise ValueError(f"{arg} must map names (strings) to address strings, got {value!r}")
     return out
+
+
+def _is_list(value: object) -> bool:
+    """A list or tuple of entries; bytes are a Sequence too, of ints, and would pass for one."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
 
 
 def _check_address(arg: str, address: object, data_parallel_size: int) -> None:
@@ -115,7 +121,7 @@ def _matched(value: Endpoints | None, named: dict[str, str], arg: str) -> dict[s
         return {}
     if isinstance(value, str):
         value = [value]
-    if not isinstance(value, (Mapping, Sequence)):
+    if not (isinstance(value, Mapping) or _is_list(value)):
         raise ValueError(f"{arg} must be an address, a list of them or a dict name -> address; got {value!r}")
     if isinstance(value, Mapping):
         unknown = set(value) - set(named)
@@ -129,7 +135,7 @@ def _matched(value: Endpoints | None, named: dict[str, str], arg: str) -> dict[s
 
 def _short(address: str) -> str:
     """``tcp://host:5557`` -> ``host:5557``: the instance's default name."""
-    return address.split("://", 1)[-1] if isinstance(address, str) else address
+    return address.split("://", 1)[-1]
 
 
 class _CallableModule(types.ModuleType):
