@@ -805,6 +805,7 @@ def test_bad_addresses_and_limits_name_the_argument():
          r"metrics_urls\['127.0.0.1:1'\] must be a URL starting with http:// or https://"),
         (dict(endpoints=ok, metrics_urls=[8000]), r"metrics_urls\['127.0.0.1:1'\] must be a URL"),
         (dict(endpoints=ok, hwm=2**31), r"hwm must be an integer in 1..2147483647"),
+        (dict(endpoints=ok, max_events=2**63), rf"max_events must be an integer in 1..{sys.maxsize}"),
         (dict(endpoints=ok, data_parallel_size=70_000), r"data_parallel_size must be an integer in 1..65535"),
         (dict(endpoints=ok, replay_timeout=1e300), r"replay_timeout must be a finite number of seconds > 0 and <= 86400"),
         (dict(endpoints=ok, metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=1e12),

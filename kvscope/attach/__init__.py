@@ -51,7 +51,8 @@ def attach(
 
     for arg, value in (("data_parallel_size", data_parallel_size), ("hwm", hwm), ("max_events", max_events)):
         check_int(arg, value)
-    for arg, value, limit in (("data_parallel_size", data_parallel_size, MAX_PORT), ("hwm", hwm, MAX_HWM)):
+    for arg, value, limit in (("data_parallel_size", data_parallel_size, MAX_PORT), ("hwm", hwm, MAX_HWM),
+                              ("max_events", max_events, sys.maxsize)):  # (a deque's maxlen is a C ssize_t)
         if value > limit:
             raise ValueError(f"{arg} must be an integer in 1..{limit}, got {value!r}")
     for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
