@@ -32,7 +32,7 @@ from kvscope.attach.wire import END_SEQ, Batch, Codec, WireError, seq_bytes, spl
 
 FAULTS: tuple[str, ...] = (
     "bad_msgpack",        # a payload that is not a msgpack KVEventBatch (the batch is skipped)
-    "unknown_tag",        # an event whose tag is not BlockStored / BlockRemoved / AllBlocksCleared, or a field's type is wrong
+    "unknown_tag",        # an event tagged other than BlockStored / BlockRemoved / AllBlocksCleared, or mistyped
     "missing_frames",     # a message without exactly [topic, 8-byte seq, payload]
     "gaps",               # sequence skips seen on the live socket
     "missed_batches",     # batches those skips left out
