@@ -302,6 +302,24 @@ def test_close_while_a_replay_waits_twice_and_from_a_listener():
         assert errors == [] and att.block_hashes("p0") == {1}
 
 
+def test_close_does_not_wait_for_a_listener_longer_than_its_bound():
+    """A listener that would take 10 s holds close() a bounded while, not as long
+    as the replay timeout allows; the subscriber thread closes its sockets once the listener returns."""
+    with publisher() as pub:
+        att = attach_to(pub, replay_timeout=60.0)
+        busy, release = threading.Event(), threading.Event()
+        att.add_listener(lambda name, seq: busy.set() or release.wait(10.0))
+        try:
+            pub.publish([stored([1], None, [1, 2], 2)])
+            assert busy.wait(5.0), "the listener runs"
+            start = time.monotonic()
+            att.close()
+            assert time.monotonic() - start < 4.0
+        finally:
+            release.set()
+        wait_for(lambda: not att._subscriber._thread.is_alive(), timeout=5, what="the thread to end")
+
+
 def test_gaps_are_recovered_through_replay():
     with publisher() as pub:
         att = attach_to(pub)

@@ -44,6 +44,7 @@ FAULTS: tuple[str, ...] = (
 )
 
 _POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
+_CLOSE_WAIT_S = 2.0  # how long close() waits for a listener to return (the thread then closes its sockets itself)
 
 
 @dataclass
@@ -112,11 +113,12 @@ class Subscriber:
     def close(self) -> None:
         """Stop the thread, which closes the sockets itself (ZMQ sockets are not thread-safe).
 
-        Waits for it (a pending replay gives up at once), except from the thread itself (a
-        listener): the sockets close once the listener returns. Closing twice is harmless."""
+        Waits for it (a pending replay gives up at once; a listener still running, a bounded
+        while), except from the thread itself (a listener): the sockets close once the listener
+        returns. Closing twice is harmless."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self.replay_timeout + 2.0)
+            self._thread.join(timeout=_CLOSE_WAIT_S)
 
     # ------------------------------------------------------------ the thread
     def _run(self) -> None:
