@@ -649,6 +649,11 @@ def test_an_edit_the_tables_cannot_show_is_refused_by_the_checksums(run, tmp_pat
     (path / "checksums.json").write_text(json.dumps({"sha256": {"meta.json": "0" * 64}}))
     with pytest.raises(ValueError, match=f"^{re.escape(str(meta))}: its SHA-256"):
         Trace.load(path)
+    outside = tmp_path / "outside.txt"  # (a file beside the save: its digest must never be read)
+    outside.write_text("x")
+    (path / "checksums.json").write_text(json.dumps({"sha256": {"../outside.txt": "0" * 64}}))
+    with pytest.raises(ValueError, match=r"lists '\.\./outside\.txt', which is not a file name of the save"):
+        Trace.load(path)
 
 
 def test_a_save_with_a_step_launched_without_rows_loads_as_recorded(tmp_path):

@@ -45,6 +45,8 @@ def check_checksums(path: Path) -> None:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{file}: not the checksums Trace.save writes ({e!r})") from None
     for name, digest in items:
+        if name in ("", ".", "..") or Path(name).name != name:  # (a path would read a file outside the save)
+            raise ValueError(f"{file}: lists {name!r}, which is not a file name of the save")
         if not (path / name).is_file():
             _refuse(path / name, f"missing, though {CHECKSUMS} lists it")
         if _sha256(path / name) != digest:
