@@ -19,11 +19,10 @@ from kvscope.runner.model_runner import kv_block_bytes, resolve_device, resolve_
 def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
     """Raise ValueError naming the setting if the pool it asks for exceeds the device's total memory.
 
-    (On CUDA an unset ``num_kv_blocks`` is sized from free memory, so only an explicit one is checked.)
+    (On CUDA an unset ``num_kv_blocks`` is sized from free memory: only its one block at least,
+    set by ``block_size``, is checked.)
     """
     device = resolve_device(config)
-    if config.num_kv_blocks is None and device.type == "cuda":
-        return
     # Over all ranks' shards together (a rank count that does not divide the KV heads is the
     # model's to refuse, by name, when it is built).
     kv_dtype = resolve_kv_cache_dtype(config, resolve_dtype(config, hf_config, device))
@@ -31,6 +30,9 @@ def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
     tp = config.tensor_parallel_size
     if config.num_kv_blocks is not None:
         setting, need = f"num_kv_blocks={config.num_kv_blocks}", config.num_kv_blocks * block_bytes
+    elif device.type == "cuda" or block_bytes > config.kv_cache_memory_bytes:
+        # sized from free memory, or from a byte budget smaller than a block: one block at least
+        setting, need = f"block_size={config.block_size}", block_bytes * tp
     else:  # the CPU pool: each rank fills this byte budget
         setting, need = f"kv_cache_memory_bytes={config.kv_cache_memory_bytes}", config.kv_cache_memory_bytes * tp
     if device.type == "cuda":  # one shard per GPU

@@ -218,6 +218,9 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "seed=10**30": (dict(seed=10**30), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
     "num_kv_blocks=10**9": (dict(num_kv_blocks=10**9), ValueError,
                             r"num_kv_blocks=1000000000 needs .* GiB of KV cache .* more than"),
+    # (a budget below one block still holds one: a block of 10**11 slots asked for hundreds of TiB)
+    "block_size=10**11": (dict(block_size=10**11), ValueError,
+                          r"^block_size=100000000000 needs .* GiB of KV cache .* more than .*; lower block_size"),
     "kv_cache_memory_bytes=2**60": (dict(kv_cache_memory_bytes=2**60, device="cpu"), ValueError,
                                     rf"kv_cache_memory_bytes={2**60} needs .* GiB of KV cache .* more than"),
     "gpu_memory_utilization='abc'": (dict(gpu_memory_utilization="abc"), ValueError,
