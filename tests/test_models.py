@@ -8,6 +8,7 @@ and the torch attention backend's use of the cache.
 from __future__ import annotations
 
 import copy
+import re
 import random
 import types
 from pathlib import Path
@@ -178,6 +179,21 @@ def test_loader_names_missing_and_unexpected_tensors(tmp_path: Path) -> None:
     tensors["model.rotary_emb.inv_freq"] = torch.zeros(8)  # old checkpoints carry this: ignored
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointMismatchError, match=r"model\.layers\.0\.mlp\.extra_proj\.weight"):
+        load_weights(model, tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_loader_names_a_damaged_safetensors_file(tmp_path: Path, damage: str) -> None:
+    """A download cut short, or a file that is not safetensors: the error names the file (a
+    bare SafetensorError from the reader before); the whole file still loads."""
+    src = tiny_checkpoint("qwen3")
+    data = (src / "model.safetensors").read_bytes()
+    model = build_model(_config(src), dtype=torch.float32, device="cpu")
+    (tmp_path / "model.safetensors").write_bytes(data)
+    load_weights(model, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2] if damage == "cut" else b"not safetensors")
+    with pytest.raises(CheckpointMismatchError, match=rf"^{re.escape(str(tmp_path / 'model.safetensors'))} is not a whole "
+                                                      r"safetensors file"):
         load_weights(model, tmp_path)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from collections.abc import Hashable
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvscope.layers.sharding import default_weight_loader
@@ -62,25 +62,34 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
                 for sid in getattr(p, "shard_ids", (None,))}
     loaded: set[tuple[str, Hashable]] = set()
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as st:
-            for ckpt_name in st.keys():
-                if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
-                    continue
-                name, shard_id = _to_param_name(ckpt_name, mapping)
-                if name not in params:
-                    raise CheckpointMismatchError(
-                        f"unexpected checkpoint tensor {ckpt_name!r} in {file.name}: "
-                        f"the model has no parameter {name!r}")
-                if (name, shard_id) in loaded:
-                    raise CheckpointMismatchError(f"checkpoint tensor {ckpt_name!r} appears twice")
-                param = params[name]
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                try:
-                    loader(param, st.get_slice(ckpt_name), shard_id)
-                except ValueError as e:
-                    raise CheckpointMismatchError(f"{ckpt_name}: {e}") from e
-                loaded.add((name, shard_id))
+        try:
+            _load_file(file, params, mapping, tied, loaded)
+        except SafetensorError as e:  # (a cut download, or not safetensors at all)
+            raise CheckpointMismatchError(f"{file} is not a whole safetensors file: {e}") from e
     missing = sorted(_to_ckpt_name(n, s, mapping) for n, s in expected - loaded)
     if missing:
         raise CheckpointMismatchError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s): "
                                       f"{', '.join(missing)}")
+
+
+def _load_file(file: Path, params: dict[str, nn.Parameter], mapping: dict, tied: bool,
+               loaded: set[tuple[str, Hashable]]) -> None:
+    """Load one safetensors file's tensors into ``params``, adding what it filled to ``loaded``."""
+    with safe_open(str(file), framework="pt", device="cpu") as st:
+        for ckpt_name in st.keys():
+            if ckpt_name.endswith(IGNORED_SUFFIXES) or (tied and ckpt_name == "lm_head.weight"):
+                continue
+            name, shard_id = _to_param_name(ckpt_name, mapping)
+            if name not in params:
+                raise CheckpointMismatchError(
+                    f"unexpected checkpoint tensor {ckpt_name!r} in {file.name}: "
+                    f"the model has no parameter {name!r}")
+            if (name, shard_id) in loaded:
+                raise CheckpointMismatchError(f"checkpoint tensor {ckpt_name!r} appears twice")
+            param = params[name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, st.get_slice(ckpt_name), shard_id)
+            except ValueError as e:
+                raise CheckpointMismatchError(f"{ckpt_name}: {e}") from e
+            loaded.add((name, shard_id))
