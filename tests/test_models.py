@@ -8,8 +8,8 @@ and the torch attention backend's use of the cache.
 from __future__ import annotations
 
 import copy
-import re
 import random
+import re
 import types
 from pathlib import Path
 
