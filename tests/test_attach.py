@@ -424,6 +424,35 @@ def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
         router.close(linger=0)
 
 
+def test_a_stream_left_unread_while_another_replays_is_not_probed():
+    """One publisher's gaps wait on a replay socket that never answers, two seconds in all; the
+    other's batches meanwhile wait unread. It lost nothing: no gap, replay or duplicate shows."""
+    ctx = zmq.Context.instance()
+    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
+    with publisher() as good:
+        att = kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint}, topic="kv-events",
+                             replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
+                             replay_timeout=0.5)
+        try:
+            wait_for(lambda: _probe(raw, att), what="subscription")
+            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
+            for seq in (2, 4, 6, 8):  # four gaps, half a second each
+                raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
+            time.sleep(0.2)  # the thread is in the first of those replays, so what follows waits unread
+            for i in range(1, 21):
+                last = good.publish([stored([i], None, [1, 2], 2)])
+                time.sleep(0.05)
+            wait_for(applied(att, "good", last), timeout=10, what="the good publisher's batches")
+            f = att.faults.set_index("instance").loc["good"]
+            assert (f.gaps, f.replayed_batches, f.duplicate_batches) == (0, 0, 0)
+            assert att.block_hashes("good") == set(range(21))
+        finally:
+            att.close()
+            raw.close(linger=0)
+            mute.close(linger=0)
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

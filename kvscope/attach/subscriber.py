@@ -143,7 +143,8 @@ class Subscriber:
             for s in self.streams:
                 if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
                     s.heard = now
-                    self._probe_tail(s)
+                    if not s.sub.poll(0):  # batches waiting: not quiet, only unread while another stream replayed
+                        self._probe_tail(s)
             for sock, _ in self._poller.poll(_POLL_MS):
                 s = self._by_socket[sock]
                 if sock is s.monitor:
