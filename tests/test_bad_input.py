@@ -252,14 +252,16 @@ def test_a_model_that_is_not_a_path_is_refused_by_name() -> None:
         LLM(123, device="cpu")
 
 
-def test_a_huge_max_num_seqs_is_a_bound_not_an_allocation() -> None:
-    """vLLM users pass a large ``max_num_seqs`` to mean "no limit": the runner's per-request rows
-    grow with the requests it holds instead of being allocated for the bound (which failed with
-    numpy's MemoryError after the weights loaded). More requests run than one step can hold, so
-    the rows grow past what a step needs; the tokens equal a run with a small bound."""
+@pytest.mark.parametrize("budget", [8, 10**12])
+def test_a_huge_max_num_seqs_is_a_bound_not_an_allocation(budget: int) -> None:
+    """vLLM users pass a large ``max_num_seqs`` (and token budget) to mean "no limit": the
+    runner's per-request rows grow with the requests it holds instead of being allocated for the
+    bound (which failed with numpy's MemoryError after the weights loaded). With a budget of 8,
+    more requests run than one step can hold, so the rows grow past what a step needs; the
+    tokens equal a run with small bounds."""
     prompts = [[5 + i, 6, 7, 8 + i][: 2 + i % 3] for i in range(12)]
     bounded = make_llm(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=12)
-    huge = make_llm(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=10**12)
+    huge = make_llm(num_kv_blocks=64, max_num_batched_tokens=budget, max_num_seqs=10**12)
     want = token_ids(bounded.generate(prompts, greedy(5), use_tqdm=False))
     assert token_ids(huge.generate(prompts, greedy(5), use_tqdm=False)) == want
 

@@ -347,6 +347,16 @@ def test_a_pool_sized_at_full_memory_leaves_room_for_sampling_every_row(tmp_path
     llm.shutdown()
 
 
+def test_a_largest_step_past_gpu_memory_is_refused_by_name(checkpoint):
+    """Token budget and max_num_seqs both meant as "no limit": the start-up profile of the
+    largest step they allow cannot run, and the error names them (torch's or numpy's bare
+    out-of-memory error before)."""
+    with pytest.raises(ValueError, match=r"^the largest step max_num_batched_tokens=100000000 and "
+                                         r"max_num_seqs=100000000 allow .* does not fit"):
+        LLM(checkpoint, device="cuda", attention_backend="triton", max_num_batched_tokens=10**8,
+            max_num_seqs=10**8)
+
+
 @pytest.mark.parametrize("variant", [
     dict(enable_prefix_caching=True),
     dict(enable_prefix_caching=True, max_num_batched_tokens=64),

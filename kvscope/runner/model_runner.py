@@ -37,6 +37,7 @@ from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _FALLBACK = SamplingParams(temperature=0)  # stands in for a row whose own parameters fail
+INITIAL_ROWS = 256  # the host arrays' rows at start (they grow with the requests held)
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -114,10 +115,11 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.block_size = config.block_size
         self.vocab_size = hf_config.vocab_size
-        # The most sequences one step schedules (each has at least one token): what the step-sized
-        # buffers, warm-ups and graphs are built for. max_num_seqs alone may be a bound far
-        # above anything held ("no limit"); the per-request rows grow with the requests instead.
+        # The most sequences one step schedules (each has at least one token): what the start-up
+        # warm-ups are run for. Both bounds may be far above anything held ("no limit"): the
+        # host arrays per request or row start small and grow with what the steps hold.
         self.max_rows = min(config.max_num_seqs, config.max_num_batched_tokens)
+        rows = min(self.max_rows, INITIAL_ROWS)
         self.cpu_threads = resolve_cpu_threads(config, hf_config) if self.device.type == "cpu" else None
         torch.manual_seed(config.seed)
         if self.device.type == "cuda":
@@ -148,17 +150,17 @@ class ModelRunner:
         self._staging: list[tuple[torch.Tensor, np.ndarray] | None] = [None, None]
         self._upload_done = [torch.cuda.Event(), torch.cuda.Event()] if self.device.type == "cuda" else None
         self._uploads = 0
-        self.block_tables = BlockTables(capacity=self.max_rows)
+        self.block_tables = BlockTables(capacity=rows)
         # The last step's sampled tokens on the device, and (per BlockTables row) each sampling
         # sequence's row in them, -1 for the others: async scheduling's placeholder tokens are
         # read from there.
         self._last_sample: torch.Tensor | None = None
-        self._sample_row = np.full(self.max_rows, -1, dtype=np.int64)
+        self._sample_row = np.full(rows, -1, dtype=np.int64)
         self._sampled_rows: np.ndarray | None = None  # the table_rows the last step sampled, all of them
         # The sampling parameters of the rows array they were built for (a launch that failed
         # after building them left _sampled_rows as it was: they belong together only by identity).
         self._sampled_params: tuple[np.ndarray, list[SamplingParams]] | None = None
-        self._row_numbers = np.arange(self.max_rows)
+        self._row_numbers = np.arange(rows)
         # The last step's table rows and starts, when it ran a decode graph: a steady step
         # after it moves that graph's inputs on (_advance).
         self._graph_step: tuple[np.ndarray, np.ndarray] | None = None
@@ -169,7 +171,7 @@ class ModelRunner:
             # One rank samples: with tensor parallelism the draw stays out of the graphs.
             head = None
             if tp_size == 1 and self.sampler.kernels is not None and cuda_graphs.CAPTURE_DRAW:
-                self.sampler.enable_captured_draws(self.max_rows)
+                self.sampler.enable_captured_draws(min(self.max_rows, cuda_graphs.BUCKETS[-1]))
                 head = self._head
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(
@@ -185,7 +187,14 @@ class ModelRunner:
         block_bytes = kv_block_bytes(self.hf_config, tp_size, self.block_size, self.kv_cache_dtype)
         if self.device.type != "cuda":
             return max(1, self.config.kv_cache_memory_bytes // block_bytes)
-        self._warm_up()
+        try:
+            self._warm_up()
+        except (torch.OutOfMemoryError, MemoryError) as e:  # (host arrays of an absurd step, too)
+            c = self.config
+            raise ValueError(
+                f"the largest step max_num_batched_tokens={c.max_num_batched_tokens} and max_num_seqs="
+                f"{c.max_num_seqs} allow (its forward and the sampler on {self.max_rows} rows) does not fit in "
+                f"{self.device}'s memory beside the weights, before any KV cache; lower them") from e
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
