@@ -189,12 +189,16 @@ class ModelRunner:
             return max(1, self.config.kv_cache_memory_bytes // block_bytes)
         try:
             self._warm_up()
+            short = None
         except (torch.OutOfMemoryError, MemoryError) as e:  # (host arrays of an absurd step, too)
+            short = str(e).splitlines()[0]  # (not the error: its frames hold the step's tensors)
+        if short is not None:
+            torch.cuda.empty_cache()
             c = self.config
             raise ValueError(
                 f"the largest step max_num_batched_tokens={c.max_num_batched_tokens} and max_num_seqs="
                 f"{c.max_num_seqs} allow (its forward and the sampler on {self.max_rows} rows) does not fit in "
-                f"{self.device}'s memory beside the weights, before any KV cache; lower them") from e
+                f"{self.device}'s memory beside the weights, before any KV cache; lower them ({short})")
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
