@@ -43,3 +43,13 @@ def check_seed(name: str, value: Any) -> int:
     if not is_int(value) or not -(2**63) <= value < 2**64:
         raise ValueError(f"{name} must be an integer in [-2**63, 2**64) (torch's generator range), got {value!r}")
     return value
+
+
+MAX_PORT = 65535  # the largest tcp port (ZMQ takes more without a word, modulo 65536)
+
+
+def tcp_port(address: str) -> int | None:
+    """The port of a ``tcp://host:port`` address, or None without a host or a decimal port
+    (``*``, ZMQ's any port, too): what the KV-event config, the publisher and ``attach`` check."""
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    return int(port) if host and port.isdecimal() else None

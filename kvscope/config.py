@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvscope.arg_checks import check_int, check_seed, is_finite_number
+from kvscope.arg_checks import MAX_PORT, check_int, check_seed, is_finite_number, tcp_port
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -166,9 +166,11 @@ class KVEventsConfig:
                 raise ValueError(
                     f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
                 )
-            port = value.rpartition(":")[2] if value is not None and value.startswith("tcp://") else "*"
-            if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):  # (ZMQ took 99999 without a word)
-                raise ValueError(f"kv_events_config.{name} needs a tcp port in 1..65535 (or *), got {value!r}")
+            if value is None or not value.startswith("tcp://") or value.endswith(":*"):
+                continue
+            port = tcp_port(value)
+            if port is None or not 1 <= port <= MAX_PORT:  # (ZMQ took 99999 without a word)
+                raise ValueError(f"kv_events_config.{name} needs a tcp port in 1..{MAX_PORT} (or *), got {value!r}")
         if not isinstance(self.topic, str):
             raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
 

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-from kvscope.arg_checks import check_int, is_finite_number
+from kvscope.arg_checks import MAX_PORT, check_int, is_finite_number, tcp_port
 
 if TYPE_CHECKING:
     from kvscope.attach.attached import Attached
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 Endpoints = Union[str, Sequence[str], Mapping[str, str]]
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _URL_SCHEMES = ("http://", "https://")
-MAX_PORT = 65535
 MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
 
@@ -109,9 +108,9 @@ def _check_address(arg: str, address: object, data_parallel_size: int) -> None:
         raise ValueError(f"{arg} must start with one of {', '.join(_SCHEMES)}, got {address!r}")
     if not address.startswith("tcp://"):
         return
-    host, _, port = address[len("tcp://"):].rpartition(":")
+    port = tcp_port(address)
     last = MAX_PORT - data_parallel_size + 1
-    if not host or not port.isdecimal() or not 1 <= int(port) <= last:
+    if port is None or not 1 <= port <= last:
         raise ValueError(f"{arg} must be tcp://host:port with a port in 1..{last} "
                          f"(data_parallel_size={data_parallel_size} ranks from it), got {address!r}")
 

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
-from kvscope.attach import MAX_PORT
+from kvscope.arg_checks import MAX_PORT, tcp_port
 from kvscope.attach._deps import require
 from kvscope.attach.wire import END_SEQ, Codec, cleared, removed, seq_bytes, stored
 from kvscope.trace.events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -27,16 +27,16 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         return endpoint
     if endpoint.startswith("inproc://"):
         return f"{endpoint}_dp{data_parallel_rank}"
-    base, _, port = endpoint.rpartition(":")
-    if not endpoint.startswith("tcp://") or not port.isdigit():
+    port = tcp_port(endpoint) if endpoint.startswith("tcp://") else None
+    if port is None:
         raise ValueError(
             f"endpoint {endpoint!r} needs a numeric tcp port to offset by data_parallel_rank={data_parallel_rank}"
         )
-    offset = int(port) + data_parallel_rank
+    offset = port + data_parallel_rank
     if offset > MAX_PORT:
         raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
                          f"past {MAX_PORT}")
-    return f"{base}:{offset}"
+    return f"{endpoint.rpartition(':')[0]}:{offset}"
 
 
 def _binds(endpoint: str) -> bool:
