@@ -1,8 +1,9 @@
 """Loopback publishers and waiting helpers for the attach tests (every wait has a timeout)."""
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 LOOPBACK = "tcp://127.0.0.1:*"  # a free port on loopback, bound by the publisher
 
@@ -40,3 +41,32 @@ def applied(att, name: str, seq: int) -> Callable[[], bool]:
     """True once batch ``seq`` of ``name`` has been applied (the stream expects the next one)."""
     stream = next(s for s in att.streams if s.name == name)
     return lambda: stream.next_seq is not None and stream.next_seq > seq
+
+
+@contextlib.contextmanager
+def raw_stream(**kw) -> Iterator[tuple]:
+    """A bare ZMQ PUB socket on loopback (the test writes every frame itself, well formed or not)
+    and ``kvscope.attach`` subscribed to it, the subscription live (an empty batch 0 arrived)."""
+    import zmq
+
+    import kvscope
+
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    kw.setdefault("replay_timeout", 0.2)
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", **kw)
+    try:
+        wait_for(lambda: probed(raw, att), what="subscription")
+        yield raw, att
+    finally:
+        att.close()
+        raw.close(linger=0)
+
+
+def probed(raw, att, stream: int = 0) -> bool:
+    """Send an empty batch 0 on ``raw``; True once stream ``stream`` of ``att`` has it (its
+    subscription is then live)."""
+    from kvscope.attach.wire import Codec, seq_bytes
+
+    raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])
+    return att.streams[stream].next_seq == 1

@@ -14,7 +14,7 @@ pytest.importorskip("zmq")
 pd = pytest.importorskip("pandas")
 
 import zmq  # noqa: E402
-from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
+from attach_helpers import applied, attach_to, probed, publisher, raw_stream, wait_for  # noqa: E402
 
 import kvscope  # noqa: E402
 from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
@@ -137,12 +137,7 @@ def test_malformed_payloads_are_wire_errors():
 # ----------------------------------------------------------------------------- faults
 def test_faults_are_counted_not_raised():
     """Bad msgpack, an unknown tag and missing frames are each counted; good batches around them apply."""
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
-    try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+    with raw_stream() as (raw, att):
         good = Codec().encode(1.0, [stored([1], None, [1, 2], 2), {"type": "BlockMoved", "x": 1}], 0)
         for frames in ([b"kv-events", seq_bytes(1), b"\xc1"],           # bad msgpack
                        [b"kv-events", seq_bytes(2), good],              # one unknown tag, one good event
@@ -155,25 +150,17 @@ def test_faults_are_counted_not_raised():
         f = att.faults.iloc[0]
         assert (f.bad_msgpack, f.unknown_tag, f.missing_frames, f.gaps) == (1, 1, 2, 0)
         assert att.block_hashes(name) == {1}
-    finally:
-        att.close()
-        raw.close(linger=0)
 
 
 def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
     """Each batch holds one good BlockStored and one event whose field breaks vLLM's types: the bad
     one is counted and skipped, and the thread lives on to apply every good one and every later batch."""
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
     base = {"type": "BlockStored", "block_hashes": [0], "parent_block_hash": None, "token_ids": [1, 2],
             "block_size": 2}
     bad = [{"block_hashes": [[1, 2]]}, {"block_hashes": [{"a": 1}]}, {"parent_block_hash": [3]},
            {"medium": ["GPU"]}, {"group_idx": {"g": 1}}, {"block_size": "2"}, {"lora_id": "x"},
            {"block_size": 2**64 - 1}, {"token_ids": "ab"}]
-    try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+    with raw_stream() as (raw, att):
         for seq, fields in enumerate(bad, start=1):
             good = dict(base, block_hashes=[1000 + seq])
             raw.send_multipart([b"kv-events", seq_bytes(seq), msgspec.msgpack.encode(
@@ -187,28 +174,17 @@ def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
         assert att.faults.unknown_tag.iloc[0] == len(bad)
         assert set(att.blocks.block_hash) == want and all(t == [1, 2] for t in att.blocks.token_ids)
         assert att.events.type.tolist() == ["BlockStored"] * len(bad) + ["BlockRemoved"]
-    finally:
-        att.close()
-        raw.close(linger=0)
 
 
 def test_a_payload_nested_too_deep_is_bad_msgpack():
     """A payload of arrays nested past msgspec's depth limit is one bad batch; the next one applies."""
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
-    try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+    with raw_stream() as (raw, att):
         deep = b"\x91" * 100_000 + b"\xc0"  # [[[... None ...]]]
         raw.send_multipart([b"kv-events", seq_bytes(1), deep])
         raw.send_multipart([b"kv-events", seq_bytes(2), Codec().encode(1.0, [stored([5], None, [1, 2], 2)], 0)])
         name = att.instances[0]
         wait_for(applied(att, name, 2), timeout=5, what="the batch after the deep one")
         assert att.block_hashes(name) == {5} and att.faults.bad_msgpack.iloc[0] == 1
-    finally:
-        att.close()
-        raw.close(linger=0)
 
 
 def test_sequence_numbers_out_of_range_are_skipped():
@@ -239,12 +215,7 @@ def test_sequence_numbers_out_of_range_are_skipped():
 
 def test_a_topic_that_only_starts_with_ours_is_another_stream():
     """One socket publishes "kv-events" and "kv-events-b", each numbered from 0: only the first is ours."""
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.PUB)
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.2)
-    try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+    with raw_stream() as (raw, att):
         for i in range(1, 6):
             raw.send_multipart([b"kv-events", seq_bytes(i), Codec().encode(1.0, [stored([i], None, [1], 1)], 0)])
             raw.send_multipart([b"kv-events-b", seq_bytes(i - 1),
@@ -253,16 +224,6 @@ def test_a_topic_that_only_starts_with_ours_is_another_stream():
         name = att.instances[0]
         wait_for(applied(att, name, 6), timeout=5)
         assert att.block_hashes(name) == {1, 2, 3, 4, 5} and att.faults.gaps.iloc[0] == 0
-    finally:
-        att.close()
-        raw.close(linger=0)
-
-
-def _probe(raw, att) -> bool:
-    """Send an empty batch 0 until the subscriber has it (the subscription is then live)."""
-    raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])
-    stream = att.streams[0]
-    return stream.next_seq == 1
 
 
 def test_close_while_a_replay_waits_twice_and_from_a_listener():
@@ -274,7 +235,7 @@ def test_close_while_a_replay_waits_twice_and_from_a_listener():
     att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=5.0,
                          replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
     try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+        wait_for(lambda: probed(raw, att), what="subscription")
         raw.send_multipart([b"kv-events", seq_bytes(2), Codec().encode(1.0, [], 0)])  # 1 is missing
         assert mute.poll(5000), "the replay request"
         assert mute.recv_multipart()[2] == seq_bytes(1)
@@ -409,7 +370,7 @@ def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
     att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.5,
                          replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
     try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+        wait_for(lambda: probed(raw, att), what="subscription")
         name = att.instances[0]
         wait_for(applied(att, name, 1), timeout=5, what="batch 1, through the idle probe")
         for seq in (2, 3):
@@ -435,7 +396,7 @@ def test_a_stream_left_unread_while_another_replays_is_not_probed():
                              replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
                              replay_timeout=0.5)
         try:
-            wait_for(lambda: _probe(raw, att), what="subscription")
+            wait_for(lambda: probed(raw, att), what="subscription")
             wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
             for seq in (2, 4, 6, 8):  # four gaps, half a second each
                 raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
@@ -479,7 +440,7 @@ def test_many_gaps_with_a_replay_socket_that_is_down():
     att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.001,
                          replay_endpoints=f"tcp://127.0.0.1:{down}")
     try:
-        wait_for(lambda: _probe(raw, att), what="subscription")
+        wait_for(lambda: probed(raw, att), what="subscription")
         gaps = 1200  # more requests than the replay socket queues (its high-water mark, 1000)
         for i in range(1, gaps + 1):
             raw.send_multipart([b"kv-events", seq_bytes(2 * i), Codec().encode(1.0, [stored([i], None, [1], 1)], 0)])
