@@ -289,13 +289,17 @@ class LLM:
     def _between_steps(self, what: str) -> Iterator[None]:
         """Hold the engine between two steps; raise, rather than hang, when another thread
         stays inside one (a paused dashboard's background run waits inside its step)."""
-        if not self._step_lock.acquire(timeout=STEP_WAIT_S):
-            raise RuntimeError(f"{what}: another thread has been inside one engine step for {STEP_WAIT_S:g} s "
-                               "(a paused dashboard's background run? resume or detach it first)")
+        self._wait_between_steps(what)
         try:
             yield
         finally:
             self._step_lock.release()
+
+    def _wait_between_steps(self, what: str) -> None:
+        """Take the step lock, waiting at most ``STEP_WAIT_S`` for another thread's step."""
+        if not self._step_lock.acquire(timeout=STEP_WAIT_S):
+            raise RuntimeError(f"{what}: another thread has been inside one engine step for {STEP_WAIT_S:g} s "
+                               "(a paused dashboard's background run? resume or detach it first)")
 
     def check_invariants(self) -> None:
         """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now:
@@ -321,12 +325,20 @@ class LLM:
                                        "in a step; call it from a step.end hook or once the call returns")
             finally:
                 self._step_lock.release()
-        self._shut_down = True  # (first: a generate() in another thread stops at its next step)
-        with self._between_steps("LLM.shutdown"):
+        # First the flag: a generate() in another thread stops at its next step.
+        was, self._shut_down = self._shut_down, True
+        try:
+            self._wait_between_steps("LLM.shutdown")
+        except RuntimeError:  # (another thread stays inside its step: nothing shut down)
+            self._shut_down = was
+            raise
+        try:
             if self.kv_events is not None:
                 self.kv_events.close()
                 self.kv_events = None
             self.llm_engine.executor.shutdown()
+        finally:
+            self._step_lock.release()
 
     def __enter__(self) -> "LLM":
         return self

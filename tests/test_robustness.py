@@ -697,6 +697,35 @@ def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refus
     assert_healthy(llm)
 
 
+def test_a_shutdown_refused_while_another_thread_stays_inside_a_step_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused dashboard's background run waits inside its step: shutdown() from the notebook
+    says so after the wait, and leaves the LLM as it was (the run, once resumed, finishes with
+    its tokens rather than meeting an LLM shut down half-way), so a later shutdown() works."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
+    llm = make_llm(**CONFIG)
+    inside, leave, got = threading.Event(), threading.Event(), []
+
+    def hold(**_: object) -> None:
+        inside.set()
+        leave.wait(10)
+
+    handle = llm.hooks.add("step.scheduled", hold)
+    driver = threading.Thread(target=lambda: got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))))
+    driver.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match=r"^LLM.shutdown: another thread has been inside one engine step for 0.2 s"):
+        llm.shutdown()
+    handle.remove()
+    leave.set()
+    driver.join(60)
+    assert got == [fresh_tokens(PROMPTS)]
+    assert_healthy(llm)
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
+        llm.step()
+
+
 @pytest.mark.parametrize("leaves", ["stops before", "aborted before", "aborted after"])
 def test_hooks_attached_with_a_step_in_flight_name_the_rows_of_a_request_that_left(leaves: str) -> None:
     """Async scheduling: hooks attach between two steps, with one launched that holds a row of
