@@ -577,9 +577,9 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the graphs, the KV pool and the weights now, so a next engine in this
         process can size its pool from free memory (the layers hold views of the pool). A
-        step launched under async scheduling may still run: the device finishes it first."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        step launched under async scheduling may still run: CUDA frees a graph in flight when
+        it completes, and the allocator reuses memory in stream order, so nothing waits for it
+        (a wait could hang on a collective whose peer is gone)."""
         self.graphs = None
         self.kv_cache = None
         for layer in self.attn_layers:
