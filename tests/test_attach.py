@@ -152,6 +152,19 @@ def test_faults_are_counted_not_raised():
         assert att.block_hashes(name) == {1}
 
 
+def test_a_removal_of_a_block_never_stored_is_counted():
+    """A BlockRemoved of a hash the cache never held (its store came before the consumer joined,
+    or was lost) is counted in src.faults; removing a held one is not."""
+    with raw_stream() as (raw, att):
+        for seq, events in enumerate([[stored([1, 2], None, [1, 2, 3, 4], 2)], [removed([1, 99])], [removed([98])]],
+                                     start=1):
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, events, 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, 3), what="batch 3")
+        assert att.block_hashes(name) == {2}
+        assert att.faults.unknown_removes.tolist() == [2]
+
+
 def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
     """Each batch holds one good BlockStored and one event whose field breaks vLLM's types: the bad
     one is counted and skipped, and the thread lives on to apply every good one and every later batch."""

@@ -135,14 +135,15 @@ class Attached:
 
     @property
     def faults(self) -> pd.DataFrame:
-        """Per instance, every fault counter (:data:`kvscope.attach.subscriber.FAULTS`) and scrape errors.
+        """Per instance, every fault counter (:data:`kvscope.attach.subscriber.FAULTS`), the
+        removals of blocks its rebuilt cache never held, and scrape errors.
 
         A counter saturates at the int64 column's largest value (sequence numbers that jump by
         nearly 2**63 more than once can count more missed batches than it holds)."""
         errors = self._scraper.errors if self._scraper is not None else {}
         return frame(SCHEMAS["faults"], [
             (s.instance, s.data_parallel_rank, *(min(s.faults[f], INT64_MAX) for f in FAULTS),
-             errors.get(s.instance, 0))
+             self.caches[s.name].unknown_removes, errors.get(s.instance, 0))
             for s in self.streams
         ])
 

@@ -20,6 +20,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "token_ids": _O, "block_size": _N, "medium": _O, "lora_name": _O, "group_idx": _N, "extra_keys": _O,
     },
     "metrics": {"time_s": _F, "instance": _O, "data_parallel_rank": _I, **{c: _F for c in METRICS}},
-    "faults": {"instance": _O, "data_parallel_rank": _I, **{f: _I for f in FAULTS}, "scrape_errors": _I},
+    "faults": {"instance": _O, "data_parallel_rank": _I, **{f: _I for f in FAULTS}, "unknown_removes": _I,
+               "scrape_errors": _I},
     "overlap": {"block_hash": _O, "num_instances": _I, "instances": _O},
 }
