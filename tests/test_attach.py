@@ -857,6 +857,10 @@ def test_endpoints_of_the_wrong_shape_name_the_argument():
         (dict(endpoints=ok.encode()), r"endpoints must be an address, a non-empty list of them"),
         (dict(endpoints={5: ok}), r"endpoints must map names \(strings\) to address strings"),
         (dict(endpoints=ok, replay_endpoints=b"tcp://127.0.0.1:2"), r"replay_endpoints must be an address, a list"),
+        (dict(endpoints=[ok, ok]), r"endpoints lists the same address twice"),
+        # (two addresses, one default name: the message said they were the same address)
+        (dict(endpoints=["tcp://h:1", "ipc://h:1"]), r"endpoints gives 'tcp://h:1' and 'ipc://h:1' the same "
+                                                    r"default name 'h:1'; name them: a dict name -> address"),
     ):
         with pytest.raises(ValueError, match=message):
             kvscope.attach(**kwargs)

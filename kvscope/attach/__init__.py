@@ -86,9 +86,14 @@ def _by_name(value: Endpoints, arg: str) -> dict[str, str]:
     if isinstance(value, Mapping):
         out = dict(value)
     elif _is_list(value) and value and all(isinstance(v, str) for v in value):
-        out = {_short(v): v for v in value}
-        if len(out) != len(value):
-            raise ValueError(f"{arg} lists the same address twice: {list(value)}")
+        out = {}
+        for v in value:
+            if _short(v) in out:
+                if out[_short(v)] == v:
+                    raise ValueError(f"{arg} lists the same address twice: {list(value)}")
+                raise ValueError(f"{arg} gives {out[_short(v)]!r} and {v!r} the same default name {_short(v)!r}; "
+                                 "name them: a dict name -> address")
+            out[_short(v)] = v
     else:
         raise ValueError(f"{arg} must be an address, a non-empty list of them, or a dict name -> address; got {value!r}")
     if not out or not all(isinstance(k, str) and isinstance(v, str) for k, v in out.items()):
