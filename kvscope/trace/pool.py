@@ -207,6 +207,11 @@ class PoolState:
         last = last_fills(rows, self.block_size)
         return fill_counts(self.ref_count, self.block_hash, self.block_size, *last)
 
+    def held_token_ids(self) -> np.ndarray:
+        """The token ids the blocks hold, block by block (``-1`` where a recording that began
+        mid-step never saw an input)."""
+        return self.contents[np.arange(self.block_size) < self.num_tokens()[:, None]]
+
     def sparse(self) -> "SparsePool":
         """This state as its used and cached blocks only (shares the tables; drop this one)."""
         ids = np.flatnonzero((self.ref_count > 0) | (self.block_hash != NO_HASH))

@@ -257,8 +257,8 @@ class Trace:
             tail = launched_beyond(recs)  # saved, so that a loaded trace replays them too
             arrays, frames["baseline_tables"] = baseline_frames(base)
             write_arrays(path / "baseline.parquet", arrays)
-            held = base.contents[np.arange(self.block_size) < base.num_tokens()[:, None]]
-            ids = np.unique(np.concatenate([held, *(r.scheduled.token_ids for r in recs), *(t.token_ids for _, t in tail)]))
+            ids = np.unique(np.concatenate([base.held_token_ids(), *(r.scheduled.token_ids for r in recs),
+                                            *(t.token_ids for _, t in tail)]))
             ids = ids[ids >= 0].tolist()  # (-1: an input a recording that began mid-step never saw)
             frames.update(scheduled=scheduled_frame(recs, tail), block_events=block_events_frame(recs),
                           queues=queues_frame(recs), launches=launches_frame(recs),

@@ -123,8 +123,8 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
 
 def check_tokens(path: Path, tokens: pd.DataFrame, sched: pd.DataFrame, baseline: PoolState) -> None:
     """Every token id the scheduled rows or the baseline's blocks hold needs its text."""
-    held = baseline.contents[np.arange(baseline.block_size) < baseline.num_tokens()[:, None]]
-    used = np.concatenate([np.fromiter((t for ids in sched["token_ids"] for t in ids), np.int64), held])
+    used = np.concatenate([np.fromiter((t for ids in sched["token_ids"] for t in ids), np.int64),
+                           baseline.held_token_ids()])
     lacking = np.setdiff1d(used[used >= 0], tokens["token_id"].to_numpy())
     if len(lacking):
         _refuse(path / "tokens.parquet", f"no text for token id {lacking[0]}, which the trace holds")
