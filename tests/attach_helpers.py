@@ -70,3 +70,30 @@ def probed(raw, att, stream: int = 0) -> bool:
 
     raw.send_multipart([b"kv-events", seq_bytes(0), Codec().encode(0.0, [], 0)])
     return att.streams[stream].next_seq == 1
+
+
+@contextlib.contextmanager
+def metrics_server(page: Callable[[], str]) -> Iterator[str]:
+    """A Prometheus ``/metrics`` page on loopback, its body ``page()`` at each request; yields
+    its URL (after the block nothing listens there)."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = page().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    finally:
+        server.shutdown()
+        server.server_close()

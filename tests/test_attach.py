@@ -1,6 +1,5 @@
 """kvscope.attach against real loopback sockets: vLLM's encodings, gap recovery, faults, overlap, metrics."""
 
-import http.server
 import socket
 import sys
 import threading
@@ -14,7 +13,8 @@ pytest.importorskip("zmq")
 pd = pytest.importorskip("pandas")
 
 import zmq  # noqa: E402
-from attach_helpers import applied, attach_to, probed, publisher, raw_stream, wait_for  # noqa: E402
+from attach_helpers import (applied, attach_to, metrics_server, probed, publisher, raw_stream,  # noqa: E402
+                            wait_for)
 
 import kvscope  # noqa: E402
 from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
@@ -662,25 +662,10 @@ def test_prometheus_text_parses_into_the_time_series():
 
 
 def test_metrics_are_scraped_at_an_interval_and_failures_counted():
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            body = VLLM_METRICS.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    dead = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    dead_url = f"http://127.0.0.1:{dead.server_address[1]}/metrics"
-    dead.server_close()  # nothing listens there any more
-    with publisher() as a, publisher() as b:
-        att = attach_to(a, b, metrics_urls=[f"http://127.0.0.1:{server.server_address[1]}/metrics", dead_url],
-                        metrics_interval=0.05)
+    with metrics_server(lambda: VLLM_METRICS) as dead_url:
+        pass  # nothing listens there any more
+    with metrics_server(lambda: VLLM_METRICS) as url, publisher() as a, publisher() as b:
+        att = attach_to(a, b, metrics_urls=[url, dead_url], metrics_interval=0.05)
         try:
             wait_for(lambda: len(att.metrics) >= 6, what="three scrapes")
             wait_for(lambda: att.faults.scrape_errors.iloc[1] >= 2)
@@ -689,7 +674,6 @@ def test_metrics_are_scraped_at_an_interval_and_failures_counted():
             assert m[m.data_parallel_rank == 0].num_requests_running.eq(7.0).all()
         finally:
             att.close()
-            server.shutdown()
 
 
 def test_metrics_with_an_engine_label_that_is_not_a_rank_are_skipped():
@@ -699,28 +683,14 @@ def test_metrics_with_an_engine_label_that_is_not_a_rank_are_skipped():
             'vllm:num_requests_running{engine=" 1_0 "} 6.0\n'
             'vllm:num_requests_running{engine="-3"} 8.0\n'
             'vllm:num_requests_running{engine="2"} 7.0\n')
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(page.encode())
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    with publisher() as pub:
-        att = attach_to(pub, metrics_urls=f"http://127.0.0.1:{server.server_address[1]}/metrics",
-                        metrics_interval=0.05)
+    with metrics_server(lambda: page) as url, publisher() as pub:
+        att = attach_to(pub, metrics_urls=url, metrics_interval=0.05)
         try:
             wait_for(lambda: len(att._metrics) >= 2, what="two scrapes")
             m = att.metrics
             assert set(m.data_parallel_rank) == {2} and m.num_requests_running.eq(7.0).all()
         finally:
             att.close()
-            server.shutdown()
 
 
 def _tcp_server(answer, stop):

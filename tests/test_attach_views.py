@@ -1,7 +1,5 @@
 """The attach dashboard shows what the attached tables hold: forests, overlap, faults, metric timelines."""
-import http.server
 import math
-import threading
 
 import pytest
 
@@ -10,7 +8,7 @@ pytest.importorskip("plotly")
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
-from attach_helpers import applied, attach_to, publisher, wait_for  # noqa: E402
+from attach_helpers import applied, attach_to, metrics_server, publisher, wait_for  # noqa: E402
 
 import kvscope  # noqa: E402
 from kvscope.attach.wire import removed, stored  # noqa: E402
@@ -105,24 +103,15 @@ def test_timeline_plots_the_scraped_metrics():
     """Counters grow by 100 queries and 60 hits per scrape: the hit rate between scrapes is 60 %."""
     scrapes = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            n = len(scrapes)
-            scrapes.append(n)
-            body = (f'vllm:num_requests_running{{engine="0"}} {n}\nvllm:num_requests_waiting{{engine="0"}} 2\n'
-                    f'vllm:kv_cache_usage_perc{{engine="0"}} 0.25\nvllm:prefix_cache_queries_total{{engine="0"}} {100 * n}\n'
-                    f'vllm:prefix_cache_hits_total{{engine="0"}} {60 * n}\nvllm:num_preemptions_total{{engine="0"}} {n}\n')
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body.encode())
+    def page() -> str:
+        n = len(scrapes)
+        scrapes.append(n)
+        return (f'vllm:num_requests_running{{engine="0"}} {n}\nvllm:num_requests_waiting{{engine="0"}} 2\n'
+                f'vllm:kv_cache_usage_perc{{engine="0"}} 0.25\nvllm:prefix_cache_queries_total{{engine="0"}} {100 * n}\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {60 * n}\nvllm:num_preemptions_total{{engine="0"}} {n}\n')
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    with publisher() as pub:
-        att = attach_to(pub, metrics_urls=f"http://127.0.0.1:{server.server_address[1]}/metrics", metrics_interval=0.05)
+    with metrics_server(page) as url, publisher() as pub:
+        att = attach_to(pub, metrics_urls=url, metrics_interval=0.05)
         dash = kvscope.dashboard(att, interval=0.05)
         try:
             wait_for(lambda: len(att.metrics) >= 4)
@@ -136,7 +125,6 @@ def test_timeline_plots_the_scraped_metrics():
         finally:
             dash.detach()
             att.close()
-            server.shutdown()
 
 
 def test_faults_show_in_the_view():
