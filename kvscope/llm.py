@@ -14,6 +14,7 @@ from kvscope.engine.llm_engine import LLMEngine, PromptType
 from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
+from kvscope.step_lock import StepLock
 
 if TYPE_CHECKING:
     from kvscope.trace.trace import Trace
@@ -46,7 +47,8 @@ def _eos_ids(model_dir: str, tokenizer: Any) -> set[int]:
     return ids
 
 
-STEP_WAIT_S = 30.0  # how long llm.record waits for a step another thread is in to end
+STEP_WAIT_S = 30.0  # how long a call waits for a step another thread is in to end
+CALL_POLL_S = 0.1  # how often generate()/step() look whether another thread's call still steps
 
 
 def _make_executor(config: EngineConfig, hf_config: Any, model_dir: str, max_model_len: int) -> Any:
@@ -99,13 +101,13 @@ class LLM:
         self.llm_engine = LLMEngine(
             self.config, executor, tokenizer, max_model_len, sorted(_eos_ids(model_dir, tokenizer))
         )
-        # One caller at a time (calls from other threads wait; a hook re-enters on its thread),
-        # and outputs of streamed requests that finished while generate() stepped the engine.
+        # One generate() or step() at a time (other threads' wait; a hook re-enters on its
+        # thread), and outputs of streamed requests that finished while generate() stepped.
         self._lock = threading.RLock()
         # Held around each engine step and each request added or aborted, not a whole call: a
-        # recording attaches and detaches between two of them, whichever thread asks, without
-        # waiting for a generate() to end.
-        self._step_lock = threading.RLock()
+        # request added or aborted, or a recording attached, from another thread lands between
+        # two steps of a generate() under way.
+        self._step_lock = StepLock()
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
         self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
@@ -145,7 +147,7 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
-        with self._lock:
+        with self._one_call("LLM.generate"):
             engine = self.llm_engine
             if engine.in_step:
                 raise RuntimeError(
@@ -153,13 +155,13 @@ class LLM:
                     "step; only step.end hooks may call it (or add_request / abort_request from any hook)")
             ids: list[str] = []
             try:
-                with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once every added id is in ids
+                with self._one_step():  # a Ctrl-C lands once every added id is in ids
                     for p, sp in zip(prompt_list, params_list):
                         ids.append(engine.add_request(p, sp, final_only=True))
                         self._generating.add(ids[-1])
                 return self._run(ids, use_tqdm)
             finally:
-                with deferred_interrupts(), self._step_lock:
+                with self._one_step():
                     for rid in ids:  # (and an output of theirs a nested generate or step kept)
                         engine.abort_request(rid, report=False)
                         self._generating.discard(rid)
@@ -186,7 +188,7 @@ class LLM:
                     break
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{len(pending)} requests vanished from the engine")
-                with deferred_interrupts(), self._step_lock:  # a Ctrl-C lands once the outputs are kept
+                with self._one_step():  # a Ctrl-C lands once the outputs are kept
                     self._check_open()  # (another thread's shutdown() waits for a step, then lands here)
                     self._keep(engine.step())
         finally:
@@ -197,12 +199,13 @@ class LLM:
     def add_request(
         self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a request for :meth:`step` (streaming); safe from inside any hook."""
+        """Queue a request for :meth:`step` (streaming); safe from inside any hook, and from
+        another thread while a :meth:`generate` runs (it joins that run's next step)."""
         self._check_open()
         check_prompt(prompt)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
-        with self._lock, self._step_lock:
+        with self._between_steps("LLM.add_request"):
             return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -213,8 +216,8 @@ class LLM:
         has not collected yet, as vLLM coalesces them.
         """
         self._check_open()
-        with self._lock, deferred_interrupts():
-            with self._step_lock:
+        with self._one_call("LLM.step"), deferred_interrupts():
+            with self._one_step():
                 self._check_open()
                 outputs = self.llm_engine.step()
             self._keep(outputs)
@@ -238,12 +241,13 @@ class LLM:
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests wherever they are (the next :meth:`step` reports each with
-        ``finish_reason="abort"``); safe from inside any hook."""
+        ``finish_reason="abort"``); safe from inside any hook, and from another thread while a
+        :meth:`generate` runs (between two of its steps)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id) \
             if isinstance(request_id, Iterable) else [request_id]
         if not all(isinstance(rid, str) for rid in ids):
             raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
-        with self._lock, self._step_lock:
+        with self._between_steps("LLM.abort_request"):
             for rid in ids:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
@@ -252,7 +256,7 @@ class LLM:
             rid not in self._generating for rid in self._undelivered)
 
     def reset_prefix_cache(self) -> bool:
-        with self._lock, self._step_lock:
+        with self._between_steps("LLM.reset_prefix_cache"):
             return self.llm_engine.reset_prefix_cache()
 
     # ---------------------------------------------------------- kvscope API
@@ -284,6 +288,26 @@ class LLM:
         finally:
             with self._between_steps("leaving llm.record"):
                 recorder.stop()
+
+    @contextlib.contextmanager
+    def _one_call(self, what: str) -> Iterator[None]:
+        """Run after another thread's generate() or step(), waiting as long as it keeps
+        stepping; raise, rather than hang, when it stays inside one step."""
+        while not self._lock.acquire(timeout=CALL_POLL_S):
+            with self._between_steps(what):
+                pass
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _one_step(self) -> Iterator[None]:
+        """Hold the engine for one step (or the requests' adds and aborts), Ctrl-C deferred;
+        then let in the threads waiting between two steps before this thread's next one."""
+        with deferred_interrupts(), self._step_lock:
+            yield
+        self._step_lock.let_waiters_in(STEP_WAIT_S)
 
     @contextlib.contextmanager
     def _between_steps(self, what: str) -> Iterator[None]:

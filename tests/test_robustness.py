@@ -726,6 +726,85 @@ def test_a_shutdown_refused_while_another_thread_stays_inside_a_step_changes_not
         llm.step()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_requests_added_and_aborted_from_another_thread_land_at_the_next_step_of_a_running_generate(
+        async_scheduling: bool) -> None:
+    """A notebook adds and aborts requests while a background ``generate`` runs (a dashboard's
+    ``generate_async``): each call lands between two of that run's steps, at most one step after
+    it was made, rather than once the whole run is over (or whenever the stepping thread
+    happened to lose the race for the lock), and the added request's tokens come from ``step()``."""
+    llm = make_llm(block_size=4, num_kv_blocks=64, async_scheduling=async_scheduling)
+    ref = token_ids(make_llm(block_size=4, num_kv_blocks=64).generate([PROMPTS[1], PROMPTS[2]], greedy(60),
+                                                                       use_tqdm=False))
+    for _ in range(10):
+        steps, second, errors, got = [], threading.Event(), [], []
+
+        def ended(info) -> None:
+            steps.append(set(info.request_ids.values()))
+            second.set() if len(steps) == 2 else None
+
+        def drive() -> None:
+            try:
+                got.append(token_ids(llm.generate([PROMPTS[1]], greedy(60), use_tqdm=False)))
+            except BaseException as exc:
+                errors.append(exc)
+
+        handle = llm.hooks.add("step.end", ended)
+        driver = threading.Thread(target=drive)
+        driver.start()
+        assert second.wait(10)
+        before = len(steps)
+        added = llm.add_request(PROMPTS[2], greedy(60))
+        dropped = llm.add_request([8, 9, 10], greedy(6))
+        llm.abort_request(dropped)
+        waited = len(steps) - before
+        driver.join(60)
+        handle.remove()
+        assert not errors, errors
+        assert got == [ref[:1]]
+        assert waited <= 1, f"the calls waited {waited} of the run's steps"
+        assert any(added in s for s in steps) and not any(dropped in s for s in steps)
+        final = drain(llm)
+        assert final[dropped].outputs[0].finish_reason == "abort"
+        assert final[added].outputs[0].token_ids == ref[1]
+    assert_healthy(llm)
+
+
+@pytest.mark.parametrize("call", ["add_request", "abort_request", "reset_prefix_cache", "generate", "step"])
+def test_a_call_while_another_thread_stays_inside_a_step_is_refused_not_hung(
+        call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused dashboard's background run waits inside its step: the notebook's calls say so
+    after the wait instead of waiting for ever (``generate`` and ``step`` wait for the other
+    thread's call to end while it keeps stepping), and change nothing."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
+    llm = make_llm(**CONFIG)
+    inside, leave, got = threading.Event(), threading.Event(), []
+
+    def hold(**_: object) -> None:
+        inside.set()
+        leave.wait(10)
+
+    streamed = llm.add_request(PROMPTS[1], greedy(6))
+    handle = llm.hooks.add("step.scheduled", hold)
+    driver = threading.Thread(target=lambda: got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))))
+    driver.start()
+    assert inside.wait(10)
+    calls = {"add_request": lambda: llm.add_request([5, 6, 7], greedy(2)),
+             "abort_request": lambda: llm.abort_request(streamed),
+             "reset_prefix_cache": llm.reset_prefix_cache,
+             "generate": lambda: llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False),
+             "step": llm.step}
+    with pytest.raises(RuntimeError, match=rf"^LLM.{call}: another thread has been inside one engine step for 0.2 s"):
+        calls[call]()
+    handle.remove()
+    leave.set()
+    driver.join(60)
+    assert got == [fresh_tokens(PROMPTS)]
+    final = drain(llm)
+    assert list(final) == [streamed] and [final[streamed].outputs[0].token_ids] == fresh_tokens([PROMPTS[1]])
+    assert_healthy(llm)
+
+
 @pytest.mark.parametrize("leaves", ["stops before", "aborted before", "aborted after"])
 def test_hooks_attached_with_a_step_in_flight_name_the_rows_of_a_request_that_left(leaves: str) -> None:
     """Async scheduling: hooks attach between two steps, with one launched that holds a row of

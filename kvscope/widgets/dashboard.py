@@ -280,9 +280,9 @@ class Dashboard:
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:
         """Run ``llm.generate(prompts, sampling_params)`` in a background thread.
 
-        The kernel stays free, so Pause / Step / Resume and hovering work during the run.
-        Returns a ``concurrent.futures.Future`` of the outputs. Do not use the same ``LLM``
-        from another thread until it is done.
+        The kernel stays free, so Pause / Step / Resume and hovering work during the run, and
+        ``llm.add_request`` / ``abort_request`` from the notebook land at the run's next step.
+        Returns a ``concurrent.futures.Future`` of the outputs.
         """
         if self.llm is None or self._closed:
             raise RuntimeError("generate_async needs a live dashboard (kvscope.dashboard(llm))")
