@@ -21,7 +21,6 @@ class StepLock:
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._waiting = 0
-        self._mine = threading.local()  # this thread's hold depth
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         got = self._lock.acquire(blocking=False)
@@ -33,17 +32,10 @@ class StepLock:
             finally:
                 with self._count_lock:
                     self._waiting -= 1
-        if got:
-            self._mine.depth = self.depth() + 1
         return got
 
     def release(self) -> None:
-        self._mine.depth -= 1
         self._lock.release()
-
-    def depth(self) -> int:
-        """How many times this thread holds the lock (0: not at all)."""
-        return getattr(self._mine, "depth", 0)
 
     def __enter__(self) -> "StepLock":
         self.acquire()
@@ -56,7 +48,7 @@ class StepLock:
         """Wait until every thread blocked on the lock has taken it (each then holds it for its
         own short call), or ``timeout`` seconds; at once if this thread still holds it (a hook's
         nested call: nobody can get in before the outer step ends)."""
-        if self.depth():
+        if self._lock._is_owned():  # (what threading.Condition asks an RLock too)
             return
         deadline = time.monotonic() + timeout
         while self._waiting and time.monotonic() < deadline:
