@@ -23,6 +23,7 @@ import pytest
 from pandas.testing import assert_frame_equal
 
 from engine_helpers import Cycle, greedy, make_llm, token_ids, watch_launches
+import kvscope.trace.trace as trace_module
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
@@ -653,6 +654,25 @@ def test_an_edit_the_tables_cannot_show_is_refused_by_the_checksums(run, tmp_pat
     outside.write_text("x")
     (path / "checksums.json").write_text(json.dumps({"sha256": {"../outside.txt": "0" * 64}}))
     with pytest.raises(ValueError, match=r"lists '\.\./outside\.txt', which is not a file name of the save"):
+        Trace.load(path)
+
+
+def test_the_checksums_check_the_bytes_the_load_parsed(run, tmp_path, monkeypatch):
+    """A file edited while the load parses it and put back before the digests are checked: the
+    load must refuse it, since what it parsed is the edit. Each file is read once, and its
+    digest is the one of the bytes parsed (a second read for the digest saw the file put back)."""
+    path = run.blocks.save(tmp_path / "t")
+    file = path / "tokens.parquet"
+    saved = file.read_bytes()
+    _edit_rows(file, lambda df: _set(df, "text", "EDITED"))
+    replay = trace_module.check_replay
+
+    def put_back_then_replay(*args):
+        file.write_bytes(saved)
+        replay(*args)
+
+    monkeypatch.setattr(trace_module, "check_replay", put_back_then_replay)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(file))}: its SHA-256 is not the one checksums.json lists"):
         Trace.load(path)
 
 

@@ -20,6 +20,7 @@ from kvscope.trace.event_log import COLUMNS, NONE, EventLog, RequestIds
 from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import PHASES, STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
+from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.scheduled import RowEncoder, RowTable
 
 _I, _F, _S, _B, _H, _L = "int64", "float64", object, "bool", "Int64", object  # _L: Python lists
@@ -260,10 +261,11 @@ def write_frame(df: pd.DataFrame, path: Path) -> None:
     df.to_parquet(path, index=False)
 
 
-def read_frame(name: str, path: Path) -> pd.DataFrame:
+def read_frame(name: str, files: SavedFiles) -> pd.DataFrame:
     """Table ``name`` of a saved trace, in its schema; a file that is missing, not parquet, or
-    lacks a column of the schema or holds one of another type is refused naming ``path``."""
-    df = _read_parquet(path, pd.read_parquet)
+    lacks a column of the schema or holds one of another type is refused naming it."""
+    path = files.path / f"{name}.parquet"
+    df = _read_parquet(files, path.name, pd.read_parquet)
     schema = SCHEMAS[name]
     missing = [c for c in schema if c not in df.columns]
     if missing:
@@ -283,14 +285,16 @@ def read_frame(name: str, path: Path) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def _read_parquet(path: Path, read: Callable[[Path], Any]) -> Any:
-    """``read(path)``, with a file that is missing or is not readable parquet refused by name."""
+def _read_parquet(files: SavedFiles, name: str, parse: Callable[[Any], Any]) -> Any:
+    """``parse`` of file ``name`` of the save, given the bytes ``files`` read (and hashed) once;
+    a file that is missing or is not readable parquet is refused by name."""
     import pyarrow as pa
 
+    path = files.path / name
     if not path.is_file():
         raise ValueError(f"{path}: missing; a trace saved by Trace.save has it (cut short, or not a trace?)")
     try:
-        return read(path)
+        return parse(pa.BufferReader(files.read(name)))
     except (OSError, TypeError, ValueError, pa.ArrowException) as e:
         raise ValueError(f"{path}: not a readable parquet file ({e})") from None
 
@@ -308,11 +312,11 @@ def write_arrays(path: Path, columns: dict[str, np.ndarray]) -> None:
     pq.write_table(pa.table(table), path)
 
 
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
+def read_arrays(files: SavedFiles, file: str) -> dict[str, np.ndarray]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = _read_parquet(path, pq.read_table)
+    table = _read_parquet(files, file, pq.read_table)
     out = {}
     for name in table.column_names:
         col = table.column(name).combine_chunks()
@@ -323,10 +327,11 @@ def read_arrays(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def read_baseline(path: Path, num_blocks: int, block_size: int) -> dict[str, np.ndarray]:
+def read_baseline(files: SavedFiles, num_blocks: int, block_size: int) -> dict[str, np.ndarray]:
     """The baseline pool's arrays, refused by name unless they are integers sized by the pool
     (``num_blocks`` rows of ``block_size`` tokens, as ``meta.json`` says)."""
-    arrays = read_arrays(path)
+    path = files.path / "baseline.parquet"
+    arrays = read_arrays(files, path.name)
     for name, shape in (("ref_count", (num_blocks,)), ("block_hash", (num_blocks,)),
                         ("contents", (num_blocks, block_size))):
         a = arrays.get(name)

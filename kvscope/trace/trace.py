@@ -26,6 +26,7 @@ from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStor
 from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
+from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.snapshots import SnapshotCursor
 from kvscope.trace.verify import CHECKSUMS, check_checksums, check_frames, check_replay, check_tokens, write_checksums
 from kvscope.trace.tables import (
@@ -273,18 +274,18 @@ class Trace:
     def load(cls, path: str | Path) -> "Trace":
         """A trace saved by :meth:`save`; it decodes tokens without a tokenizer. A directory
         that is not a whole, unedited save is refused with an error naming the file at fault."""
-        path = Path(path)
-        meta = _read_meta(path)
-        trace = cls._read(path, meta)
-        check_checksums(path)
+        files = SavedFiles(Path(path))
+        meta = _read_meta(files)
+        trace = cls._read(files, meta)
+        check_checksums(files)
         return trace
 
     @classmethod
-    def _read(cls, path: Path, meta: dict[str, Any]) -> "Trace":
-        """The trace in ``path``, its tables checked to fit together (see :mod:`kvscope.trace.verify`)."""
-        level = meta["level"]
-        steps = read_frame("steps", path / "steps.parquet")
-        requests = read_frame("requests", path / "requests.parquet")
+    def _read(cls, files: SavedFiles, meta: dict[str, Any]) -> "Trace":
+        """The trace in ``files``, its tables checked to fit together (see :mod:`kvscope.trace.verify`)."""
+        path, level = files.path, meta["level"]
+        steps = read_frame("steps", files)
+        requests = read_frame("requests", files)
         if level == "summary":
             check_frames(path, {"steps": steps}, meta["num_blocks"])
             return cls(meta, _Loaded(records_from_frames(level, steps), None, requests))
@@ -293,13 +294,13 @@ class Trace:
                              "async scheduling on under block-level recording cannot be loaded: record it again")
         names = ("scheduled", "block_events", "queues", "launches", "baseline_tables", "tokens") + \
             (("pool_changes", "pool_fills") if level == "full" else ())
-        frames = {"steps": steps, **{n: read_frame(n, path / f"{n}.parquet") for n in names}}
+        frames = {"steps": steps, **{n: read_frame(n, files) for n in names}}
         check_frames(path, frames, meta["num_blocks"])
         records = records_from_frames(
             level, steps, *(frames[n] for n in ("scheduled", "block_events", "queues", "launches")),
             pool=(frames["pool_changes"], frames["pool_fills"]) if level == "full" else None,
         )
-        baseline = baseline_from_frames(read_baseline(path / "baseline.parquet", meta["num_blocks"], meta["block_size"]),
+        baseline = baseline_from_frames(read_baseline(files, meta["num_blocks"], meta["block_size"]),
                                         frames["baseline_tables"])
         tokens = frames["tokens"]
         check_tokens(path, tokens, frames["scheduled"], baseline)
@@ -386,18 +387,19 @@ class Trace:
         return text
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
-    """``meta.json`` of the trace directory ``path``, with the level and the pool's shape
+def _read_meta(files: SavedFiles) -> dict[str, Any]:
+    """``meta.json`` of the trace directory ``files.path``, with the level and the pool's shape
     (which size every replay) checked."""
     from kvscope.trace.recorder import LEVELS  # (the recorder imports this module)
 
+    path = files.path
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such directory; Trace.load takes the directory Trace.save wrote")
     if not path.is_dir():
         raise NotADirectoryError(f"{path}: not a directory; Trace.load takes the directory Trace.save wrote")
     file = path / "meta.json"
     try:
-        meta = json.loads(file.read_text())
+        meta = json.loads(files.read(file.name).decode())
     except FileNotFoundError:
         raise ValueError(f"{file}: missing; not a trace saved by Trace.save?") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

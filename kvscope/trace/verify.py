@@ -12,7 +12,6 @@ checked by its contents alone.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Sequence
@@ -22,6 +21,7 @@ import pandas as pd
 
 from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, block_states, last_fills
 from kvscope.trace.record import StepRecord
+from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.tables import QUEUES
 
 CHECKSUMS = "checksums.json"
@@ -31,11 +31,14 @@ _PER_STEP = ("block_events", "queues", "launches", "pool_changes", "pool_fills")
 
 def write_checksums(path: Path, names: Sequence[str]) -> None:
     """Write the SHA-256 of the files ``names`` in ``path`` to its ``checksums.json``."""
-    (path / CHECKSUMS).write_text(json.dumps({"sha256": {n: _sha256(path / n) for n in names}}, indent=1))
+    files = SavedFiles(path)
+    (path / CHECKSUMS).write_text(json.dumps({"sha256": {n: files.digest(n) for n in names}}, indent=1))
 
 
-def check_checksums(path: Path) -> None:
-    """Refuse a file whose SHA-256 is not the one ``checksums.json`` lists (none: nothing to check)."""
+def check_checksums(files: SavedFiles) -> None:
+    """Refuse a file whose SHA-256 is not the one ``checksums.json`` lists (none: nothing to
+    check); a file the load read is checked as it was read."""
+    path = files.path
     file = path / CHECKSUMS
     if not file.exists():
         return
@@ -49,16 +52,8 @@ def check_checksums(path: Path) -> None:
             raise ValueError(f"{file}: lists {name!r}, which is not a file name of the save")
         if not (path / name).is_file():
             _refuse(path / name, f"missing, though {CHECKSUMS} lists it")
-        if _sha256(path / name) != digest:
+        if files.digest(name) != digest:
             _refuse(path / name, f"its SHA-256 is not the one {CHECKSUMS} lists: edited or damaged since the save")
-
-
-def _sha256(file: Path) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -> None:
