@@ -131,6 +131,53 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         page.screenshot(path=str(SHOTS / "export.png"), full_page=True)
 
 
+DROPPED_STEP_CELLS = [
+    """import json
+import numpy as np
+from IPython.display import display
+from engine_helpers import make_llm, greedy
+from kvscope.widgets import BlockPoolView
+llm = make_llm(num_kv_blocks=12, block_size=8, max_num_batched_tokens=32)
+with llm.record("blocks", max_steps=2) as trace:
+    for p in ([5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]):
+        llm.add_request(p, greedy(8))
+    for _ in range(3):
+        llm.step()
+    shown = trace.step_ids[-1]
+    used = int(np.flatnonzero(trace.pool_arrays(shown)["state"] == 1)[0])
+    view = BlockPoolView(trace, step=shown)
+    display(view)
+    while llm.has_unfinished_requests():
+        llm.step()
+json.dump({"shown": shown, "used": used, "held": trace.step_ids}, open("dropped.json", "w"))""",
+]
+
+
+def test_a_hover_on_a_step_the_trace_dropped_says_so(tmp_path: Path):
+    """A pool view left on a step that the live trace's ring buffer dropped since: hovering a
+    used block asks the kernel, which no longer holds the step, and the tooltip says so (it
+    said "asking the kernel..." for ever)."""
+    work = tmp_path / "nb"
+    work.mkdir()
+    write_notebook(work / "dropped.ipynb", DROPPED_STEP_CELLS)
+    with jupyterlab(work, tmp_path) as url, chromium_page() as page:
+        open_notebook(page, url, "dropped.ipynb")
+        run_all(page)
+        wait_until(lambda: (work / "dropped.json").exists(), 120, "the run to finish")
+        time.sleep(0.5)
+        facts = json.loads((work / "dropped.json").read_text())
+        shown, used = facts["shown"], facts["used"]
+        assert shown not in facts["held"]  # the kernel's trace dropped the step the view shows
+        page.wait_for_function(f"() => document.querySelector('{POOL}')?.dataset.step === '{shown}'", timeout=60_000)
+        page.mouse.move(*cell_center(page, used))
+        tip = f"{POOL} .kvs-tip"
+        page.wait_for_function(f"() => document.querySelector('{tip}').textContent.includes('no longer held')",
+                               timeout=10_000)
+        text = page.inner_text(tip)
+        assert text.startswith(f"block {used}") and f"step {shown} is no longer held" in text
+        assert "asking the kernel" not in text
+
+
 GPU_SCALE_CELLS = [
     """import numpy as np
 import kvscope

@@ -335,8 +335,9 @@ def test_a_view_of_a_trace_with_no_steps_yet_shows_nothing_and_a_step_not_record
 
 def test_a_hover_on_a_step_the_ring_buffer_dropped_gets_no_facts_and_raises_nothing():
     """Live, with a small ring buffer, the browser may ask for the blocks of a step the trace
-    has dropped since it showed it: the answer is empty (a KeyError from the trace before, whose
-    traceback ipywidgets prints in the notebook), and a held step's answer is its facts."""
+    has dropped since it showed it: the answer is empty and says the step is not held (a
+    KeyError from the trace before, whose traceback ipywidgets prints in the notebook), and a
+    held step's answer is its facts (test_browser: what the tooltip then says)."""
     llm = make_llm(**ENGINE)
     dash = Dashboard(llm, views="pool", max_steps=2, interval=0.001, max_load=1.0)
     llm.generate(PROMPTS, greedy(6), use_tqdm=False)
@@ -348,8 +349,9 @@ def test_a_hover_on_a_step_the_ring_buffer_dropped_gets_no_facts_and_raises_noth
     block = int(np.argmax(trace.pool_arrays(held)["num_tokens"]))
     pool._on_msg(pool, {"type": "inspect", "step": dropped, "blocks": [block]}, [])
     pool._on_msg(pool, {"type": "inspect", "step": held, "blocks": [block]}, [])
-    assert sent == [{"type": "details", "step": dropped, "blocks": {}},
-                    {"type": "details", "step": held, "blocks": block_details(StepData(trace, held), [block])}]
+    assert sent == [{"type": "details", "step": dropped, "held": False, "blocks": {}},
+                    {"type": "details", "step": held, "held": True,
+                     "blocks": block_details(StepData(trace, held), [block])}]
 
 
 def test_pause_step_resume_hold_the_background_run_between_steps():

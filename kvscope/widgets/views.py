@@ -133,9 +133,10 @@ class BlockPoolView(_StepView):
         elif kind == "inspect" and self.trace is not None:
             step = int(content["step"])
             # A live ring buffer may have dropped the step the browser showed: no facts, and no
-            # traceback in the notebook (ipywidgets shows a handler's).
+            # traceback in the notebook (ipywidgets shows a handler's); ``held`` tells the browser
+            # to say so rather than wait for facts.
             held = step in self.trace.step_ids
-            self.send({"type": "details", "step": step,
+            self.send({"type": "details", "step": step, "held": held,
                        "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"]) if held else {}})
 
 

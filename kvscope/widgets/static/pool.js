@@ -142,6 +142,7 @@ function render({ model, el }) {
   el.append(legend, controls, wrap);
   const ctx = canvas.getContext("2d");
   const fetched = new Map(); // `${step}:${block}` -> details from the kernel
+  const dropped = new Set(); // steps the kernel's trace no longer holds (a live ring buffer dropped them)
   let owners = new Map(), geo = null, view = null; // view: positions [lo, hi) shown, of a pool of n blocks
   let draws = 0, hoverBlock = -1, inspectTimer = null, lastEvent = null, lastWidth = 0, drag = null;
   let overview = null; // the last bucket summary drawn (tests read it through el.kvsOverview)
@@ -308,7 +309,10 @@ function render({ model, el }) {
         h("br"), `tokens (${d.tokens.length}): ${d.tokens.join(" ")}`,
         h("br"), h("code", {}, kvsShowText(d.text)));
     } else if (s.state[b] !== 0) {
-      lines.push(h("br"), h("span", { class: "kvs-dim" }, "tokens: asking the kernel\u2026"));
+      const step = model.get("step");
+      lines.push(h("br"), h("span", { class: "kvs-dim" }, dropped.has(step)
+        ? `tokens: step ${step} is no longer held by the trace (its ring buffer dropped it)`
+        : "tokens: asking the kernel\u2026"));
     }
     tip.replaceChildren(...lines);
     place(ev);
@@ -332,7 +336,7 @@ function render({ model, el }) {
     const b = blockAt(geo.lo + k);
     hoverBlock = b;
     showTip(b, ev);
-    if (store().state[b] !== 0 && !detailsOf(b)) {
+    if (store().state[b] !== 0 && !detailsOf(b) && !dropped.has(model.get("step"))) {
       inspectTimer = setTimeout(() => model.send({ type: "inspect", step: model.get("step"), blocks: [b] }), 60);
     }
   }
@@ -384,6 +388,7 @@ function render({ model, el }) {
 
   function onMsg(msg) {
     if (msg.type !== "details") return;
+    if (msg.held === false) dropped.add(msg.step);
     for (const [b, d] of Object.entries(msg.blocks)) fetched.set(`${msg.step}:${b}`, d);
     if (hoverBlock >= 0 && lastEvent) showTip(hoverBlock, lastEvent);
   }
