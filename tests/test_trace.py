@@ -323,6 +323,24 @@ def test_a_ring_buffer_lists_the_requests_that_finished_in_the_steps_it_kept(asy
     assert len(kept) < len(prompts) and sorted(ring.requests.request_id) == kept
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_ring_buffer_lists_a_request_that_finished_right_after_a_step_without_a_record(async_scheduling):
+    """A step that schedules nothing gets no record, so recorded step ids have gaps. A request
+    finishing in the first recorded step after one is listed by a ring buffer that kept that
+    step (it was pruned as if it had finished in the step before), as a recording that kept
+    every step says."""
+    llm = make_llm(block_size=4, num_kv_blocks=16, async_scheduling=async_scheduling)
+    with llm.record("blocks") as whole, llm.record("blocks", max_steps=1) as ring:
+        for prompt, tokens in (([5, 6, 7, 8, 9], 3), ([9, 8, 7], 1)):
+            llm.generate([prompt], greedy(tokens), use_tqdm=False)
+            llm.step()  # nothing to schedule: a step id without a record
+    steps = whole.step_ids
+    assert steps[-1] - steps[0] + 1 > len(steps)
+    finished_at = whole.queues().query("queue == 'finished'").set_index("request_id").step
+    kept = sorted(finished_at[finished_at >= ring.step_ids[0]].index)
+    assert kept and sorted(ring.requests.request_id) == kept
+
+
 def test_a_step_that_is_not_an_integer_is_refused_by_name_and_a_failed_replay_leaves_the_trace_readable(
         monkeypatch):
     import kvscope.trace.trace as trace_module

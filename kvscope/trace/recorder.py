@@ -115,6 +115,7 @@ class Recorder:
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         self._requests: dict[str, _RequestRow] = {}
         self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
+        self._finishing: list[str] = []  # requests finished since the last record: they end in the next one
         self._pending: list[BlockEvent | BlockEvents] = []  # the engine's sink: this window's events
         # Records whose block events wait to be packed, each with where its events end in the
         # chunk of events they share (packed as one log: see _pack_chunk).
@@ -235,14 +236,12 @@ class Recorder:
     def _on_added(self, request_id: str, **_: Any) -> None:
         self._touch(request_id)
 
-    def _on_finished(
-        self, step: int, request_id: str, finish_reason: str, output_token_ids: list[int], **_: Any
-    ) -> None:
+    def _on_finished(self, request_id: str, finish_reason: str, output_token_ids: list[int], **_: Any) -> None:
         req = self._touch(request_id)
         req.seq, req.output_len, req.finish_reason = None, len(output_token_ids), finish_reason
-        if self.records:  # (async scheduling: ``step`` is the one scheduled next, not the one it finished in)
-            step = min(step, self.records[-1].step + 1)
-        self._finished.append((step, request_id))
+        # Its record is the next one appended, whatever ``step`` says (under async scheduling the
+        # step scheduled next) and whichever steps scheduled nothing, so had no record, in between.
+        self._finishing.append(request_id)
 
     def _on_scheduled(self, scheduler_output: "SchedulerOutput", request_ids: dict[int, str], **_: Any) -> None:
         self._launches.append((scheduler_output.step, num_events(self._pending), scheduler_output, request_ids))
@@ -366,6 +365,8 @@ class Recorder:
     def _append(self, rec: StepRecord) -> None:
         with self.lock:
             self.records.append(rec)
+            self._finished.extend((rec.step, rid) for rid in self._finishing)
+            self._finishing.clear()
             if self._blocks:  # the window's events join the chunk; packed when it is full or read
                 events = self._pending
                 self._chunk += events
