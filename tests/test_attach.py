@@ -17,6 +17,7 @@ from attach_helpers import (applied, attach_to, metrics_server, probed, publishe
                             wait_for)
 
 import kvscope  # noqa: E402
+from kvscope.attach import MIN_METRICS_INTERVAL  # noqa: E402
 from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
 from kvscope.attach.wire import EVENT_FIELDS, Codec, WireError, cleared, event_row, removed, seq_bytes, stored  # noqa: E402
 
@@ -665,7 +666,7 @@ def test_metrics_are_scraped_at_an_interval_and_failures_counted():
     with metrics_server(lambda: VLLM_METRICS) as dead_url:
         pass  # nothing listens there any more
     with metrics_server(lambda: VLLM_METRICS) as url, publisher() as a, publisher() as b:
-        att = attach_to(a, b, metrics_urls=[url, dead_url], metrics_interval=0.05)
+        att = attach_to(a, b, metrics_urls=[url, dead_url], metrics_interval=MIN_METRICS_INTERVAL)
         try:
             wait_for(lambda: len(att.metrics) >= 6, what="three scrapes")
             wait_for(lambda: att.faults.scrape_errors.iloc[1] >= 2)
@@ -684,13 +685,32 @@ def test_metrics_with_an_engine_label_that_is_not_a_rank_are_skipped():
             'vllm:num_requests_running{engine="-3"} 8.0\n'
             'vllm:num_requests_running{engine="2"} 7.0\n')
     with metrics_server(lambda: page) as url, publisher() as pub:
-        att = attach_to(pub, metrics_urls=url, metrics_interval=0.05)
+        att = attach_to(pub, metrics_urls=url, metrics_interval=MIN_METRICS_INTERVAL)
         try:
             wait_for(lambda: len(att._metrics) >= 2, what="two scrapes")
             m = att.metrics
             assert set(m.data_parallel_rank) == {2} and m.num_requests_running.eq(7.0).all()
         finally:
             att.close()
+
+
+def test_metrics_interval_below_its_floor_is_refused_and_the_floor_is_kept():
+    """An interval under MIN_METRICS_INTERVAL (0 included) would scrape back to back, a dead URL in a
+    busy loop: refused naming the argument and the floor. At the floor, the server's own count of
+    requests stays within one per interval."""
+    for bad in (MIN_METRICS_INTERVAL / 2, 1e-9, 0):
+        with pytest.raises(ValueError, match=rf"metrics_interval must be a finite number of seconds "
+                                             rf">= {MIN_METRICS_INTERVAL:g} and <= 86400, got {bad!r}"):
+            kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=bad)
+    requests = []
+    with metrics_server(lambda: requests.append(time.monotonic()) or VLLM_METRICS) as url, publisher() as pub:
+        att = attach_to(pub, metrics_urls=url, metrics_interval=MIN_METRICS_INTERVAL)
+        try:
+            wait_for(lambda: len(requests) >= 5, what="five scrapes")
+        finally:
+            att.close()
+    span = requests[-1] - requests[0]
+    assert len(requests) - 1 <= span / MIN_METRICS_INTERVAL + 1
 
 
 def _tcp_server(answer, stop):
@@ -772,8 +792,8 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
         kvscope.attach("tcp://127.0.0.1:1", data_parallel_size=0)
     for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
-        for arg in ("metrics_interval", "replay_timeout"):
-            with pytest.raises(ValueError, match=f"{arg} must be a finite number of seconds > 0"):
+        for arg, low in (("metrics_interval", f">= {MIN_METRICS_INTERVAL:g}"), ("replay_timeout", "> 0")):
+            with pytest.raises(ValueError, match=f"{arg} must be a finite number of seconds {low}"):
                 kvscope.attach("tcp://127.0.0.1:1", metrics_urls="http://127.0.0.1:1/metrics", **{arg: bad})
     with pytest.raises(ValueError, match="metrics_urls names unknown instances"):
         kvscope.attach({"a": "tcp://127.0.0.1:1"}, metrics_urls={"b": "http://127.0.0.1:1/metrics"})
@@ -800,7 +820,7 @@ def test_bad_addresses_and_limits_name_the_argument():
         (dict(endpoints=ok, data_parallel_size=70_000), r"data_parallel_size must be an integer in 1..65535"),
         (dict(endpoints=ok, replay_timeout=1e300), r"replay_timeout must be a finite number of seconds > 0 and <= 86400"),
         (dict(endpoints=ok, metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=1e12),
-         r"metrics_interval must be a finite number of seconds > 0 and <= 86400"),
+         r"metrics_interval must be a finite number of seconds >= 0.1 and <= 86400"),
     ):
         with pytest.raises(ValueError, match=message):
             kvscope.attach(**kwargs)

@@ -11,6 +11,7 @@ pytest.importorskip("msgspec")
 from attach_helpers import applied, attach_to, metrics_server, publisher, wait_for  # noqa: E402
 
 import kvscope  # noqa: E402
+from kvscope.attach import MIN_METRICS_INTERVAL  # noqa: E402
 from kvscope.attach.wire import removed, stored  # noqa: E402
 from kvscope.widgets.attach_view import AttachDashboard, AttachView  # noqa: E402
 
@@ -111,7 +112,7 @@ def test_timeline_plots_the_scraped_metrics():
                 f'vllm:prefix_cache_hits_total{{engine="0"}} {60 * n}\nvllm:num_preemptions_total{{engine="0"}} {n}\n')
 
     with metrics_server(page) as url, publisher() as pub:
-        att = attach_to(pub, metrics_urls=url, metrics_interval=0.05)
+        att = attach_to(pub, metrics_urls=url, metrics_interval=MIN_METRICS_INTERVAL)
         dash = kvscope.dashboard(att, interval=0.05)
         try:
             wait_for(lambda: len(att.metrics) >= 4)

@@ -23,6 +23,7 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _URL_SCHEMES = ("http://", "https://")
 MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
+MIN_METRICS_INTERVAL = 0.1  # seconds: a shorter interval polls /metrics back to back, a dead URL in a busy loop
 
 
 def attach(
@@ -54,9 +55,8 @@ def attach(
                               ("max_events", max_events, sys.maxsize)):  # (a deque's maxlen is a C ssize_t)
         if value > limit:
             raise ValueError(f"{arg} must be an integer in 1..{limit}, got {value!r}")
-    for arg, value in (("metrics_interval", metrics_interval), ("replay_timeout", replay_timeout)):
-        if not (is_finite_number(value) and 0 < value <= MAX_SECONDS):
-            raise ValueError(f"{arg} must be a finite number of seconds > 0 and <= {MAX_SECONDS:g}, got {value!r}")
+    _check_seconds("metrics_interval", metrics_interval, MIN_METRICS_INTERVAL)
+    _check_seconds("replay_timeout", replay_timeout)
     named = _by_name(endpoints, "endpoints")
     replays = _matched(replay_endpoints, named, "replay_endpoints")
     urls = _matched(metrics_urls, named, "metrics_urls")
@@ -77,6 +77,14 @@ def attach(
     ]
     return Attached(streams, topic, urls or None, metrics_interval=metrics_interval, hwm=hwm,
                     max_events=max_events, replay_timeout=replay_timeout)
+
+
+def _check_seconds(arg: str, value: object, minimum: float | None = None) -> None:
+    """A wait in seconds: finite, at most a day, and ``>= minimum`` (without one, any positive value)."""
+    if is_finite_number(value) and value <= MAX_SECONDS and (value > 0 if minimum is None else value >= minimum):
+        return
+    low = "> 0" if minimum is None else f">= {minimum:g}"
+    raise ValueError(f"{arg} must be a finite number of seconds {low} and <= {MAX_SECONDS:g}, got {value!r}")
 
 
 def _by_name(value: Endpoints, arg: str) -> dict[str, str]:
