@@ -79,7 +79,7 @@ class KvscopeMagics(Magics):
                 flags = ", ".join("--" + n.replace("_", "-") for n in live_only)
                 raise UsageError(f"%kvscope: {flags}: only with a live dashboard (an LLM, or demo); "
                                  "a Trace replays what it recorded")
-            dash = demo(**options) if source is None else Dashboard(source, **options)
+            dash = demo(**options) if args.target == "demo" else Dashboard(source, **options)
         if args.out:
             self.shell.user_ns[args.out] = dash.trace
         if args.html:
@@ -126,10 +126,14 @@ class KvscopeMagics(Magics):
         return kvscope.dashboard(attached, interval=args.interval)
 
     def _resolve(self, name: str) -> Any:
+        """The value of the target expression ``name`` in the notebook; one that fails to
+        evaluate is refused naming it, with the error it raised chained."""
         try:
             return eval(name, self.shell.user_ns)  # noqa: S307 - the user's own expression
         except NameError:
             raise NameError(f"%kvscope: {name!r} is not defined in the notebook") from None
+        except Exception as e:
+            raise UsageError(f"%kvscope: the target {name!r} raised {type(e).__name__}: {e}") from e
 
     def _llm(self, name: str | None) -> Any:
         if name is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 
@@ -84,6 +85,20 @@ def test_errors_name_the_fix(ip):
         ip.run_line_magic("kvscope", "nope")
     with pytest.raises(UsageError, match="--nope"):
         ip.run_line_magic("kvscope", "llm --nope")
+
+
+def test_a_target_that_is_none_or_fails_to_evaluate_is_refused_naming_it(ip):
+    """A target variable holding None is refused as no LLM or Trace (it ran the demo, which
+    only a bare 'demo' asks for: a background run on the bundled model); a target expression
+    that raises is refused naming the expression and its error (a bare KeyError before)."""
+    ip.user_ns.update(unset=None, d={})
+    threads = set(threading.enumerate())
+    with pytest.raises(TypeError, match="must be an LLM .* or a kvscope.Trace .*got NoneType"):
+        ip.run_line_magic("kvscope", "unset")
+    assert set(threading.enumerate()) <= threads  # no demo run started
+    for target, error in (("d['t']", "KeyError: 't'"), ("1/0", "ZeroDivisionError")):
+        with pytest.raises(UsageError, match=f"^%kvscope: the target {re.escape(repr(target))} raised {error}"):
+            ip.run_line_magic("kvscope", target)
 
 
 def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
