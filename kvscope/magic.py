@@ -51,6 +51,9 @@ class KvscopeMagics(Magics):
         %%kvscope [llm] -o t    run the cell with a live dashboard; the recorded Trace is stored in `t`
         """
         args = self._parse(line)
+        if cell is not None and args.target in _LINE_ONLY:  # (the cell would never run)
+            raise UsageError(f"%%kvscope {args.target}: not in cell mode, which watches the cell's own LLM; "
+                             f"use the line magic %kvscope {args.target} ...")
         if args.target == "attach":
             return self._attach(args)
         if args.endpoints:
@@ -153,6 +156,7 @@ _QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
 _ATTACH_ONLY = ("topic", "replay", "metrics")
 _NOT_ATTACH = ("views", "level", "max_steps", "max_load", "html")
 _LIVE_ONLY = ("level", "max_steps", "interval", "max_load")  # what a replay of a Trace leaves unused
+_LINE_ONLY = ("attach", "demo")  # targets that bring their own source, with no cell to run
 
 
 def load_ipython_extension(ipython: Any) -> None:

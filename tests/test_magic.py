@@ -101,6 +101,18 @@ def test_a_target_that_is_none_or_fails_to_evaluate_is_refused_naming_it(ip):
             ip.run_line_magic("kvscope", target)
 
 
+@pytest.mark.parametrize("target", ["attach tcp://127.0.0.1:1", "demo"])
+def test_cell_mode_refuses_the_targets_of_the_line_magic_before_anything_runs(ip, target):
+    """``%%kvscope attach ...`` showed the attach dashboard and dropped the cell unrun;
+    ``%%kvscope demo`` looked for a variable named demo. Both are refused by name, pointing at
+    the line magic, and the cell does not run."""
+    ip.user_ns.pop("ran", None)
+    name = target.split()[0]
+    with pytest.raises(UsageError, match=f"^%%kvscope {name}: not in cell mode.*%kvscope {name}"):
+        ip.run_cell_magic("kvscope", target, "ran = True")
+    assert "ran" not in ip.user_ns
+
+
 def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     """``--views "pool,queues"`` shows those views, and ``--html "a b.html"`` writes the file a
     shell would name (the quotes were kept: unknown views, or a file named with its quotes)."""
