@@ -17,7 +17,7 @@ from attach_helpers import (applied, attach_to, metrics_server, probed, publishe
                             wait_for)
 
 import kvscope  # noqa: E402
-from kvscope.attach import MIN_METRICS_INTERVAL  # noqa: E402
+from kvscope.attach import MIN_MESSAGE_BYTES, MIN_METRICS_INTERVAL  # noqa: E402
 from kvscope.attach.metrics import METRICS, parse_metrics  # noqa: E402
 from kvscope.attach.wire import EVENT_FIELDS, Codec, WireError, cleared, event_row, removed, seq_bytes, stored  # noqa: E402
 
@@ -188,6 +188,54 @@ def test_events_with_fields_of_the_wrong_type_are_skipped_not_applied():
         assert att.faults.unknown_tag.iloc[0] == len(bad)
         assert set(att.blocks.block_hash) == want and all(t == [1, 2] for t in att.blocks.token_ids)
         assert att.events.type.tolist() == ["BlockStored"] * len(bad) + ["BlockRemoved"]
+
+
+def big_batch(hash_: int) -> list:
+    """One BlockStored whose token ids alone take about 16 KiB: over a 4 KiB message limit."""
+    return [stored([hash_], None, list(range(1000, 9000)), 8000)]
+
+
+def test_a_live_message_over_max_message_bytes_is_refused_and_counted():
+    """A batch over max_message_bytes is refused unread and counted; the connection ZMQ gives up on
+    is made again, and the batches published meanwhile come back through replay: every seq the
+    publisher numbered is applied except the big one."""
+    with publisher() as pub:
+        att = attach_to(pub, max_message_bytes=4096)
+        try:
+            wait_for(applied(att, "p0", pub.publish([stored([0], None, [1, 2], 2)])), what="batch 0")
+            big = pub.publish(big_batch(666))
+            for i in range(1, 5):
+                last = pub.publish([stored([i], None, [1, 2], 2)])
+            wait_for(applied(att, "p0", last), timeout=10, what="the batches after the big one")
+            wait_for(applied(att, "p0", last := pub.publish([stored([5], None, [1, 2], 2)])), timeout=5,
+                     what="a live batch after the recovery")
+            assert att.block_hashes("p0") == {0, 1, 2, 3, 4, 5}
+            assert att.events.seq.tolist() == [q for q in range(last + 1) if q != big]
+            f = att.faults.iloc[0]
+            assert (f.oversize_messages, f.lost_batches, f.bad_msgpack, f.reconnects) == (1, 1, 0, 0)
+        finally:
+            att.close()
+
+
+def test_a_replayed_batch_over_max_message_bytes_is_skipped_not_a_stuck_replay():
+    """A subscriber joins after batches 0..3, of which 1 is over the limit: replay brings the others,
+    skips the big one (lost), and the live batches after it apply."""
+    with publisher() as pub:
+        pub.publish([stored([0], None, [1, 2], 2)])
+        big = pub.publish(big_batch(666))
+        pub.publish([stored([2], None, [1, 2], 2)])
+        pub.publish([stored([3], None, [1, 2], 2)])
+        att = attach_to(pub, max_message_bytes=4096)
+        try:
+            for i in (4, 5):
+                wait_for(applied(att, "p0", last := pub.publish([stored([i], None, [1, 2], 2)])), timeout=10,
+                         what=f"live batch {i}")
+            assert att.block_hashes("p0") == {0, 2, 3, 4, 5}
+            assert att.events.seq.tolist() == [q for q in range(last + 1) if q != big]
+            f = att.faults.iloc[0]
+            assert (f.replayed_batches, f.lost_batches, f.oversize_messages) == (3, 1, 0)
+        finally:
+            att.close()
 
 
 def test_a_payload_nested_too_deep_is_bad_msgpack():
@@ -817,6 +865,10 @@ def test_bad_addresses_and_limits_name_the_argument():
         (dict(endpoints=ok, metrics_urls=[8000]), r"metrics_urls\['127.0.0.1:1'\] must be a URL"),
         (dict(endpoints=ok, hwm=2**31), r"hwm must be an integer in 1..2147483647"),
         (dict(endpoints=ok, max_events=2**63), rf"max_events must be an integer in 1..{sys.maxsize}"),
+        (dict(endpoints=ok, max_message_bytes=MIN_MESSAGE_BYTES - 1),
+         rf"max_message_bytes must be an integer >= {MIN_MESSAGE_BYTES}, got {MIN_MESSAGE_BYTES - 1}"),
+        (dict(endpoints=ok, max_message_bytes=2**63), r"max_message_bytes must be an integer in 1024..9223372036854775807"),
+        (dict(endpoints=ok, max_message_bytes=4096.0), r"max_message_bytes must be an integer >= 1024, got 4096.0"),
         (dict(endpoints=ok, data_parallel_size=70_000), r"data_parallel_size must be an integer in 1..65535"),
         (dict(endpoints=ok, replay_timeout=1e300), r"replay_timeout must be a finite number of seconds > 0 and <= 86400"),
         (dict(endpoints=ok, metrics_urls="http://127.0.0.1:1/metrics", metrics_interval=1e12),

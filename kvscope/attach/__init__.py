@@ -14,6 +14,8 @@ import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 from kvscope.arg_checks import MAX_PORT, check_int, is_finite_number, tcp_port
+from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES
+from kvscope.attach.wire import INT64_MAX
 
 if TYPE_CHECKING:
     from kvscope.attach.attached import Attached
@@ -23,6 +25,7 @@ _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _URL_SCHEMES = ("http://", "https://")
 MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
+MIN_MESSAGE_BYTES = 1024  # a smaller limit could refuse even an empty batch under a long topic
 MIN_METRICS_INTERVAL = 0.1  # seconds: a shorter interval polls /metrics back to back, a dead URL in a busy loop
 
 
@@ -37,6 +40,7 @@ def attach(
     hwm: int = 100_000,
     max_events: int = 1_000_000,
     replay_timeout: float = 2.0,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> "Attached":
     """Subscribe to vLLM KV-event publishers; returns the live :class:`Attached`.
 
@@ -44,17 +48,20 @@ def attach(
     ``{name: address}``. ``replay_endpoints`` and ``metrics_urls`` (each instance's Prometheus
     ``/metrics``) follow the same shape, matched to ``endpoints`` by position or by name.
     With ``data_parallel_size=n`` each address stands for ranks 0..n-1 on port + r, as vLLM binds them.
+    ``max_message_bytes`` bounds each message frame: ZMQ refuses a larger one at its header, unread.
     """
     from kvscope.attach.attached import Attached
     from kvscope.attach.publisher import offset_endpoint
     from kvscope.attach.subscriber import Stream
 
-    for arg, value in (("data_parallel_size", data_parallel_size), ("hwm", hwm), ("max_events", max_events)):
-        check_int(arg, value)
-    for arg, value, limit in (("data_parallel_size", data_parallel_size, MAX_PORT), ("hwm", hwm, MAX_HWM),
-                              ("max_events", max_events, sys.maxsize)):  # (a deque's maxlen is a C ssize_t)
+    for arg, value, low, limit in (
+        ("data_parallel_size", data_parallel_size, 1, MAX_PORT), ("hwm", hwm, 1, MAX_HWM),
+        ("max_events", max_events, 1, sys.maxsize),  # (a deque's maxlen is a C ssize_t)
+        ("max_message_bytes", max_message_bytes, MIN_MESSAGE_BYTES, INT64_MAX),  # (ZMQ's MAXMSGSIZE is an int64)
+    ):
+        check_int(arg, value, low)
         if value > limit:
-            raise ValueError(f"{arg} must be an integer in 1..{limit}, got {value!r}")
+            raise ValueError(f"{arg} must be an integer in {low}..{limit}, got {value!r}")
     _check_seconds("metrics_interval", metrics_interval, MIN_METRICS_INTERVAL)
     _check_seconds("replay_timeout", replay_timeout)
     named = _by_name(endpoints, "endpoints")
@@ -76,7 +83,7 @@ def attach(
         for name, address in named.items() for r in range(data_parallel_size)
     ]
     return Attached(streams, topic, urls or None, metrics_interval=metrics_interval, hwm=hwm,
-                    max_events=max_events, replay_timeout=replay_timeout)
+                    max_events=max_events, replay_timeout=replay_timeout, max_message_bytes=max_message_bytes)
 
 
 def _check_seconds(arg: str, value: object, minimum: float | None = None) -> None:

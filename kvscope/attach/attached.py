@@ -15,7 +15,7 @@ import pandas as pd
 
 from kvscope.attach.cache import PrefixCache
 from kvscope.attach.metrics import MetricsScraper
-from kvscope.attach.subscriber import FAULTS, Stream, Subscriber
+from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES, FAULTS, Stream, Subscriber
 from kvscope.attach.wire import INT64_MAX, Batch, event_row
 from kvscope.attach.tables import SCHEMAS
 from kvscope.engine.hooks import warn_detached
@@ -30,7 +30,7 @@ class Attached:
 
     def __init__(self, streams: list[Stream], topic: str, metrics_urls: dict[str, str] | None = None,
                  metrics_interval: float = 1.0, hwm: int = 100_000, max_events: int = 1_000_000,
-                 replay_timeout: float = 2.0) -> None:
+                 replay_timeout: float = 2.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.streams = streams
         self.topic = topic
         self.lock = threading.Lock()
@@ -42,7 +42,8 @@ class Attached:
         self._metrics: deque[tuple] = deque(maxlen=max_events)
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
-        self._subscriber = Subscriber(streams, topic, self._apply, self._reset, hwm, replay_timeout)
+        self._subscriber = Subscriber(streams, topic, self._apply, self._reset, hwm, replay_timeout,
+                                      max_message_bytes=max_message_bytes)
         self._scraper = MetricsScraper(metrics_urls, metrics_interval, self._add_metrics) if metrics_urls else None
 
     # ------------------------------------------------------ subscriber side

@@ -13,9 +13,14 @@ is checked against the next one expected from that publisher:
   everything it still buffers, so a late subscriber sees the blocks stored before it joined;
 - a publisher that has gone quiet is asked once a second for anything after the last batch
   applied, since a dropped *last* batch leaves no later sequence number to reveal the gap;
-- after the connection dropped (a socket monitor reports it), the publisher may be a new
-  process whose numbers happen to continue past ours, so the next message starts over: the
-  rebuilt cache is cleared and refilled from what replay still buffers.
+- after the connection dropped (a socket monitor reports it, and that ZMQ reconnects), the
+  publisher may be a new process whose numbers happen to continue past ours, so the next message
+  starts over: the rebuilt cache is cleared and refilled from what replay still buffers;
+- a message over ``max_message_bytes`` is refused by ZMQ at its header, before it is read, and
+  ZMQ then drops the connection for good: the monitor reports the drop without the reconnection
+  that follows any other, so the subscriber connects again itself, and the batches it missed
+  meanwhile come back through replay like any gap. A replay answer cut short the same way is asked
+  for again, past the batch that cannot come through.
 
 Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
 """
@@ -34,6 +39,7 @@ FAULTS: tuple[str, ...] = (
     "bad_msgpack",        # a payload that is not a msgpack KVEventBatch (the batch is skipped)
     "unknown_tag",        # an event tagged other than BlockStored / BlockRemoved / AllBlocksCleared, or mistyped
     "missing_frames",     # a message without exactly [topic, 8-byte seq, payload]
+    "oversize_messages",  # a live message over max_message_bytes: refused unread, the connection made again
     "gaps",               # sequence skips seen on the live socket
     "missed_batches",     # batches those skips left out
     "replayed_batches",   # batches recovered through the replay socket
@@ -45,6 +51,8 @@ FAULTS: tuple[str, ...] = (
 
 _POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
 _CLOSE_WAIT_S = 2.0  # how long close() waits for a listener to return (the thread then closes its sockets itself)
+_GAVE_UP_S = 0.5  # a drop ZMQ has not said it reconnects from by then is one it gave up on
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # far above a vLLM batch (a step's blocks and token ids)
 
 
 @dataclass
@@ -60,10 +68,12 @@ class Stream:
     next_seq: int | None = None  # the next sequence number to apply
     last_live: int | None = None  # the last sequence number read from the SUB socket
     disconnected: bool = False
+    dropped: float | None = None  # time.monotonic() of a drop that ZMQ has not (yet) said it reconnects from
     heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
     sub: Any = None
     replay: Any = None
     monitor: Any = None
+    replay_monitor: Any = None
 
 
 ApplyFn = Callable[[Stream, int, Batch], None]
@@ -74,9 +84,11 @@ class Subscriber:
     """Reads every stream in a daemon thread; calls ``apply`` per batch in sequence order."""
 
     def __init__(self, streams: list[Stream], topic: str, apply: ApplyFn, reset: ResetFn,
-                 hwm: int = 100_000, replay_timeout: float = 2.0, idle_probe: float = 1.0) -> None:
+                 hwm: int = 100_000, replay_timeout: float = 2.0, idle_probe: float = 1.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         zmq = require("zmq")
         self._zmq = zmq
+        self.max_message_bytes = max_message_bytes
         self.streams, self.apply, self.reset = streams, apply, reset
         self.replay_timeout, self.idle_probe = replay_timeout, idle_probe
         self.topic = topic.encode()
@@ -99,16 +111,20 @@ class Subscriber:
         zmq = self._zmq
         s.sub = self._ctx.socket(zmq.SUB)
         s.sub.setsockopt(zmq.RCVHWM, hwm)
+        s.sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         s.sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         s.sub.connect(s.endpoint)
+        s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         if s.replay_endpoint is not None:
             s.replay = self._ctx.socket(zmq.DEALER)
             s.replay.setsockopt(zmq.LINGER, 0)
+            s.replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             s.replay.connect(s.replay_endpoint)
-        s.monitor = s.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        for sock in (s.sub, s.monitor):
-            self._poller.register(sock, zmq.POLLIN)
-            self._by_socket[sock] = s
+            s.replay_monitor = s.replay.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        for sock in (s.sub, s.monitor, s.replay_monitor):
+            if sock is not None:
+                self._poller.register(sock, zmq.POLLIN)
+                self._by_socket[sock] = s
 
     def close(self) -> None:
         """Stop the thread, which closes the sockets itself (ZMQ sockets are not thread-safe).
@@ -129,9 +145,10 @@ class Subscriber:
 
     def _close_sockets(self) -> None:
         for s in self.streams:
-            if s.monitor is not None:
-                s.sub.disable_monitor()
-            for sock in (s.sub, s.replay, s.monitor):
+            for sock, monitor in ((s.sub, s.monitor), (s.replay, s.replay_monitor)):
+                if monitor is not None:
+                    sock.disable_monitor()
+            for sock in (s.sub, s.replay, s.monitor, s.replay_monitor):
                 if sock is not None:
                     sock.close(linger=0)
         self._ctx.term()
@@ -141,6 +158,8 @@ class Subscriber:
         while not self._stop.is_set():
             now = time.monotonic()
             for s in self.streams:
+                if s.dropped is not None and now - s.dropped > _GAVE_UP_S:
+                    self._refused(s)
                 if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
                     s.heard = now
                     if not s.sub.poll(0):  # batches waiting: not quiet, only unread while another stream replayed
@@ -148,9 +167,10 @@ class Subscriber:
             for sock, _ in self._poller.poll(_POLL_MS):
                 s = self._by_socket[sock]
                 if sock is s.monitor:
-                    while sock.poll(0):
-                        sock.recv_multipart()
-                        s.disconnected = True
+                    self._on_sub_events(s)
+                    continue
+                if sock is s.replay_monitor:
+                    self._replay_dropped(s)
                     continue
                 for _ in range(1000):  # drain in bursts, so one busy publisher cannot starve the loop
                     if self._stop.is_set():
@@ -161,6 +181,47 @@ class Subscriber:
                         break
                     self._on_message(s, frames)
                     s.heard = time.monotonic()
+
+    def _events(self, monitor: Any) -> list[int]:
+        """The events a socket monitor holds now."""
+        from zmq.utils.monitor import parse_monitor_message
+
+        events = []
+        while monitor.poll(0):
+            events.append(parse_monitor_message(monitor.recv_multipart())["event"])
+        return events
+
+    def _on_sub_events(self, s: Stream) -> None:
+        """A drop, then ZMQ's retry: a lost connection, maybe to a new publisher process. A drop
+        alone (for :data:`_GAVE_UP_S`) is one ZMQ gave up on: :meth:`_refused`."""
+        for event in self._events(s.monitor):
+            if event == self._zmq.EVENT_DISCONNECTED:
+                s.dropped = time.monotonic()
+            elif s.dropped is not None:  # a retry after a drop (retries alone: a publisher not up yet)
+                s.dropped, s.disconnected = None, True
+
+    def _refused(self, s: Stream) -> None:
+        """ZMQ refused a message over ``max_message_bytes`` at its header and closed the connection
+        for good: connect again. The same publisher is still there, so the cache stays; the next
+        batch shows the gap, which replay fills."""
+        s.dropped = None
+        s.faults["oversize_messages"] += 1
+        self._reconnect(s.sub, s.endpoint)
+
+    def _replay_dropped(self, s: Stream) -> bool:
+        """Whether the replay connection dropped since last asked; if so it is made again (after a
+        message over the limit ZMQ would not; after any other drop this only starts it at once)."""
+        if not any(e == self._zmq.EVENT_DISCONNECTED for e in self._events(s.replay_monitor)):
+            return False
+        self._reconnect(s.replay, s.replay_endpoint)
+        return True
+
+    def _reconnect(self, sock: Any, endpoint: str) -> None:
+        try:
+            sock.disconnect(endpoint)
+        except self._zmq.ZMQError:  # ZMQ dropped the endpoint already
+            pass
+        sock.connect(endpoint)
 
     def _on_message(self, s: Stream, frames: list[bytes]) -> None:
         try:
@@ -203,6 +264,15 @@ class Subscriber:
         s.faults["unknown_tag"] += batch.unknown_tags
         self.apply(s, seq, batch)
 
+    def _ask(self, s: Stream, start: int) -> bool:
+        """Send a replay request from ``start``; False if it cannot go out now (a replay peer that is
+        down queues requests up to the high-water mark, then would block)."""
+        try:
+            s.replay.send_multipart([b"", seq_bytes(start)], self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            return False
+        return True
+
     def _probe_tail(self, s: Stream) -> None:
         """Ask replay for batches after the last one applied; any that come back were dropped live."""
         before = s.next_seq
@@ -220,7 +290,11 @@ class Subscriber:
         is counted lost, except before the first one returned to a stream that is joining.
         ``contiguous`` takes only the batch after the last one applied: with no live batch to
         bound the answer (the idle probe), a number far ahead would make every later live batch
-        look like one already applied; what a skip leaves out comes back at the next gap."""
+        look like one already applied; what a skip leaves out comes back at the next gap.
+
+        An answer the connection dropped in the middle of is asked for again from the batch it
+        still owes; a second drop there with no reply between means that batch cannot come
+        through under ``max_message_bytes``, so the next ask starts after it (it is lost)."""
         if s.replay is None:
             return False
         zmq = self._zmq
@@ -231,12 +305,22 @@ class Subscriber:
             except zmq.Again:
                 break
         joining = s.next_seq is None
-        try:  # a replay peer that is down queues requests up to the high-water mark, then would block
-            sock.send_multipart([b"", seq_bytes(start)], zmq.NOBLOCK)
-        except zmq.Again:
+        owed, stuck = start, None  # the first batch the answer has not brought; where it last dropped
+        if not self._ask(s, owed):
             return False
         deadline = time.monotonic() + self.replay_timeout
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            if self._replay_dropped(s):  # the rest of the answer went with the connection: ask again
+                if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
+                    owed, stuck = owed + 1, None
+                    if not joining:  # the batch is lost; what follows it is what the answer owes now
+                        s.faults["lost_batches"] += 1
+                        s.next_seq = owed
+                else:
+                    stuck = owed
+                if not self._ask(s, owed):
+                    return False
+                continue
             if not sock.poll(min(int(left * 1000) + 1, _POLL_MS)):  # in slices, so close() need not wait
                 continue
             reply = sock.recv_multipart()
@@ -254,4 +338,5 @@ class Subscriber:
                 joining = False
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
+                owed = seq + 1
         return False
