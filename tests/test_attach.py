@@ -789,8 +789,9 @@ def _answer_once(answer, conn):
 
 
 def test_metrics_servers_that_misbehave_are_scrape_errors():
-    """Garbage instead of HTTP, a cut page, a page without end and one a byte at a time: each scrape
-    of them fails within the timeout and is counted, and the good server keeps being scraped."""
+    """Garbage instead of HTTP, a cut page, a page without end, one a byte at a time and headers a
+    byte at a time: each scrape of them fails within the timeout and is counted, the good server
+    keeps being scraped, and close() ends the thread."""
     from kvscope.attach.metrics import MetricsScraper
 
     stop = threading.Event()
@@ -811,10 +812,16 @@ def test_metrics_servers_that_misbehave_are_scrape_errors():
             conn.sendall(b"#")
             time.sleep(0.05)
 
+    def slow_headers(conn):  # each read within the timeout, the headers never done
+        conn.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        while not stop.is_set():
+            conn.sendall(b"x")
+            time.sleep(0.05)
+
     answers = {"good": good, "garbage": lambda conn: conn.sendall(b"\x00\x01 not http\r\n\r\n"),
                "cut": lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page)
                                                 + page[:len(page) // 2]),
-               "endless": endless, "trickle": trickle}
+               "endless": endless, "trickle": trickle, "slow_headers": slow_headers}
     urls = {name: _tcp_server(answer, stop) for name, answer in answers.items()}
     rows = []
     scraper = MetricsScraper(urls, 0.05, rows.extend, timeout=0.5)
@@ -824,6 +831,8 @@ def test_metrics_servers_that_misbehave_are_scrape_errors():
         assert scraper.errors["good"] == 0 and scraper._thread.is_alive()
         assert {r[1] for r in rows} == {"good"} and len(rows) >= 4  # two engines per scrape
         assert [r[3] for r in rows if r[2] == 0] == [7.0] * (len(rows) // 2)  # num_requests_running
+        scraper.close()
+        assert not scraper._thread.is_alive()
     finally:
         stop.set()
         scraper.close()

@@ -7,13 +7,15 @@ exposed with prometheus_client's ``_total`` suffix. Each row is one scrape of on
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import math
 import re
+import socket
 import threading
 import time
 import urllib.request
-from typing import Callable
+from typing import Any, Callable
 
 # column -> the vLLM metric names that fill it, newest first (gpu_cache_usage_perc: before v0.10)
 METRICS: dict[str, tuple[str, ...]] = {
@@ -94,19 +96,18 @@ class MetricsScraper:
             self.sink(parse_metrics(text, instance, time.time()))
 
     def _fetch(self, url: str) -> str:
-        """The page at ``url``, read in chunks against one deadline for the whole page."""
-        deadline = time.monotonic() + self.timeout
+        """The page at ``url``, read in chunks against one deadline for the whole answer, headers included."""
         chunks, size = [], 0
-        with urllib.request.urlopen(url, timeout=self.timeout) as resp:  # noqa: S310 - the user's URL
+        with _Deadline(self.timeout) as deadline, deadline.open(url) as resp:
             while chunk := resp.read1(1 << 16):
                 size += len(chunk)
                 if size > MAX_PAGE_BYTES:
                     raise ValueError(f"{url} sent more than {MAX_PAGE_BYTES} bytes")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url} took longer than {self.timeout} s")
                 chunks.append(chunk)
             if resp.length:  # the connection closed before the Content-Length promised: a cut page
                 raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+        if deadline.passed.is_set():  # the deadline shut the connection: what came is not the page
+            raise TimeoutError(f"{url} took longer than {self.timeout} s")
         return b"".join(chunks).decode("utf-8", "replace")
 
     def _run(self) -> None:
@@ -117,3 +118,76 @@ class MetricsScraper:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=self.timeout + 1.0)
+
+
+class _Deadline:
+    """Shuts the connections of one fetch once ``seconds`` pass: http.client's timeout bounds each
+    read, not the answer, so a server sending its headers a byte at a time would hold the
+    scraper (and every URL after it) for ever."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.passed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._timer = threading.Timer(seconds, self._shut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def open(self, url: str) -> http.client.HTTPResponse:
+        """``urlopen(url)`` (redirects and https included), its sockets recorded for :meth:`_shut`."""
+        opener = urllib.request.build_opener(_HTTPHandler(self._sockets), _HTTPSHandler(self._sockets))
+        return opener.open(url, timeout=self.seconds)  # noqa: S310 - the user's URL
+
+    def _shut(self) -> None:
+        self.passed.set()
+        for sock in list(self._sockets):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the read blocked on it
+            except OSError:  # closed already
+                pass
+
+
+class _Recorded:
+    """A connection mixin appending each socket it opens (before any TLS handshake) to ``sockets``."""
+
+    def __init__(self, *args: Any, sockets: list, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = functools.partial(_connect, sockets)
+
+
+def _connect(sockets: list, *args: Any, **kwargs: Any) -> socket.socket:
+    sock = socket.create_connection(*args, **kwargs)
+    sockets.append(sock)
+    return sock
+
+
+class _HTTP(_Recorded, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPS(_Recorded, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, sockets: list) -> None:
+        super().__init__()
+        self.sockets = sockets
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTP, sockets=self.sockets), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, sockets: list) -> None:
+        super().__init__()
+        self.sockets = sockets
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(functools.partial(_HTTPS, sockets=self.sockets), req, context=self._context)
