@@ -341,6 +341,41 @@ def test_a_ring_buffer_lists_a_request_that_finished_right_after_a_step_without_
     assert kept and sorted(ring.requests.request_id) == kept
 
 
+def _reuse_an_id(llm: LLM) -> list[RequestOutput]:
+    """Request "r" stops on a token (under async scheduling its next step is already launched),
+    and as soon as its final output is out a new request takes the id "r"; the final outputs."""
+    llm.add_request([5, 6, 7], greedy(12, stop_token_ids=list(range(3, VOCAB)), min_tokens=2), "r")
+    llm.add_request([9, 6, 7, 1, 2], greedy(6), "other")
+    final: list[RequestOutput] = []
+    while llm.has_unfinished_requests():
+        done = [o for o in llm.step() if o.finished and o.request_id == "r"]
+        if done and not final:
+            llm.add_request([5, 6, 7, 8, 9, 10, 11, 12, 13], greedy(4), "r")
+        final += done
+    return final
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_request_id_used_again_names_a_new_request_in_requests_and_lifecycle(async_scheduling):
+    """A request id is free once its final output is out. The new request with it gets its own
+    row in trace.requests (it updated the finished one's row: the old prompt, the new output)
+    and a life of its own in trace.lifecycle (it showed as idle), each as its RequestOutput
+    says; a ring buffer that dropped the first one's steps lists the second only."""
+    llm = make_llm(block_size=4, num_kv_blocks=16, async_scheduling=async_scheduling)
+    with llm.record("blocks") as trace, llm.record("blocks", max_steps=3) as ring:
+        outputs = _reuse_an_id(llm)
+    want = [(len(o.prompt_token_ids), len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs]
+    rows = trace.requests.query("request_id == 'r'")
+    assert list(zip(rows.prompt_len, rows.output_len, rows.finish_reason)) == want
+    life = trace.lifecycle.query("request_id == 'r'").reset_index(drop=True)
+    ends = life.index[life.state == "finished"].tolist()
+    assert len(ends) == 2
+    for (prompt, out, _), part in zip(want, (life[:ends[0] + 1], life[ends[0] + 1:])):
+        assert part.state.tolist()[0] in ("waiting", "idle", "prefill") and "prefill" in part.state.tolist()
+        assert part.num_tokens.sum() == prompt + out - 1  # every token computed once, the last one sampled only
+    assert ring.requests.query("request_id == 'r'").prompt_len.tolist() == [want[1][0]]
+
+
 def test_a_step_that_is_not_an_integer_is_refused_by_name_and_a_failed_replay_leaves_the_trace_readable(
         monkeypatch):
     import kvscope.trace.trace as trace_module

@@ -333,6 +333,26 @@ def test_a_view_of_a_trace_with_no_steps_yet_shows_nothing_and_a_step_not_record
             view.update_from(trace, step)
 
 
+def test_a_request_id_used_again_is_one_lifecycle_lane_with_the_newest_requests_facts():
+    """Two requests, one after the other, with the id "r": trace.requests has a row for each,
+    and the lifecycle view (it failed: reindex on duplicate labels) shows one lane for "r"
+    with its two lives and the facts of the newest, as its RequestOutput says."""
+    llm = make_llm(**ENGINE)
+    final = []
+    with llm.record("blocks") as trace:
+        for prompt, n in (([5, 6, 7], 2), ([5, 6, 7, 8, 9, 10, 11, 12, 13], 4)):
+            llm.add_request(prompt, greedy(n), "r")
+            while llm.has_unfinished_requests():
+                final += [o for o in llm.step() if o.finished]
+    view = Dashboard(trace).views["lifecycle"]
+    lanes = [r for r in view.requests if r["id"] == "r"]
+    newest = final[-1]
+    assert len(lanes) == 1 and (lanes[0]["prompt_len"], lanes[0]["output_len"]) == (
+        len(newest.prompt_token_ids), len(newest.outputs[0].token_ids))
+    states = [view.states[c] for c in np.frombuffer(view.intervals, np.int32).reshape(-1, 6)[:, 1]]
+    assert states.count("finished") == 2
+
+
 def test_a_hover_on_a_step_the_ring_buffer_dropped_gets_no_facts_and_raises_nothing():
     """Live, with a small ring buffer, the browser may ask for the blocks of a step the trace
     has dropped since it showed it: the answer is empty and says the step is not held (a

@@ -35,11 +35,14 @@ class LifecycleBuilder:
         self.closed: list[tuple] = []
         self._open: dict[str, Row] = {}
         self._preempted: set[str] = set()  # preempted, and not decoding again yet
-        self._ended: set[str] = set()  # finished or aborted: no state after that
+        # Finished or aborted, with the step of the record its life ended in: no state after that,
+        # until the id is queued again (a request id is free once its final output is out).
+        self._ended: dict[str, int] = {}
         self._order: dict[str, int] = {}  # request id -> when first seen
         self.first_step: int | None = None
         self.last_step: int | None = None
         self._queues: tuple[list[str] | None, list[str] | None] = (None, None)  # the last record's
+        self._launched: set[int] = set()  # the steps the last record launched
 
     def add(self, rec: StepRecord) -> None:
         """Take in the next recorded step."""
@@ -48,6 +51,7 @@ class LifecycleBuilder:
         if not self._extend_steady(rec):
             self._add(rec)
         self._queues = (rec.running, rec.waiting)
+        self._launched = {launch.step for launch in rec.launches}
         self.last_step = rec.step
 
     def _extend_steady(self, rec: StepRecord) -> bool:
@@ -87,7 +91,13 @@ class LifecycleBuilder:
         sched = rec.scheduled
         # Under async scheduling a row may belong to a request that ended after it was launched
         # (it finished in the step before, or was aborted): only a live request's row counts.
-        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted} - self._ended
+        # An ended id queued again is a new request's; a row launched before the old one ended
+        # (in the record before) is still the old one's.
+        ahead = rec.step in self._launched
+        old = {rid for rid, step in self._ended.items() if ahead and step == self.last_step}
+        for rid in self._ended.keys() & {*rec.running, *rec.waiting}:
+            del self._ended[rid]
+        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted} - self._ended.keys() - old
         for rid, prefill, start, n, cached in zip(
                 sched.request_ids, sched.is_prefill.tolist(), sched.start.tolist(),
                 sched.num_new_tokens.tolist(), sched.num_cached_tokens.tolist()):
@@ -124,13 +134,13 @@ class LifecycleBuilder:
             if rid in self._open:
                 self._close(rid)
             self._preempted.discard(rid)
-            self._ended.add(rid)
+            self._ended[rid] = rec.step
             self.closed.append((rid, "finished", rec.step, rec.step, 0, end, end, 0, 0))
             now.pop(rid, None)
         for rid in [r for r in self._open if r not in now]:  # gone without finishing: aborted between steps
             self._close(rid)
             self._preempted.discard(rid)
-            self._ended.add(rid)
+            self._ended[rid] = rec.step
             self.closed.append((rid, "aborted", rec.step, rec.step, 0, start, start, 0, 0))
 
     def rows(self) -> list[tuple]:

@@ -113,9 +113,12 @@ class Recorder:
         self.lock = threading.Lock()
         self._blocks = level != "summary"
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
-        self._requests: dict[str, _RequestRow] = {}
-        self._finished: deque[tuple[int, str]] = deque()  # (step, request id), for pruning
-        self._finishing: list[str] = []  # requests finished since the last record: they end in the next one
+        # A request id is free again once its request's final output is out, so one id may name
+        # several requests: each gets its own row; the newest row of each id is the one hooks update.
+        self._request_rows: dict[_RequestRow, None] = {}  # every row of trace.requests, in the order added
+        self._requests: dict[str, _RequestRow] = {}  # request id -> its newest row
+        self._finished: deque[tuple[int, _RequestRow]] = deque()  # (step, row), for pruning
+        self._finishing: list[_RequestRow] = []  # finished since the last record: they end in the next one
         self._pending: list[BlockEvent | BlockEvents] = []  # the engine's sink: this window's events
         # Records whose block events wait to be packed, each with where its events end in the
         # chunk of events they share (packed as one log: see _pack_chunk).
@@ -157,7 +160,7 @@ class Recorder:
         self._started = True
         for rid, req in self.engine.requests.items():  # already queued or running: rows from the start
             if not req.is_finished:
-                self._touch(rid)
+                self._add_row(rid)
         hooks = self.engine.hooks
         if self._blocks:
             self.baseline = SparsePool.capture(self.engine)
@@ -184,7 +187,7 @@ class Recorder:
         self._launches.clear()
         with self.lock:
             self._pack_chunk()
-        for req in list(self._requests.values()):
+        for req in list(self._request_rows):
             req.freeze()
         self.engine = None
         if self._holds_heap:
@@ -224,24 +227,23 @@ class Recorder:
             return list(self.records), base, self.last_dropped_step
 
     def requests_frame(self) -> pd.DataFrame:
-        return frame("requests", [r.row() for r in list(self._requests.values())])
+        return frame("requests", [r.row() for r in list(self._request_rows)])
 
     # ---------------------------------------------------------------- hooks
-    def _touch(self, request_id: str) -> _RequestRow:
-        req = self._requests.get(request_id)
-        if req is None:
-            req = self._requests[request_id] = _RequestRow(self.engine.requests[request_id])
-        return req
+    def _add_row(self, request_id: str) -> _RequestRow:
+        row = self._requests[request_id] = _RequestRow(self.engine.requests[request_id])
+        self._request_rows[row] = None
+        return row
 
     def _on_added(self, request_id: str, **_: Any) -> None:
-        self._touch(request_id)
+        self._add_row(request_id)
 
     def _on_finished(self, request_id: str, finish_reason: str, output_token_ids: list[int], **_: Any) -> None:
-        req = self._touch(request_id)
+        req = self._requests.get(request_id) or self._add_row(request_id)
         req.seq, req.output_len, req.finish_reason = None, len(output_token_ids), finish_reason
         # Its record is the next one appended, whatever ``step`` says (under async scheduling the
         # step scheduled next) and whichever steps scheduled nothing, so had no record, in between.
-        self._finishing.append(request_id)
+        self._finishing.append(req)
 
     def _on_scheduled(self, scheduler_output: "SchedulerOutput", request_ids: dict[int, str], **_: Any) -> None:
         self._launches.append((scheduler_output.step, num_events(self._pending), scheduler_output, request_ids))
@@ -365,7 +367,7 @@ class Recorder:
     def _append(self, rec: StepRecord) -> None:
         with self.lock:
             self.records.append(rec)
-            self._finished.extend((rec.step, rid) for rid in self._finishing)
+            self._finished.extend((rec.step, row) for row in self._finishing)
             self._finishing.clear()
             if self._blocks:  # the window's events join the chunk; packed when it is full or read
                 events = self._pending
@@ -386,7 +388,13 @@ class Recorder:
                 self.last_dropped_step = old.step
                 oldest = self.records[0].step
                 while self._finished and self._finished[0][0] < oldest:
-                    self._requests.pop(self._finished.popleft()[1], None)
+                    self._drop_row(self._finished.popleft()[1])
+
+    def _drop_row(self, row: _RequestRow) -> None:
+        """Forget the row of a request that finished before the oldest retained step."""
+        self._request_rows.pop(row, None)
+        if self._requests.get(row.request_id) is row:
+            del self._requests[row.request_id]
 
     def _listeners_read_events(self) -> bool:
         """Whether a listener reads ``record.block_events``: then each record is packed before it is called."""

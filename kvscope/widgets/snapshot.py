@@ -187,9 +187,10 @@ def queues_state(d: StepData) -> dict[str, Any]:
 def lifecycle_state(d: StepData) -> dict[str, Any]:
     """Traits of ``LifecycleView``: ``Trace.lifecycle`` as int32 columns (request index, state
     code, start step, end step, tokens, cached tokens; one binary buffer), each request's hover
-    facts from ``Trace.requests``, and the recorded steps' range."""
+    facts from ``Trace.requests``, and the recorded steps' range. An id that named several
+    requests (one after another) is one lane, with the facts of the newest."""
     life = d.trace.lifecycle
-    req = d.trace.requests
+    req = d.trace.requests.drop_duplicates("request_id", keep="last")
     order = pd.unique(life["request_id"])
     facts = req.set_index("request_id").reindex(order)
     states = {s: i for i, s in enumerate(LIFECYCLE_STATES)}
