@@ -91,8 +91,8 @@ class KvscopeMagics(Magics):
 
     def _parse(self, line: str) -> Any:
         """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
-        unclosed quote, an ``-o`` that is no variable name, a ``--html`` into no directory or of
-        a ``summary`` recording, or options of ``attach`` without it (and the other way round).
+        unclosed quote, an ``-o`` that is no variable name, a ``--html`` that is no file name
+        (empty, or a directory), into no directory or of a ``summary`` recording, or options of ``attach`` without it (and the other way round).
         An argument in quotes is read without them, as a shell reads it; one that only holds
         quotes stays as written (the target is an expression: ``d['t']``)."""
         try:
@@ -102,6 +102,8 @@ class KvscopeMagics(Magics):
         args = self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
         if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
             raise UsageError(f"%kvscope: -o/--out must be a variable name, got {args.out!r}")
+        if args.html is not None and (not args.html or Path(args.html).is_dir()):
+            raise UsageError(f"%kvscope: --html {args.html!r}: not a file name to write the page to")
         if args.html is not None and args.level == "summary":
             raise UsageError("%kvscope: --html exports the block views: it needs --level blocks or full")
         if args.html is not None and not Path(args.html).parent.is_dir():
@@ -139,8 +141,13 @@ class KvscopeMagics(Magics):
             raise UsageError(f"%kvscope: the target {name!r} raised {type(e).__name__}: {e}") from e
 
     def _llm(self, name: str | None) -> Any:
+        """The LLM that cell mode watches: ``name``'s, or the only one in the namespace."""
         if name is not None:
-            return self._resolve(name)
+            source = self._resolve(name)
+            if isinstance(source, Trace):
+                raise UsageError(f"%%kvscope: {name!r} is a Trace; cell mode records an LLM while the cell "
+                                 f"runs (replay a Trace with %kvscope {name})")
+            return source
         from kvscope.llm import LLM
 
         found = [k for k, v in self.shell.user_ns.items() if isinstance(v, LLM) and not k.startswith("_")]

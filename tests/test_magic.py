@@ -135,6 +135,7 @@ def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     ("llm --html {tmp}/page.html -o kept", "--html exports a recorded Trace"),
     ("demo --html {tmp}/page.html", "--html exports a recorded Trace"),
     ("llm --html {tmp}/no/such/dir/page.html", "no directory"),
+    ("llm --html ''", "--html '': not a file name"),
     ("llm --level summary --views timeline --html {tmp}/page.html", "--html exports the block views"),
     ("llm -o 'a b'", "-o/--out must be a variable name"),
     ("llm -o class", "-o/--out must be a variable name"),
@@ -176,6 +177,26 @@ def test_a_cell_whose_export_cannot_be_made_is_refused_before_it_runs(ip, tmp_pa
                           "ran = llm.generate('the quick', SamplingParams(max_tokens=2))")
     assert "ran" not in ip.user_ns and "ts" not in ip.user_ns and not list(tmp_path.iterdir())
     assert llm.llm_engine.scheduler.step_count == 0
+
+
+@pytest.mark.parametrize("line,says", [
+    ("--html {tmp}", "--html '{tmp}': not a file name"),
+    ("tr", "'tr' is a Trace; cell mode records an LLM"),
+])
+def test_a_cell_whose_options_cannot_work_is_refused_before_it_runs(ip, tmp_path, line, says):
+    """``%%kvscope --html <a directory>`` ran the cell, then failed writing the page;
+    ``%%kvscope <a Trace>`` ran the cell beside a replay of the Trace, recording nothing. Both
+    are refused by name before the cell runs."""
+    llm = ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    with llm.record("blocks") as trace:
+        llm.generate("the quick", SamplingParams(max_tokens=2), use_tqdm=False)
+    ip.user_ns["tr"] = trace
+    ip.user_ns.pop("ran", None)
+    steps = llm.llm_engine.scheduler.step_count
+    with pytest.raises(UsageError, match=re.escape(says.format(tmp=tmp_path))):
+        ip.run_cell_magic("kvscope", line.format(tmp=tmp_path),
+                          "ran = llm.generate('the quick', SamplingParams(max_tokens=2))")
+    assert "ran" not in ip.user_ns and llm.llm_engine.scheduler.step_count == steps
 
 
 def test_attach_magic_shows_the_attach_dashboard(ip):
