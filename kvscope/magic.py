@@ -92,9 +92,10 @@ class KvscopeMagics(Magics):
     def _parse(self, line: str) -> Any:
         """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
         unclosed quote, an ``-o`` that is no variable name, a ``--html`` that is no file name
-        (empty, or a directory), into no directory or of a ``summary`` recording, or options of ``attach`` without it (and the other way round).
-        An argument in quotes is read without them, as a shell reads it; one that only holds
-        quotes stays as written (the target is an expression: ``d['t']``)."""
+        (empty, or a directory), into no directory or of a ``summary`` recording, or options
+        of ``attach`` without it (and the other way round). An argument in quotes is read
+        without them, as a shell reads it; one that only holds quotes stays as written (the
+        target is an expression: ``d['t']``)."""
         try:
             argv = arg_split(line, posix=False, strict=True)
         except ValueError as e:  # (shlex: an unclosed quote)
