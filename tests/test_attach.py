@@ -238,6 +238,28 @@ def test_a_replayed_batch_over_max_message_bytes_is_skipped_not_a_stuck_replay()
             att.close()
 
 
+def test_a_replay_dropped_past_its_gap_returns_at_once():
+    """Batches 1 and 2 are lost live; live 3 asks replay for them, whose answer goes on to batch 4,
+    over the limit. The gap was filled before the drop: batch 3 applies at once, not after the
+    replay timeout, and nothing is counted lost."""
+    with publisher() as pub:
+        att = attach_to(pub, max_message_bytes=4096, replay_timeout=5.0)
+        try:
+            wait_for(applied(att, "p0", pub.publish([stored([0], None, [1, 2], 2)])), what="batch 0")
+            real, pub._pub = pub._pub, types.SimpleNamespace(send_multipart=lambda frames: None)
+            pub.publish([stored([1], None, [1, 2], 2)])
+            pub.publish([stored([2], None, [1, 2], 2)])
+            pub._pub = real
+            start = time.monotonic()
+            live = pub.publish([stored([3], None, [1, 2], 2)])
+            pub.publish(big_batch(666))
+            wait_for(applied(att, "p0", live), timeout=10, what="the live batch after the gap")
+            assert time.monotonic() - start < 2.5
+            assert att.block_hashes("p0") == {0, 1, 2, 3} and att.faults.lost_batches.iloc[0] == 0
+        finally:
+            att.close()
+
+
 def test_a_payload_nested_too_deep_is_bad_msgpack():
     """A payload of arrays nested past msgspec's depth limit is one bad batch; the next one applies."""
     with raw_stream() as (raw, att):

@@ -310,18 +310,20 @@ class Subscriber:
             return False
         deadline = time.monotonic() + self.replay_timeout
         while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-            if self._replay_dropped(s):  # the rest of the answer went with the connection: ask again
-                if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
-                    owed, stuck = owed + 1, None
-                    if not joining:  # the batch is lost; what follows it is what the answer owes now
-                        s.faults["lost_batches"] += 1
-                        s.next_seq = owed
-                else:
-                    stuck = owed
-                if not self._ask(s, owed):
-                    return False
-                continue
             if not sock.poll(min(int(left * 1000) + 1, _POLL_MS)):  # in slices, so close() need not wait
+                # asked only when no reply waits: the replies read before a drop reach us after ZMQ reports it
+                if self._replay_dropped(s):  # the rest of the answer went with the connection: ask again
+                    if owed >= end:  # all that was asked for came; what broke the connection lies past it
+                        return True
+                    if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
+                        owed, stuck = owed + 1, None
+                        if not joining:  # the batch is lost; what follows it is what the answer owes now
+                            s.faults["lost_batches"] += 1
+                            s.next_seq = owed
+                    else:
+                        stuck = owed
+                    if not self._ask(s, owed):
+                        return False
                 continue
             reply = sock.recv_multipart()
             if len(reply) != 3 or len(reply[1]) != 8:
