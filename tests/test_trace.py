@@ -376,6 +376,40 @@ def test_a_request_id_used_again_names_a_new_request_in_requests_and_lifecycle(a
     assert ring.requests.query("request_id == 'r'").prompt_len.tolist() == [want[1][0]]
 
 
+def _late_preemptions(trace: Trace) -> list[tuple[int, str]]:
+    """(step, request id) of each preemption of a request that is then in no queue: under async
+    scheduling step n+1's scheduling preempted it, and step n's post-processing finished it."""
+    q = trace.queues()
+    queued = set(q[q.queue.isin(["running", "waiting"])][["step", "request_id"]].itertuples(index=False, name=None))
+    return [p for p in q[q.queue == "preempted"][["step", "request_id"]].itertuples(index=False, name=None)
+            if p not in queued]
+
+
+def test_a_ring_buffer_shows_no_life_of_a_request_that_ended_before_its_oldest_step():
+    """The async workload has a preemption landing in the record after the request's finish. A
+    ring buffer whose oldest step is that record showed the request preempted, then aborted
+    (no queue held it), while trace.requests leaves it out: it finished before, as a recording
+    of every step says. The rest of the ring's lifecycle is the whole recording's, from there."""
+    def record(max_steps: int) -> Trace:
+        llm = _tight_llm(async_scheduling=True)
+        prompts, params = _workload()
+        with llm.record("blocks", max_steps) as trace:
+            llm.generate(prompts, params, use_tqdm=False)
+        return trace
+
+    whole = record(10_000)
+    step, rid = _late_preemptions(whole)[0]
+    finished = whole.queues().query("queue == 'finished' and request_id == @rid").step.tolist()
+    assert finished and finished[0] < step
+    ring = record(len(whole.step_ids) - whole.step_ids.index(step))
+    assert ring.step_ids[0] == step and rid not in set(ring.requests.request_id)
+    life = ring.lifecycle
+    assert rid not in set(life.request_id)
+    clipped = whole.lifecycle.query("end_step >= @step and request_id in @life.request_id")
+    assert life.query("start_step > @step")[["request_id", "state", "end_step"]].reset_index(drop=True).equals(
+        clipped.query("start_step > @step")[["request_id", "state", "end_step"]].reset_index(drop=True))
+
+
 def test_a_step_that_is_not_an_integer_is_refused_by_name_and_a_failed_replay_leaves_the_trace_readable(
         monkeypatch):
     import kvscope.trace.trace as trace_module

@@ -95,9 +95,10 @@ class LifecycleBuilder:
         # (in the record before) is still the old one's.
         ahead = rec.step in self._launched
         old = {rid for rid, step in self._ended.items() if ahead and step == self.last_step}
-        for rid in self._ended.keys() & {*rec.running, *rec.waiting}:
+        queued = {*rec.running, *rec.waiting}
+        for rid in self._ended.keys() & queued:
             del self._ended[rid]
-        live = {*rec.running, *rec.waiting, *rec.finished, *rec.preempted} - self._ended.keys() - old
+        live = (queued | {*rec.finished}) - self._ended.keys() - old
         for rid, prefill, start, n, cached in zip(
                 sched.request_ids, sched.is_prefill.tolist(), sched.start.tolist(),
                 sched.num_new_tokens.tolist(), sched.num_cached_tokens.tolist()):
@@ -111,8 +112,9 @@ class LifecycleBuilder:
             # an admission starts right after its cached prefix; later chunks carry no hit
             now[rid] = (state, n, cached if start == cached else 0)
         # Under async scheduling step n+1's scheduling may preempt a request that step n's
-        # post-processing then finishes: the preemption lands in a later record than the finish.
-        for rid in (r for r in rec.preempted if r not in self._ended):
+        # post-processing then finishes: the preemption lands in a later record than the finish
+        # (one a ring buffer may have dropped), and the request is in no queue.
+        for rid in (r for r in rec.preempted if r in queued):
             now[rid] = ("preempted", 0, 0)
             self._preempted.add(rid)
         for rid in rec.waiting:
