@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
@@ -293,13 +294,18 @@ class LLM:
     def _one_call(self, what: str) -> Iterator[None]:
         """Run after another thread's generate() or step(), waiting as long as it keeps
         stepping; raise, rather than hang, when it stays inside one step."""
-        while not self._lock.acquire(timeout=CALL_POLL_S):
-            with self._between_steps(what):
-                pass
+        taken = False
         try:
+            while not taken:
+                with deferred_interrupts():  # (see _between_steps)
+                    taken = self._lock.acquire(timeout=CALL_POLL_S)
+                if not taken:
+                    with self._between_steps(what):
+                        pass
             yield
         finally:
-            self._lock.release()
+            if taken:
+                self._lock.release()
 
     @contextlib.contextmanager
     def _one_step(self) -> Iterator[None]:
@@ -312,18 +318,25 @@ class LLM:
     @contextlib.contextmanager
     def _between_steps(self, what: str) -> Iterator[None]:
         """Hold the engine between two steps; raise, rather than hang, when another thread
-        stays inside one (a paused dashboard's background run waits inside its step)."""
-        self._wait_between_steps(what)
+        stays inside one (a paused dashboard's background run waits inside its step).
+
+        The wait goes in slices with Ctrl-C held: a Ctrl-C lands between two slices, so the
+        wait stays interruptible, but never between the lock taken and the ``try`` that
+        releases it, where it would leave the lock held for ever."""
+        taken, deadline = False, time.monotonic() + STEP_WAIT_S
         try:
+            while not taken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{what}: another thread has been inside one engine step for "
+                                       f"{STEP_WAIT_S:g} s (a paused dashboard's background run? resume or "
+                                       "detach it first)")
+                with deferred_interrupts():
+                    taken = self._step_lock.acquire(timeout=min(left, CALL_POLL_S))
             yield
         finally:
-            self._step_lock.release()
-
-    def _wait_between_steps(self, what: str) -> None:
-        """Take the step lock, waiting at most ``STEP_WAIT_S`` for another thread's step."""
-        if not self._step_lock.acquire(timeout=STEP_WAIT_S):
-            raise RuntimeError(f"{what}: another thread has been inside one engine step for {STEP_WAIT_S:g} s "
-                               "(a paused dashboard's background run? resume or detach it first)")
+            if taken:
+                self._step_lock.release()
 
     def check_invariants(self) -> None:
         """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now:
@@ -342,27 +355,25 @@ class LLM:
         step runs, it waits for that step to end; the call stepping the engine then raises that
         this LLM was shut down, as every later call does. From a hook inside a step it is
         refused (the step would go on without its model); a ``step.end`` hook may call it."""
-        if self._step_lock.acquire(blocking=False):  # (free, or this thread's: then is it in a step?)
-            try:
-                if self.llm_engine.in_step:
+        with deferred_interrupts():  # (see _between_steps)
+            if self._step_lock.acquire(blocking=False):  # (free, or this thread's: then is it in a step?)
+                in_step = self.llm_engine.in_step
+                self._step_lock.release()
+                if in_step:
                     raise RuntimeError("LLM.shutdown was called from inside a kvscope hook while the engine was "
                                        "in a step; call it from a step.end hook or once the call returns")
-            finally:
-                self._step_lock.release()
         # First the flag: a generate() in another thread stops at its next step.
-        was, self._shut_down = self._shut_down, True
+        was, self._shut_down, waited = self._shut_down, True, False
         try:
-            self._wait_between_steps("LLM.shutdown")
-        except RuntimeError:  # (another thread stays inside its step: nothing shut down)
-            self._shut_down = was
-            raise
-        try:
-            if self.kv_events is not None:
-                self.kv_events.close()
-                self.kv_events = None
-            self.llm_engine.executor.shutdown()
+            with self._between_steps("LLM.shutdown"):
+                waited = True
+                if self.kv_events is not None:
+                    self.kv_events.close()
+                    self.kv_events = None
+                self.llm_engine.executor.shutdown()
         finally:
-            self._step_lock.release()
+            if not waited:  # (another thread stays inside its step, or a Ctrl-C: nothing shut down)
+                self._shut_down = was
 
     def __enter__(self) -> "LLM":
         return self

@@ -910,6 +910,70 @@ def test_ctrl_c_in_the_step_that_stops_generate_leaves_no_step_in_flight(point: 
     assert_healthy(llm)
 
 
+@pytest.mark.parametrize("call", ["generate", "step", "add_request", "abort_request", "check_invariants",
+                                  "shutdown"])
+def test_a_ctrl_c_the_moment_a_call_takes_its_lock_leaves_no_lock_held(
+        call: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGINT that lands just as the main thread's call has taken one of the LLM's locks,
+    before the ``try`` that would release it: the call raises KeyboardInterrupt and holds
+    nothing, so another thread's generate() then runs (it waited for a lock nobody would
+    release, and raised after the wait or never returned)."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 2.0)
+    llm = make_llm(**CONFIG)
+    rid = llm.add_request(PROMPTS[1], greedy(6))
+
+    class SignalledOnTake:
+        """The lock, with a SIGINT raised the moment it is taken (once)."""
+
+        def __init__(self, lock) -> None:
+            self.lock, self.armed = lock, True
+
+        def acquire(self, *a, **kw) -> bool:
+            took = self.lock.acquire(*a, **kw)
+            if took and self.armed:
+                self.armed = False
+                signal.raise_signal(signal.SIGINT)
+            return took
+
+        def __getattr__(self, name: str):
+            return getattr(self.lock, name)
+
+        def __enter__(self):
+            self.acquire()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.lock.release()
+
+    calls = {"generate": lambda: llm.generate(PROMPTS, greedy(6), use_tqdm=False), "step": llm.step,
+             "add_request": lambda: llm.add_request([5, 6, 7], greedy(2)),
+             "abort_request": lambda: llm.abort_request(rid), "check_invariants": llm.check_invariants,
+             "shutdown": llm.shutdown}
+    for name in ("_lock", "_step_lock"):
+        if name == "_lock" and call not in ("generate", "step"):
+            continue
+        real = getattr(llm, name)
+        setattr(llm, name, SignalledOnTake(real))
+        with pytest.raises(KeyboardInterrupt):
+            calls[call]()
+        setattr(llm, name, real)
+        got, errors = [], []
+
+        def other() -> None:
+            try:
+                got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)))
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(20)
+        assert not thread.is_alive() and not errors, (name, errors)
+        assert got == [fresh_tokens(PROMPTS)], name
+    drain(llm)
+    assert_healthy(llm)
+
+
 def test_a_ctrl_c_held_in_the_main_thread_never_reaches_another_threads_generate() -> None:
     """While the main thread holds a Ctrl-C (inside an engine call), a generate() in another
     thread runs to its tokens: the held signal is the main thread's alone."""
