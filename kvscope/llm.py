@@ -257,6 +257,8 @@ class LLM:
             rid not in self._generating for rid in self._undelivered)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget the cached free blocks; True when no cached block is left (False: running
+        requests' blocks keep their hashes, where vLLM returns False and forgets nothing)."""
         with self._between_steps("LLM.reset_prefix_cache"):
             return self.llm_engine.reset_prefix_cache()
 

@@ -58,3 +58,28 @@ def test_a_hash_collision_is_no_hit(monkeypatch):
     assert _run(engine, a) == 0
     assert _run(engine, a) == 3 * BLOCK  # the same prompt: a real hit
     assert _run(engine, [t + 1 for t in a]) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_reset_prefix_cache_says_whether_the_cache_is_empty(async_scheduling):
+    """``reset_prefix_cache()`` returns True, as vLLM's does, only when no cached block is left:
+    while a running request holds full blocks they keep their hashes (vLLM refuses the whole
+    reset then; kvscope still forgets the free ones) and it returns False. The hits counted
+    afterwards tell which blocks stayed cached."""
+    config = EngineConfig.from_kwargs(block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=256,
+                                      async_scheduling=async_scheduling)
+    engine = LLMEngine(config, NullExecutor(NUM_BLOCKS, 64, BLOCK), NumberTokenizer(), max_model_len=64, eos_token_ids=[0])
+    engine.validate_every_step = True
+    done, live = [1 + i for i in range(2 * BLOCK + 1)], [30 + i for i in range(2 * BLOCK + 1)]
+    assert _run(engine, done) == 0
+    rid = engine.add_request(live, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()  # (async scheduling: the prompt's blocks are hashed when its step is read back)
+    assert engine.reset_prefix_cache() is False
+    assert _run(engine, done) == 0  # the finished prompt's free blocks were forgotten
+    assert _run(engine, live) == 2 * BLOCK  # the running one's kept their hashes
+    engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.reset_prefix_cache() is True
+    assert _run(engine, live) == 0 and _run(engine, done) == 0

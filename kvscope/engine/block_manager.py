@@ -285,7 +285,8 @@ class BlockManager:
                                               block_hash[taken], self.step))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their hashes."""
+        """Forget every cached free block (vLLM's ``AllBlocksCleared``); live blocks keep their
+        hashes. True, as vLLM's, only if no cached block is left (vLLM then resets nothing)."""
         for b in [b for b in self.hash_to_block.values() if self.ref_count[b] == 0]:
             self._uncache(b)
-        return True
+        return not self.hash_to_block

@@ -337,7 +337,10 @@ class LLMEngine:
     @atomic
     def reset_prefix_cache(self) -> bool:
         """Forget every cached free block (vLLM's ``reset_prefix_cache``); from a hook inside a
-        scheduler transition it happens when the transition ends."""
+        scheduler transition it happens when the transition ends (and True says it was queued).
+
+        Returns True when no cached block is left. Blocks a running request holds keep their
+        hashes, and then it returns False: vLLM returns False then too, but forgets nothing."""
         if self._busy:
             self._pending_reset = True
             return True
