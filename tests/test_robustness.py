@@ -5,9 +5,11 @@ passes, and greedy tokens equal a fresh engine's.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import warnings
+from typing import Iterator
 
 import pytest
 
@@ -670,27 +672,39 @@ def test_a_recording_started_or_stopped_from_another_thread_mid_step_waits_for_t
     assert_healthy(llm)
 
 
-def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refused_not_hung(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A paused dashboard's background run waits inside its step: llm.record from the notebook
-    then says so instead of waiting for ever, and works once the run goes on."""
-    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
-    llm = make_llm(**CONFIG)
-    inside, leave = threading.Event(), threading.Event()
+@contextlib.contextmanager
+def a_run_held_inside_a_step(llm) -> Iterator[list]:
+    """A ``generate(PROMPTS)`` in another thread, held inside its step (as a paused dashboard's
+    background run waits) for the block's duration, then let go and joined; yields the list
+    its tokens land in."""
+    inside, leave, got = threading.Event(), threading.Event(), []
 
     def hold(**_: object) -> None:
         inside.set()
         leave.wait(10)
 
     handle = llm.hooks.add("step.scheduled", hold)
-    driver = threading.Thread(target=lambda: llm.generate(PROMPTS, greedy(6), use_tqdm=False))
+    driver = threading.Thread(target=lambda: got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))))
     driver.start()
     assert inside.wait(10)
-    with pytest.raises(RuntimeError, match=r"^llm.record: another thread has been inside one engine step for 0.2 s"):
+    try:
+        yield got
+    finally:
+        handle.remove()
+        leave.set()
+        driver.join(60)
+
+
+def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refused_not_hung(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paused dashboard's background run waits inside its step: llm.record from the notebook
+    then says so instead of waiting for ever, and works once the run goes on."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
+    llm = make_llm(**CONFIG)
+    with a_run_held_inside_a_step(llm) as got, \
+            pytest.raises(RuntimeError, match=r"^llm.record: another thread has been inside one engine step for 0.2 s"):
         llm.record("blocks").__enter__()
-    handle.remove()
-    leave.set()
-    driver.join(60)
+    assert got == [fresh_tokens(PROMPTS)]
     with llm.record("blocks") as trace:
         assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
     assert trace.step_ids
@@ -704,21 +718,9 @@ def test_a_shutdown_refused_while_another_thread_stays_inside_a_step_changes_not
     its tokens rather than meeting an LLM shut down half-way), so a later shutdown() works."""
     monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
     llm = make_llm(**CONFIG)
-    inside, leave, got = threading.Event(), threading.Event(), []
-
-    def hold(**_: object) -> None:
-        inside.set()
-        leave.wait(10)
-
-    handle = llm.hooks.add("step.scheduled", hold)
-    driver = threading.Thread(target=lambda: got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))))
-    driver.start()
-    assert inside.wait(10)
-    with pytest.raises(RuntimeError, match=r"^LLM.shutdown: another thread has been inside one engine step for 0.2 s"):
+    with a_run_held_inside_a_step(llm) as got, \
+            pytest.raises(RuntimeError, match=r"^LLM.shutdown: another thread has been inside one engine step for 0.2 s"):
         llm.shutdown()
-    handle.remove()
-    leave.set()
-    driver.join(60)
     assert got == [fresh_tokens(PROMPTS)]
     assert_healthy(llm)
     llm.shutdown()
@@ -778,27 +780,15 @@ def test_a_call_while_another_thread_stays_inside_a_step_is_refused_not_hung(
     thread's call to end while it keeps stepping), and change nothing."""
     monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
     llm = make_llm(**CONFIG)
-    inside, leave, got = threading.Event(), threading.Event(), []
-
-    def hold(**_: object) -> None:
-        inside.set()
-        leave.wait(10)
-
     streamed = llm.add_request(PROMPTS[1], greedy(6))
-    handle = llm.hooks.add("step.scheduled", hold)
-    driver = threading.Thread(target=lambda: got.append(token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))))
-    driver.start()
-    assert inside.wait(10)
     calls = {"add_request": lambda: llm.add_request([5, 6, 7], greedy(2)),
              "abort_request": lambda: llm.abort_request(streamed),
              "reset_prefix_cache": llm.reset_prefix_cache,
              "generate": lambda: llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False),
              "step": llm.step}
-    with pytest.raises(RuntimeError, match=rf"^LLM.{call}: another thread has been inside one engine step for 0.2 s"):
+    with a_run_held_inside_a_step(llm) as got, \
+            pytest.raises(RuntimeError, match=rf"^LLM.{call}: another thread has been inside one engine step for 0.2 s"):
         calls[call]()
-    handle.remove()
-    leave.set()
-    driver.join(60)
     assert got == [fresh_tokens(PROMPTS)]
     final = drain(llm)
     assert list(final) == [streamed] and [final[streamed].outputs[0].token_ids] == fresh_tokens([PROMPTS[1]])
