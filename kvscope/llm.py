@@ -207,6 +207,7 @@ class LLM:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
         with self._between_steps("LLM.add_request"):
+            self._check_open()  # (again: another thread may have shut it down while this one waited)
             return self.llm_engine.add_request(prompt, params, request_id)
 
     def step(self) -> list[RequestOutput]:
@@ -248,7 +249,9 @@ class LLM:
             if isinstance(request_id, Iterable) else [request_id]
         if not all(isinstance(rid, str) for rid in ids):
             raise TypeError(f"request_id must be a str or an iterable of str, got {request_id!r}")
+        self._check_open()
         with self._between_steps("LLM.abort_request"):
+            self._check_open()
             for rid in ids:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
@@ -259,7 +262,9 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget the cached free blocks; True when no cached block is left (False: running
         requests' blocks keep their hashes, where vLLM returns False and forgets nothing)."""
+        self._check_open()
         with self._between_steps("LLM.reset_prefix_cache"):
+            self._check_open()
             return self.llm_engine.reset_prefix_cache()
 
     # ---------------------------------------------------------- kvscope API

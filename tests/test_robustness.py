@@ -544,9 +544,39 @@ def test_shutdown_from_another_thread_mid_step_waits_for_the_step_and_generate_s
         llm.generate(PROMPTS, greedy(6), use_tqdm=False)
     shut.join(10)
     assert shut_mid_step == [False] and done.is_set()
-    for call in (lambda: llm.generate([[5, 6]], use_tqdm=False), llm.step):
+    for call in (lambda: llm.generate([[5, 6]], use_tqdm=False), llm.step, lambda: llm.add_request([5, 6]),
+                 lambda: llm.abort_request("0"), llm.reset_prefix_cache):
         with pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
             call()
+
+
+def test_a_request_added_from_another_thread_while_the_llm_shuts_down_is_refused() -> None:
+    """A notebook's ``add_request`` waits for the step of a background run whose ``step.end``
+    hook shuts the LLM down: once let in, it raises that the LLM was shut down, rather than
+    queueing a request on an engine without a model (it returned an id that never ran)."""
+    llm = make_llm(**CONFIG)
+    waiting, added = threading.Event(), []
+
+    def add() -> None:
+        waiting.set()
+        try:
+            added.append(llm.add_request([5, 6, 7], greedy(2)))
+        except RuntimeError as exc:
+            added.append(exc)
+
+    adder = threading.Thread(target=add)
+
+    def shut_down(info) -> None:
+        adder.start()
+        assert waiting.wait(10)
+        threading.Event().wait(0.5)  # (long enough for the adder to block on the step)
+        llm.shutdown()
+
+    with llm.hooks({"step.end": shut_down}), pytest.raises(RuntimeError, match=r"^this LLM was shut down"):
+        llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+    adder.join(10)
+    assert len(added) == 1 and isinstance(added[0], RuntimeError), added
+    assert str(added[0]).startswith("this LLM was shut down")
 
 
 @pytest.mark.parametrize("point", ["step.scheduled", "block.allocated", "step.end"])
