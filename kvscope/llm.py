@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry
@@ -109,6 +109,7 @@ class LLM:
         # request added or aborted, or a recording attached, from another thread lands between
         # two steps of a generate() under way.
         self._step_lock = StepLock()
+        self._between_steps_calls = threading.local()  # each thread's, for call_between_steps
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
         self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
@@ -320,12 +321,33 @@ class LLM:
         then let in the threads waiting between two steps before this thread's next one."""
         with deferred_interrupts(), self._step_lock:
             yield
-        self._step_lock.let_waiters_in(STEP_WAIT_S)
+        if not self._step_lock.held_here():  # (the outermost hold of this thread)
+            self._step_lock.let_waiters_in(STEP_WAIT_S)
+            self._run_between_steps_calls()
+
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on this thread once the engine step it is in has ended and the engine is
+        free, before this thread's next step (outside a step: at once). For a hook that must
+        wait without holding the engine: a dashboard paused between two steps of its background
+        run, while the notebook adds, aborts or records."""
+        if not self._step_lock.held_here():
+            fn()
+            return
+        calls = getattr(self._between_steps_calls, "fns", None)
+        if calls is None:
+            calls = self._between_steps_calls.fns = []
+        calls.append(fn)
+
+    def _run_between_steps_calls(self) -> None:
+        calls = getattr(self._between_steps_calls, "fns", None)
+        while calls:
+            calls.pop(0)()
 
     @contextlib.contextmanager
     def _between_steps(self, what: str) -> Iterator[None]:
         """Hold the engine between two steps; raise, rather than hang, when another thread
-        stays inside one (a paused dashboard's background run waits inside its step).
+        stays inside one (a hook of its waits on something; a paused dashboard waits between
+        steps instead, see call_between_steps).
 
         The wait goes in slices with Ctrl-C held: a Ctrl-C lands between two slices, so the
         wait stays interruptible, but never between the lock taken and the ``try`` that
@@ -336,8 +358,8 @@ class LLM:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RuntimeError(f"{what}: another thread has been inside one engine step for "
-                                       f"{STEP_WAIT_S:g} s (a paused dashboard's background run? resume or "
-                                       "detach it first)")
+                                       f"{STEP_WAIT_S:g} s (a hook of its that waits? let it go on first, or "
+                                       "wait with llm.call_between_steps)")
                 with deferred_interrupts():
                     taken = self._step_lock.acquire(timeout=min(left, CALL_POLL_S))
             yield

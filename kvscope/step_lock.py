@@ -37,6 +37,10 @@ class StepLock:
     def release(self) -> None:
         self._lock.release()
 
+    def held_here(self) -> bool:
+        """Whether this thread holds the lock (a hook's nested call runs inside an outer hold)."""
+        return self._lock._is_owned()  # (what threading.Condition asks an RLock too)
+
     def __enter__(self) -> "StepLock":
         self.acquire()
         return self
@@ -48,7 +52,7 @@ class StepLock:
         """Wait until every thread blocked on the lock has taken it (each then holds it for its
         own short call), or ``timeout`` seconds; at once if this thread still holds it (a hook's
         nested call: nobody can get in before the outer step ends)."""
-        if self._lock._is_owned():  # (what threading.Condition asks an RLock too)
+        if self.held_here():
             return
         deadline = time.monotonic() + timeout
         while self._waiting and time.monotonic() < deadline:

@@ -550,6 +550,40 @@ def test_shutdown_from_another_thread_mid_step_waits_for_the_step_and_generate_s
             call()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_call_between_steps_runs_once_the_step_has_let_the_engine_go(
+        async_scheduling: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``step.end`` hook asks for a function between steps: it runs on the stepping thread
+    after that step and before the next, with the engine free (another thread's add_request
+    made while it runs goes through; inside the step it waited for the step, and failed), also
+    when the hook stepped the engine again itself; outside a step it runs at once."""
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.5)
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    events, added = [], []
+
+    def let_another_thread_add() -> None:
+        thread = threading.Thread(target=lambda: added.append(llm.add_request([5, 6, 7], greedy(2))))
+        thread.start()
+        thread.join(10)
+        events.append("between")
+
+    def end(info) -> None:
+        events.append("end")
+        if events.count("end") in (2, 4):
+            llm.call_between_steps(let_another_thread_add)
+        if events.count("end") == 4:
+            llm.step()  # (nested: the function still waits for the outer step to end)
+
+    with llm.hooks({"step.end": end}):
+        assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens(PROMPTS)
+    assert events[:7] == ["end", "end", "between", "end", "end", "end", "between"]
+    assert len(added) == 2
+    llm.call_between_steps(lambda: events.append("at once"))
+    assert events[-1] == "at once"
+    drain(llm)
+    assert_healthy(llm)
+
+
 def test_a_request_added_from_another_thread_while_the_llm_shuts_down_is_refused() -> None:
     """A notebook's ``add_request`` waits for the step of a background run whose ``step.end``
     hook shuts the LLM down: once let in, it raises that the LLM was shut down, rather than
@@ -704,8 +738,8 @@ def test_a_recording_started_or_stopped_from_another_thread_mid_step_waits_for_t
 
 @contextlib.contextmanager
 def a_run_held_inside_a_step(llm) -> Iterator[list]:
-    """A ``generate(PROMPTS)`` in another thread, held inside its step (as a paused dashboard's
-    background run waits) for the block's duration, then let go and joined; yields the list
+    """A ``generate(PROMPTS)`` in another thread, held inside its step by a hook that waits
+    for the block's duration, then let go and joined; yields the list
     its tokens land in."""
     inside, leave, got = threading.Event(), threading.Event(), []
 
@@ -727,8 +761,8 @@ def a_run_held_inside_a_step(llm) -> Iterator[list]:
 
 def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refused_not_hung(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A paused dashboard's background run waits inside its step: llm.record from the notebook
-    then says so instead of waiting for ever, and works once the run goes on."""
+    """A background run is held inside its step by a hook: llm.record from the notebook then
+    says so instead of waiting for ever, and works once the run goes on."""
     monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
     llm = make_llm(**CONFIG)
     with a_run_held_inside_a_step(llm) as got, \
@@ -743,9 +777,9 @@ def test_a_recording_asked_for_while_another_thread_stays_inside_a_step_is_refus
 
 def test_a_shutdown_refused_while_another_thread_stays_inside_a_step_changes_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A paused dashboard's background run waits inside its step: shutdown() from the notebook
-    says so after the wait, and leaves the LLM as it was (the run, once resumed, finishes with
-    its tokens rather than meeting an LLM shut down half-way), so a later shutdown() works."""
+    """A background run is held inside its step by a hook: shutdown() from the notebook says
+    so after the wait, and leaves the LLM as it was (the run, once let go, finishes with its
+    tokens rather than meeting an LLM shut down half-way), so a later shutdown() works."""
     monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
     llm = make_llm(**CONFIG)
     with a_run_held_inside_a_step(llm) as got, \
@@ -805,8 +839,8 @@ def test_requests_added_and_aborted_from_another_thread_land_at_the_next_step_of
 @pytest.mark.parametrize("call", ["add_request", "abort_request", "reset_prefix_cache", "generate", "step"])
 def test_a_call_while_another_thread_stays_inside_a_step_is_refused_not_hung(
         call: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A paused dashboard's background run waits inside its step: the notebook's calls say so
-    after the wait instead of waiting for ever (``generate`` and ``step`` wait for the other
+    """A background run is held inside its step by a hook: the notebook's calls say so after
+    the wait instead of waiting for ever (``generate`` and ``step`` wait for the other
     thread's call to end while it keeps stepping), and change nothing."""
     monkeypatch.setattr(llm_module, "STEP_WAIT_S", 0.2)
     llm = make_llm(**CONFIG)

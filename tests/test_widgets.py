@@ -398,6 +398,43 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
     dash.detach()
 
 
+def test_while_paused_the_notebook_adds_and_aborts_requests_and_steps_run_them(monkeypatch):
+    """Paused, the background run waits between two steps, not inside one: the notebook's
+    add_request, abort_request and check_invariants go through at once (they waited for the
+    step, and raised after STEP_WAIT_S), and Steps run the added request beside the run's."""
+    import kvscope.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 1.0)
+    llm = make_llm(**ENGINE)
+    want = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
+    extra = "a fox and a dog"
+    want_extra = token_ids(llm.generate([extra], greedy(4), use_tqdm=False))
+    scheduled = []
+    llm.hooks.add("step.end", lambda info: scheduled.append(set(info.request_ids.values())))
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    wait_for(lambda: dash.gate.waiting)
+    added = llm.add_request(extra, greedy(4))
+    dropped = llm.add_request(extra, greedy(4))
+    llm.abort_request(dropped)
+    llm.check_invariants()
+    while not any(added in ids for ids in scheduled):  # (it waits its turn for blocks)
+        seen = len(scheduled)
+        dash.step_once()
+        wait_for(lambda: len(scheduled) > seen and (dash.gate.waiting or run.done()))
+        assert not run.done(), "the added request did not run beside the background run"
+    assert not any(dropped in ids for ids in scheduled)
+    dash.resume()
+    assert token_ids(run.result(timeout=30)) == want
+    final = {}
+    while llm.has_unfinished_requests():
+        final.update({o.request_id: o for o in llm.step() if o.finished})
+    assert final[dropped].outputs[0].finish_reason == "abort"
+    assert [final[added].outputs[0].token_ids] == want_extra
+    dash.detach()
+
+
 @pytest.mark.parametrize("max_steps", [2000, 3], ids=["whole-run", "ring-of-3"])
 def test_a_live_dashboard_follows_the_newest_step_until_the_user_moves_away(max_steps):
     """The dashboard's own slider moves never switch "follow live" off: not a first update that

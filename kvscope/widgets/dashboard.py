@@ -248,12 +248,14 @@ class Dashboard:
 
     # --------------------------------------------------------------------- live
     def _on_step(self, record: Any) -> None:
-        """Trace listener, in the engine's thread: queue the record, wake the updater, and
-        wait here while paused (background runs only)."""
+        """Trace listener, in the engine's thread: queue the record, wake the updater, and,
+        while paused, hold the background run once this step has ended: between two steps, so
+        the notebook's calls on the LLM go through meanwhile."""
         self.series.add(record)
         self._wake.set()
-        if threading.current_thread() is self._bg_thread:
-            self.gate.wait(on_hold=self._kick.set)  # the engine is idle now: show this step at once
+        if self.gate.paused and threading.current_thread() is self._bg_thread:
+            # the engine is idle then: show this step at once
+            self.llm.call_between_steps(lambda: self.gate.wait(on_hold=self._kick.set))
 
     def _update_loop(self) -> None:
         cost = 0.0
