@@ -29,8 +29,9 @@ class KvscopeMagics(Magics):
     @argument("--metrics", default=None, help="with 'attach': Prometheus /metrics URLs, comma-separated, one per publisher")
     @argument("-o", "--out", default=None,
               help="store the recorded Trace in this variable (with 'attach': the attached source)")
-    @argument("--views", default=",".join(VIEW_CLASSES),
-              help=f"comma-separated views to show, from: {', '.join(VIEW_CLASSES)}")
+    @argument("--views", default=None,
+              help=f"comma-separated views to show, from: {', '.join(VIEW_CLASSES)} (default: all, or the "
+                   "timeline alone for a summary recording)")
     @argument("--level", default="blocks", choices=("summary", "blocks", "full"),
               help="recording level (the block views need 'blocks' or 'full')")
     @argument("--max-steps", type=int, default=2000, help="steps the recording keeps (a ring buffer)")
@@ -64,7 +65,7 @@ class KvscopeMagics(Magics):
         from kvscope.widgets import Dashboard
 
         if cell is not None:
-            dash = Dashboard(self._llm(args.target), **options)
+            dash = _built(Dashboard, self._llm(args.target), **options)
             display(dash)
             try:
                 self.shell.run_cell(cell)
@@ -82,7 +83,7 @@ class KvscopeMagics(Magics):
                 flags = ", ".join("--" + n.replace("_", "-") for n in live_only)
                 raise UsageError(f"%kvscope: {flags}: only with a live dashboard (an LLM, or demo); "
                                  "a Trace replays what it recorded")
-            dash = demo(**options) if args.target == "demo" else Dashboard(source, **options)
+            dash = _built(demo, **options) if args.target == "demo" else _built(Dashboard, source, **options)
         if args.out:
             self.shell.user_ns[args.out] = dash.trace
         if args.html:
@@ -159,6 +160,17 @@ class KvscopeMagics(Magics):
         return self.shell.user_ns[found[0]]
 
 
+def _built(make: Any, *args: Any, **options: Any) -> Any:
+    """``make(*args, **options)``, its refusal of an option told with the option's flag (the
+    dashboard names its Python argument: ``max_steps must be ...``)."""
+    try:
+        return make(*args, **options)
+    except ValueError as e:
+        raise UsageError("%kvscope: " + _OPTION_NAME.sub(lambda m: "--" + m[1].replace("_", "-"), str(e))) from e
+
+
+# A refusal that starts with the option it refuses.
+_OPTION_NAME = re.compile(r"^(max_steps|max_load|interval|views)\b")
 # An argument wholly in matching quotes, or an option's value after "=" in them.
 _QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
 _ATTACH_ONLY = ("topic", "replay", "metrics")

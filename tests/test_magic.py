@@ -141,6 +141,11 @@ def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     ("llm -o class", "-o/--out must be a variable name"),
     ("llm --replay tcp://127.0.0.1:1", "--replay: only with 'attach'"),
     ("attach tcp://127.0.0.1:1 --views pool --max-steps 5", "--views, --max-steps: not with 'attach'"),
+    ("llm --max-steps 0", "%kvscope: --max-steps must be an integer >= 1"),
+    ("llm --interval -1", "%kvscope: --interval must be a finite number"),
+    ("llm --max-load 2", "%kvscope: --max-load must be a share"),
+    ("llm --views pool,bogus", "%kvscope: unknown views ['bogus']"),
+    ("llm --level summary --views pool", "the only view it can feed is 'timeline'"),
 ])
 def test_options_that_do_not_fit_are_refused_before_anything_is_built(ip, tmp_path, line, says):
     """Refused with a usage error before a dashboard attaches: no hook or block sink left on the
@@ -152,6 +157,20 @@ def test_options_that_do_not_fit_are_refused_before_anything_is_built(ip, tmp_pa
         ip.run_line_magic("kvscope", line.format(tmp=tmp_path))
     assert not llm.hooks.block_sinks and not any(llm.hooks.active(name) for name in HOOK_POINTS)
     assert set(ip.user_ns) == before and not list(tmp_path.iterdir())
+
+
+def test_a_summary_recording_shows_the_timeline_unless_views_are_named(ip):
+    """A ``summary`` recording has no blocks: without ``--views`` it shows the one view it can
+    feed, live or replayed (it was refused for the default views, which it cannot feed)."""
+    llm = ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    with llm.record("summary") as trace:
+        llm.generate("the quick brown fox", SamplingParams(max_tokens=3), use_tqdm=False)
+    ip.user_ns["tr"] = trace
+    assert set(ip.run_line_magic("kvscope", "tr").views) == {"timeline"}
+    live = ip.run_line_magic("kvscope", "llm --level summary")
+    live.detach()
+    assert set(live.views) == {"timeline"} and live.trace.level == "summary"
+    assert list(ip.run_line_magic("kvscope", "tr --views timeline").views) == ["timeline"]
 
 
 @pytest.mark.parametrize("options", ["--level full", "--max-steps 5", "--interval 0.5", "--level summary --max-load 0.5"])

@@ -241,17 +241,19 @@ def test_a_summary_trace_is_not_exported_and_nothing_is_written(tmp_path):
 
 def test_a_summary_trace_replays_in_the_timeline_and_block_views_are_refused_by_name(tmp_path):
     """The level check reads the replayed trace's level (it read the ``level`` option, so a
-    summary trace failed inside the pool view, naming pool_arrays)."""
+    summary trace failed inside the pool view, naming pool_arrays). Without ``views`` the
+    replay shows the timeline, the one view a summary feeds (the default views were refused)."""
     llm = make_llm(**ENGINE)
     with llm.record("summary") as trace:
         llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     loaded = Trace.load(trace.save(tmp_path / "t"))
     for source in (trace, loaded):
-        with pytest.raises(ValueError, match=re.escape("level='summary' records no blocks; it can feed views=['timeline'] only")):
-            Dashboard(source)
-        dash = Dashboard(source, views="timeline")
-        assert dash.step == trace.step_ids[-1]
-        assert list(dash.views["timeline"].data[0].x) == trace.step_ids
+        with pytest.raises(ValueError, match=re.escape("level 'summary' records no blocks: the only view it can "
+                                                       "feed is 'timeline'")):
+            Dashboard(source, views="pool,timeline")
+        for dash in (Dashboard(source), Dashboard(source, views="timeline")):
+            assert list(dash.views) == ["timeline"] and dash.step == trace.step_ids[-1]
+            assert list(dash.views["timeline"].data[0].x) == trace.step_ids
 
 
 def test_show_step_takes_integers_only_and_a_refused_step_leaves_the_views_where_they_were():

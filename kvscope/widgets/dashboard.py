@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from kvscope.widgets.attach_view import AttachDashboard
 
 DEFAULT_VIEWS = ("pool", "queues", "tables", "lifecycle", "slots", "timeline")
+SUMMARY_VIEWS = ("timeline",)  # what a recording without blocks can feed
 
 
 class StepGate:
@@ -78,8 +79,8 @@ class Dashboard:
     :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
-    ``views`` picks the views (a list of names, or one str of names separated by commas);
-    ``level`` and ``max_steps`` go to ``llm.record`` (the block views
+    ``views`` picks the views (a list of names, or one str of names separated by commas;
+    default: all of them, or the timeline alone for a ``"summary"`` recording); ``level`` and ``max_steps`` go to ``llm.record`` (the block views
     need ``"blocks"`` or ``"full"``; ``"full"`` adds a whole-pool copy per step, which makes
     jumping back in a long replay cheaper but costs ``num_blocks * 16`` bytes per step). Live
     updates come at most every ``interval`` seconds, and rarer when updating would take more
@@ -91,7 +92,7 @@ class Dashboard:
     def __init__(
         self,
         source: Any,
-        views: Iterable[str] | str = DEFAULT_VIEWS,
+        views: Iterable[str] | str | None = None,
         level: str = "blocks",
         max_steps: int = 2000,
         interval: float = 0.25,
@@ -100,14 +101,14 @@ class Dashboard:
         if not (hasattr(source, "record") or isinstance(source, Trace)):
             raise TypeError(f"dashboard source must be an LLM (live) or a kvscope.Trace (replay), "
                             f"got {type(source).__name__}")
-        views = view_names(views)
+        if isinstance(source, Trace):  # (a replay shows the level it was recorded at)
+            level = source.level
+        views = view_names(views if views is not None else SUMMARY_VIEWS if level == "summary" else DEFAULT_VIEWS)
         unknown = set(views) - set(VIEW_CLASSES)
         if unknown:
             raise ValueError(f"unknown views {sorted(unknown)}; choose from {', '.join(VIEW_CLASSES)}")
-        if isinstance(source, Trace):  # (a replay shows the level it was recorded at)
-            level = source.level
-        if level == "summary" and set(views) != {"timeline"}:
-            raise ValueError("level='summary' records no blocks; it can feed views=['timeline'] only")
+        if level == "summary" and set(views) != set(SUMMARY_VIEWS):
+            raise ValueError("level 'summary' records no blocks: the only view it can feed is 'timeline'")
         self.interval, self.max_load = check_interval(interval), check_max_load(max_load)
         self.llm = source if hasattr(source, "record") else None
         self._closed = self.llm is None
