@@ -92,7 +92,7 @@ class KvscopeMagics(Magics):
 
     def _parse(self, line: str) -> Any:
         """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
-        unclosed quote, an ``-o`` that is no variable name, a ``--html`` that is no file name
+        unclosed quote, an ``-o`` that is no variable name (or the target's), a ``--html`` that is no file name
         (empty, or a directory), into no directory or of a ``summary`` recording, or options
         of ``attach`` without it (and the other way round). An argument in quotes is read
         without them, as a shell reads it; one that only holds quotes stays as written (the
@@ -104,6 +104,9 @@ class KvscopeMagics(Magics):
         args = self.kvscope.parser.parse_args([_QUOTED.sub(r"\1\3", a) for a in argv])
         if args.out is not None and not (args.out.isidentifier() and not keyword.iskeyword(args.out)):
             raise UsageError(f"%kvscope: -o/--out must be a variable name, got {args.out!r}")
+        if args.out is not None and args.out == args.target:
+            raise UsageError(f"%kvscope: -o {args.out} would replace the target {args.target} with what it records; "
+                             "name another variable")
         if args.html is not None and (not args.html or Path(args.html).is_dir()):
             raise UsageError(f"%kvscope: --html {args.html!r}: not a file name to write the page to")
         if args.html is not None and args.level == "summary":

@@ -139,6 +139,7 @@ def test_quoted_option_values_are_read_as_a_shell_reads_them(ip, tmp_path):
     ("llm --level summary --views timeline --html {tmp}/page.html", "--html exports the block views"),
     ("llm -o 'a b'", "-o/--out must be a variable name"),
     ("llm -o class", "-o/--out must be a variable name"),
+    ("llm -o llm", "-o llm would replace the target llm"),
     ("llm --replay tcp://127.0.0.1:1", "--replay: only with 'attach'"),
     ("attach tcp://127.0.0.1:1 --views pool --max-steps 5", "--views, --max-steps: not with 'attach'"),
     ("llm --max-steps 0", "%kvscope: --max-steps must be an integer >= 1"),
