@@ -192,40 +192,87 @@ def records_from_frames(
     """Rebuild the records a saved trace was made of (the inverse of the ``*_frame`` functions).
 
     ``scheduled`` may hold steps that ``steps`` lacks: rows an async recording launched in its
-    last record for the step after it (the replay writes them)."""
+    last record for the step after it (the replay writes them). Each table's columns are taken
+    out as arrays once and sliced per record: a pandas slice or comparison per step costs far
+    more than the rows it holds."""
     cols = [steps[c].tolist() for c in STEP_COLUMNS]
     records = [StepRecord(*vals) for vals in zip(*cols)]
     if level == "summary":
         return records
-    step_ids = steps["step"].to_numpy()
+    step_ids = steps["step"].to_numpy(np.int64)
     requests = RequestIds(block_events["request_id"].cat.categories)
-    table = RowTable(requests)
+    _set_launches(records, launches, step_ids, RowTable(requests), scheduled)
+    _set_block_events(records, block_events, step_ids, requests)
+    _set_queues(records, queues, step_ids)
+    if pool is not None:
+        _set_pool(records, *pool, step_ids)
+    return records
+
+
+def _set_launches(records: Sequence[StepRecord], launches: pd.DataFrame, step_ids: np.ndarray, table: RowTable,
+                  scheduled: pd.DataFrame) -> None:
+    """Each record's scheduled rows and launches (a launch's rows: its step's, if any)."""
     rows_of = _scheduled_by_step(scheduled, table)
     none = Scheduled.from_columns(table, *(np.zeros(0, t) for t in (np.int32,) * 4 + (bool,) * 2 + (np.int32,)))
-    for rec, rows in zip(records, _split(launches, step_ids)):
+    launched, before = launches["launched_step"].tolist(), launches["num_events_before"].tolist()
+    for rec, (a, b) in zip(records, _bounds(launches, step_ids)):
         rec.scheduled = rows_of.get(rec.step, none)
-        rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in
-                             zip(rows["launched_step"].tolist(), rows["num_events_before"].tolist()))
-    for rec, ev in zip(records, _split(block_events, step_ids)):
-        idle = (rec.launches[0].step if rec.launches else rec.step) - 1
+        rec.launches = tuple(Launch(s, k, rows_of.get(s, none)) for s, k in zip(launched[a:b], before[a:b]))
+
+
+def _set_block_events(records: Sequence[StepRecord], events: pd.DataFrame, step_ids: np.ndarray,
+                      requests: RequestIds) -> None:
+    """Each record's block events. An event with no scheduled step (an ``idle`` one) gets the
+    step before the record's first launch, or before the record: an engine step that makes
+    :meth:`StepRecord.event_phases` call it ``idle`` again."""
+    columns = {
+        "event": events["event"].cat.codes.to_numpy(), "block_id": events["block_id"].to_numpy(),
+        "request": events["request_id"].cat.codes.to_numpy(), "ref_count": events["ref_count"].to_numpy(),
+        "block_hash": events["block_hash"].to_numpy(np.int64, na_value=NONE),
+    }
+    scheduled_step = events["scheduled_step"].to_numpy(np.int64, na_value=NONE)
+    idle = events["scheduled_step"].isna().to_numpy()
+    post = events["phase"].cat.codes.to_numpy() == PHASES.index(POSTPROCESS)
+    pre_forward = np.concatenate([[0], np.cumsum(~post)]).tolist()  # [i]: rows before i not post-processing
+    for rec, (a, b) in zip(records, _bounds(events, step_ids)):
+        idle_step = (rec.launches[0].step if rec.launches else rec.step) - 1
         rec.block_events = EventLog.from_columns(
-            requests, event=ev["event"].cat.codes.to_numpy(), block_id=ev["block_id"].to_numpy(),
-            request=ev["request_id"].cat.codes.to_numpy(), ref_count=ev["ref_count"].to_numpy(),
-            block_hash=ev["block_hash"].to_numpy(np.int64, na_value=NONE),
-            engine_step=ev["scheduled_step"].to_numpy(np.int64, na_value=idle),
+            requests, **{name: col[a:b] for name, col in columns.items()},
+            engine_step=np.where(idle[a:b], idle_step, scheduled_step[a:b]),
         )
-        rec.num_pre_forward_events = int((ev["phase"] != POSTPROCESS).sum())
-    for rec, q in zip(records, _split(queues, step_ids)):
-        for name in QUEUES:
-            setattr(rec, name, q["request_id"][q["queue"] == name].tolist())
-    if pool is not None:
-        changes, fills = pool
-        for rec, c, f in zip(records, _split(changes, step_ids), _split(fills, step_ids)):
-            rec.pool = PoolDelta(
-                c["block_id"].to_numpy(np.int32), c["ref_count"].to_numpy(np.int32), c["block_hash"].to_numpy(np.int64),
-                f["block_id"].to_numpy(np.int32), f["num_tokens"].to_numpy(np.int32),
-            )
-    return records
+        rec.num_pre_forward_events = pre_forward[b] - pre_forward[a]
+
+
+def _set_queues(records: Sequence[StepRecord], queues: pd.DataFrame, step_ids: np.ndarray) -> None:
+    """Each record's queues, from the rows sorted once by (step, queue); the sort is stable, so
+    a queue keeps its rows' order. A queue of another name sorts apart and is never read."""
+    width = len(QUEUES) + 1
+    keys = queues["step"].to_numpy(np.int64) * width + _queue_codes(queues["queue"])
+    order = np.argsort(keys, kind="stable")
+    keys, ids = keys[order], queues["request_id"].to_numpy(object)[order]
+    wanted = step_ids[:, None] * width + np.arange(1, width)  # per record, per queue
+    lo = np.searchsorted(keys, wanted, side="left").tolist()
+    hi = np.searchsorted(keys, wanted, side="right").tolist()
+    for rec, starts, ends in zip(records, lo, hi):
+        for name, a, b in zip(QUEUES, starts, ends):
+            setattr(rec, name, ids[a:b].tolist())
+
+
+def _queue_codes(names: pd.Series) -> np.ndarray:
+    """Per row, 1 + its queue's index in ``QUEUES``, 0 for another name or none (factorizing
+    hashes each string once; a categorical of them takes longer)."""
+    codes, uniques = pd.factorize(names.to_numpy(object))
+    of_unique = np.array([QUEUES.index(u) + 1 if u in QUEUES else 0 for u in uniques] + [0], np.int64)
+    return of_unique[codes]  # (code -1, a missing name, reads the 0 appended)
+
+
+def _set_pool(records: Sequence[StepRecord], changes: pd.DataFrame, fills: pd.DataFrame, step_ids: np.ndarray) -> None:
+    """Each record's ``full``-level pool delta."""
+    block_ids, ref_count = changes["block_id"].to_numpy(np.int32), changes["ref_count"].to_numpy(np.int32)
+    block_hash = changes["block_hash"].to_numpy(np.int64)
+    last_blocks, last_counts = fills["block_id"].to_numpy(np.int32), fills["num_tokens"].to_numpy(np.int32)
+    for rec, (a, b), (c, d) in zip(records, _bounds(changes, step_ids), _bounds(fills, step_ids)):
+        rec.pool = PoolDelta(block_ids[a:b], ref_count[a:b], block_hash[a:b], last_blocks[c:d], last_counts[c:d])
 
 
 def _scheduled_by_step(rows: pd.DataFrame, table: RowTable) -> dict[int, Scheduled]:
@@ -248,12 +295,11 @@ def _scheduled_by_step(rows: pd.DataFrame, table: RowTable) -> dict[int, Schedul
     return out
 
 
-def _split(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[pd.DataFrame]:
-    """Per recorded step, its rows of ``df`` (which is sorted by step)."""
+def _bounds(df: pd.DataFrame, step_ids: np.ndarray) -> Iterable[tuple[int, int]]:
+    """Per recorded step, where its rows of ``df`` (which is sorted by step) begin and end."""
     steps = df["step"].to_numpy()
-    lo = np.searchsorted(steps, step_ids, side="left").tolist()
-    hi = np.searchsorted(steps, step_ids, side="right").tolist()
-    return (df.iloc[a:b] for a, b in zip(lo, hi))
+    return zip(np.searchsorted(steps, step_ids, side="left").tolist(),
+               np.searchsorted(steps, step_ids, side="right").tolist())
 
 
 # ------------------------------------------------------------------- parquet
