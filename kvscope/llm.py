@@ -110,6 +110,7 @@ class LLM:
         # two steps of a generate() under way.
         self._step_lock = StepLock()
         self._between_steps_calls = threading.local()  # each thread's, for call_between_steps
+        self._holds = 0  # engine steps (and batches of adds) taken so far: another call's progress
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
         self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
@@ -301,15 +302,24 @@ class LLM:
     @contextlib.contextmanager
     def _one_call(self, what: str) -> Iterator[None]:
         """Run after another thread's generate() or step(), waiting as long as it keeps
-        stepping; raise, rather than hang, when it stays inside one step."""
-        taken = False
+        stepping; raise, rather than hang, when it stays inside one step, or between two for
+        ``STEP_WAIT_S`` (a paused dashboard's run: the Resume it waits for cannot reach a
+        kernel busy with this call)."""
+        taken, seen, since = False, self._holds, time.monotonic()
         try:
             while not taken:
                 with deferred_interrupts():  # (see _between_steps)
                     taken = self._lock.acquire(timeout=CALL_POLL_S)
-                if not taken:
-                    with self._between_steps(what):
-                        pass
+                if taken:
+                    break
+                with self._between_steps(what):
+                    pass
+                if self._holds != seen:
+                    seen, since = self._holds, time.monotonic()
+                elif time.monotonic() - since >= STEP_WAIT_S:
+                    raise RuntimeError(f"{what}: another thread's call has not stepped the engine for "
+                                       f"{STEP_WAIT_S:g} s (a paused dashboard's background run? resume it, "
+                                       "or wait for dash.run_future)")
             yield
         finally:
             if taken:
@@ -321,6 +331,7 @@ class LLM:
         then let in the threads waiting between two steps before this thread's next one."""
         with deferred_interrupts(), self._step_lock:
             yield
+        self._holds += 1
         if not self._step_lock.held_here():  # (the outermost hold of this thread)
             self._step_lock.let_waiters_in(STEP_WAIT_S)
             self._run_between_steps_calls()

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -434,6 +435,41 @@ def test_while_paused_the_notebook_adds_and_aborts_requests_and_steps_run_them(m
         final.update({o.request_id: o for o in llm.step() if o.finished})
     assert final[dropped].outputs[0].finish_reason == "abort"
     assert [final[added].outputs[0].token_ids] == want_extra
+    dash.detach()
+
+
+@pytest.mark.parametrize("call", ["generate", "step"])
+def test_a_generate_while_paused_says_the_run_is_paused_instead_of_waiting_for_ever(call, monkeypatch):
+    """Paused, the background run holds the LLM's call between two steps: the notebook's own
+    generate() or step() would wait for that call to end, which needs a Resume that a busy
+    kernel cannot receive. It raises after STEP_WAIT_S without a step taken, and the run then
+    resumes to its tokens."""
+    import kvscope.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "STEP_WAIT_S", 1.0)
+    llm = make_llm(**ENGINE)
+    want = token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    wait_for(lambda: dash.gate.waiting)
+    errors = []
+    calls = {"generate": lambda: llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False), "step": llm.step}
+
+    def notebook() -> None:
+        try:
+            calls[call]()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=notebook, daemon=True)
+    thread.start()
+    thread.join(10)
+    alive = thread.is_alive()
+    dash.resume()
+    assert not alive and len(errors) == 1, "the call waited for the paused run"
+    assert re.match(rf"LLM\.{call}: another thread's call has not stepped the engine for 1 s", str(errors[0]))
+    assert token_ids(run.result(timeout=30)) == want
     dash.detach()
 
 
