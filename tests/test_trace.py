@@ -802,6 +802,18 @@ def test_round_trip_of_summary_and_wrapped_traces(tmp_path):
         _assert_same_trace(trace, Trace.load(trace.save(tmp_path / f"{trace.level}-{len(trace.step_ids)}")))
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_round_trip_of_a_ring_buffer_whose_steps_hold_every_queue_and_preemptions(async_scheduling, tmp_path):
+    """The last 30 steps of the workload: each queue is filled in some kept step, one with
+    several requests in order, and a request is preempted; a load rebuilds all of it."""
+    ring = _record(_tight_llm(async_scheduling=async_scheduling), max_steps=30)
+    queues = ring.blocks.queues()
+    assert ring.blocks.step_ids[0] > 1 and set(queues.queue) == {"running", "waiting", "preempted", "finished"}
+    assert queues.groupby(["step", "queue"]).size().max() > 2 and ring.blocks.steps.num_preemptions.any()
+    for trace in (ring.full, ring.blocks):
+        _assert_same_trace(trace, Trace.load(trace.save(tmp_path / trace.level)))
+
+
 def test_levels_attach_only_their_hooks():
     llm = make_llm(block_size=4)
     prompts, params = _workload(n=2)
