@@ -78,10 +78,9 @@ class KvscopeMagics(Magics):
             if args.html and not isinstance(source, Trace):
                 raise UsageError("%kvscope: --html exports a recorded Trace, and a live dashboard has recorded "
                                  "nothing yet: give it a Trace, or use it in cell mode (%%kvscope --html ...)")
-            live_only = [n for n in _LIVE_ONLY if getattr(args, n) != self.kvscope.parser.get_default(n)]
+            live_only = self._given(args, _LIVE_ONLY)
             if isinstance(source, Trace) and live_only:
-                flags = ", ".join("--" + n.replace("_", "-") for n in live_only)
-                raise UsageError(f"%kvscope: {flags}: only with a live dashboard (an LLM, or demo); "
+                raise UsageError(f"%kvscope: {_flags(live_only)}: only with a live dashboard (an LLM, or demo); "
                                  "a Trace replays what it recorded")
             dash = _built(demo, **options) if args.target == "demo" else _built(Dashboard, source, **options)
         if args.out:
@@ -92,9 +91,9 @@ class KvscopeMagics(Magics):
 
     def _parse(self, line: str) -> Any:
         """The magic's arguments, refused whole (nothing built yet) when they do not fit: an
-        unclosed quote, an ``-o`` that is no variable name (or the target's), a ``--html`` that is no file name
-        (empty, or a directory), into no directory or of a ``summary`` recording, or options
-        of ``attach`` without it (and the other way round). An argument in quotes is read
+        unclosed quote, an ``-o`` that is no variable name (or the target's), a ``--html``
+        that is no file name (empty, or a directory), into no directory or of a ``summary``
+        recording, or options of ``attach`` without it (and the other way round). An argument in quotes is read
         without them, as a shell reads it; one that only holds quotes stays as written (the
         target is an expression: ``d['t']``)."""
         try:
@@ -113,14 +112,16 @@ class KvscopeMagics(Magics):
             raise UsageError("%kvscope: --html exports the block views: it needs --level blocks or full")
         if args.html is not None and not Path(args.html).parent.is_dir():
             raise UsageError(f"%kvscope: --html {args.html!r}: no directory {str(Path(args.html).parent)!r} to write it in")
-        parser = self.kvscope.parser
         attach = args.target == "attach"
-        wrong = [name for name in (_NOT_ATTACH if attach else _ATTACH_ONLY)
-                 if getattr(args, name) != parser.get_default(name)]
+        wrong = self._given(args, _NOT_ATTACH if attach else _ATTACH_ONLY)
         if wrong:
-            flags = ", ".join("--" + n.replace("_", "-") for n in wrong)
-            raise UsageError(f"%kvscope: {flags}: {'not' if attach else 'only'} with 'attach' (see %kvscope?)")
+            raise UsageError(f"%kvscope: {_flags(wrong)}: {'not' if attach else 'only'} with 'attach' (see %kvscope?)")
         return args
+
+    def _given(self, args: Any, names: tuple[str, ...]) -> list[str]:
+        """Those of the options ``names`` the line set to other than their defaults."""
+        parser = self.kvscope.parser
+        return [name for name in names if getattr(args, name) != parser.get_default(name)]
 
     def _attach(self, args: Any) -> Any:
         """``%kvscope attach ...``: ``kvscope.attach`` the endpoints and show ``kvscope.dashboard`` of it."""
@@ -169,7 +170,12 @@ def _built(make: Any, *args: Any, **options: Any) -> Any:
     try:
         return make(*args, **options)
     except ValueError as e:
-        raise UsageError("%kvscope: " + _OPTION_NAME.sub(lambda m: "--" + m[1].replace("_", "-"), str(e))) from e
+        raise UsageError("%kvscope: " + _OPTION_NAME.sub(lambda m: _flags([m[1]]), str(e))) from e
+
+
+def _flags(names: list[str]) -> str:
+    """Options' Python names as the magic's flags: ``max_steps`` -> ``--max-steps``."""
+    return ", ".join("--" + name.replace("_", "-") for name in names)
 
 
 # A refusal that starts with the option it refuses.
