@@ -109,7 +109,7 @@ class LLM:
         # request added or aborted, or a recording attached, from another thread lands between
         # two steps of a generate() under way.
         self._step_lock = StepLock()
-        self._between_steps_calls = threading.local()  # each thread's, for call_between_steps
+        self._between_steps_calls = _ThreadsCalls()  # each thread's, for call_between_steps
         self._holds = 0  # engine steps (and batches of adds) taken so far: another call's progress
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
@@ -341,16 +341,13 @@ class LLM:
         free, before this thread's next step (outside a step: at once). For a hook that must
         wait without holding the engine: a dashboard paused between two steps of its background
         run, while the notebook adds, aborts or records."""
-        if not self._step_lock.held_here():
+        if self._step_lock.held_here():
+            self._between_steps_calls.fns.append(fn)
+        else:
             fn()
-            return
-        calls = getattr(self._between_steps_calls, "fns", None)
-        if calls is None:
-            calls = self._between_steps_calls.fns = []
-        calls.append(fn)
 
     def _run_between_steps_calls(self) -> None:
-        calls = getattr(self._between_steps_calls, "fns", None)
+        calls = self._between_steps_calls.fns
         while calls:
             calls.pop(0)()
 
@@ -420,6 +417,13 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _ThreadsCalls(threading.local):
+    """The functions each thread asked for between its steps (``LLM.call_between_steps``)."""
+
+    def __init__(self) -> None:
+        self.fns: list[Callable[[], None]] = []
 
 
 def _kv_event_publisher(engine: LLMEngine, config: EngineConfig) -> Any:

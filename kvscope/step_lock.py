@@ -50,10 +50,8 @@ class StepLock:
 
     def let_waiters_in(self, timeout: float) -> None:
         """Wait until every thread blocked on the lock has taken it (each then holds it for its
-        own short call), or ``timeout`` seconds; at once if this thread still holds it (a hook's
-        nested call: nobody can get in before the outer step ends)."""
-        if self.held_here():
-            return
+        own short call), or ``timeout`` seconds. Only once this thread has let go of the lock:
+        inside a hook's nested call nobody can get in before the outer step ends."""
         deadline = time.monotonic() + timeout
         while self._waiting and time.monotonic() < deadline:
             time.sleep(_POLL_S)

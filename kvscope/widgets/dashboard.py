@@ -80,13 +80,14 @@ class Dashboard:
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
     ``views`` picks the views (a list of names, or one str of names separated by commas;
-    default: all of them, or the timeline alone for a ``"summary"`` recording); ``level`` and ``max_steps`` go to ``llm.record`` (the block views
-    need ``"blocks"`` or ``"full"``; ``"full"`` adds a whole-pool copy per step, which makes
-    jumping back in a long replay cheaper but costs ``num_blocks * 16`` bytes per step). Live
-    updates come at most every ``interval`` seconds, and rarer when updating would take more
-    than ``max_load`` of the wall time: the updater shares the interpreter lock with the
-    engine, so the time it spends is roughly what the engine loses. While live, the heap that
-    existed when it attached is frozen for the garbage collector (see ``frozen_heap``).
+    default: all of them, or the timeline alone for a ``"summary"`` recording); ``level`` and
+    ``max_steps`` go to ``llm.record`` (the block views need ``"blocks"`` or ``"full"``;
+    ``"full"`` adds a whole-pool copy per step, which makes jumping back in a long replay
+    cheaper but costs ``num_blocks * 16`` bytes per step). Live updates come at most every
+    ``interval`` seconds, and rarer when updating would take more than ``max_load`` of the
+    wall time: the updater shares the interpreter lock with the engine, so the time it spends
+    is roughly what the engine loses. While live, the heap that existed when it attached is
+    frozen for the garbage collector (see ``frozen_heap``).
     """
 
     def __init__(
