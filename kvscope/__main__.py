@@ -33,7 +33,7 @@ def demo(args: argparse.Namespace, usage_error: Callable[[str], NoReturn]) -> No
     except (ValueError, TypeError, OSError) as e:
         usage_error(str(e))
     # (the engine refuses a request past max_model_len only once generate adds it: a traceback)
-    longest = max(len(llm.get_tokenizer().encode(p, add_special_tokens=False)) for p in DEMO_PROMPTS)
+    longest = max(len(llm.get_tokenizer().encode(p)) for p in DEMO_PROMPTS)  # (as generate tokenizes them)
     room = llm.llm_engine.max_model_len - longest
     if args.max_tokens > room:
         usage_error(f"--max-tokens must be at most {room} (the longest demo prompt has {longest} tokens, "

@@ -17,7 +17,7 @@ def llm() -> LLM:
 def test_prompt_forms_agree_and_keep_input_order(llm):
     tok = llm.get_tokenizer()
     texts = ["The quick brown fox", "A paged key value cache stores", "Numbers 1 2 3"]
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    ids = [tok.encode(t) for t in texts]
     by_text = llm.generate(texts, greedy(5), use_tqdm=False)
     by_ids = llm.generate(ids, greedy(5), use_tqdm=False)
     by_dict = llm.generate([{"prompt_token_ids": i} for i in ids], greedy(5), use_tqdm=False)
@@ -29,6 +29,37 @@ def test_prompt_forms_agree_and_keep_input_order(llm):
     one_list = llm.generate(ids[2], greedy(5), use_tqdm=False)  # a bare list of ints is one prompt
     assert len(one_list) == 1 and one_list[0].outputs[0].token_ids == by_text[2].outputs[0].token_ids
     assert by_text[0].outputs[0].text == tok.decode(by_text[0].outputs[0].token_ids, skip_special_tokens=True)
+
+
+def _with_bos_tokenizer(path) -> str:
+    """A copy of the tiny llama checkpoint whose tokenizer puts BOS before a text, as Llama's do."""
+    import shutil
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_a_text_prompt_is_tokenized_with_the_special_tokens_its_tokenizer_adds(tmp_path):
+    """vLLM tokenizes a text prompt with the tokenizer's defaults, so a Llama prompt starts with
+    BOS; the model was trained on such prompts, and the same text must give the same tokens."""
+    from transformers import AutoTokenizer
+
+    path = _with_bos_tokenizer(tmp_path / "bos")
+    truth = AutoTokenizer.from_pretrained(path)
+    text = "The quick brown fox"
+    assert truth(text).input_ids[0] == truth.bos_token_id  # (the check below can tell)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=32)
+    by_text, by_dict = llm.generate([text, {"prompt": text}], greedy(4), use_tqdm=False)
+    by_ids = llm.generate([truth(text).input_ids], greedy(4), use_tqdm=False)[0]
+    assert by_text.prompt_token_ids == by_dict.prompt_token_ids == truth(text).input_ids
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
 
 
 def test_per_prompt_sampling_params_and_lengths(llm):

@@ -236,8 +236,8 @@ class LLMEngine:
                 return request_id
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, str):  # (with the tokenizer's special tokens, a Llama's BOS, as vLLM does)
+            return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
