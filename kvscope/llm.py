@@ -169,6 +169,37 @@ class LLM:
                         engine.abort_request(rid, report=False)
                         self._generating.discard(rid)
 
+    def chat(
+        self,
+        messages: Seq[Any],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``chat``: ``messages`` (one conversation of ``{"role", "content"}`` dicts, or a
+        list of them) rendered by the chat template (``chat_template``, else the tokenizer's),
+        then generated like :meth:`generate`'s prompts. Each output's ``prompt`` is the
+        rendered text.
+        """
+        from kvscope import chat
+
+        self._check_open()
+        if self.config.skip_tokenizer_init:
+            raise ValueError("chat() needs a tokenizer, and this LLM has skip_tokenizer_init=True; "
+                             "render the conversation yourself and pass its token ids to generate()")
+        tokenizer = self.llm_engine.tokenizer
+        options = chat.template_options(tokenizer, chat_template, add_generation_prompt,
+                                        continue_final_message, tools, chat_template_kwargs)
+        prompts = []
+        for conversation in chat.as_conversations(messages):
+            text = chat.render(tokenizer, conversation, options)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(ids)
