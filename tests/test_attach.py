@@ -498,6 +498,35 @@ def test_a_stream_left_unread_while_another_replays_is_not_probed():
             mute.close(linger=0)
 
 
+def test_a_stream_whose_replays_time_out_does_not_starve_the_others():
+    """Twenty gaps queue up on one publisher whose replay socket never answers (ten seconds of
+    waiting in all); a batch the other publisher sends meanwhile applies within about one of those
+    waits, not after all of them."""
+    ctx = zmq.Context.instance()
+    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
+    with publisher() as good:
+        att = kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint}, topic="kv-events",
+                             replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
+                             replay_timeout=0.5)
+        try:
+            wait_for(lambda: probed(raw, att), what="subscription")
+            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
+            gaps = 20
+            for seq in range(2, 2 * gaps + 2, 2):
+                raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
+            wait_for(lambda: att.streams[0].faults["gaps"] >= 1, what="the first gap")
+            start = time.monotonic()
+            wait_for(applied(att, "good", good.publish([stored([1], None, [1, 2], 2)])), timeout=15,
+                     what="the good publisher's batch")
+            assert time.monotonic() - start < 2.0
+            assert att.block_hashes("good") == {0, 1} and att.streams[0].faults["gaps"] < gaps
+        finally:
+            att.close()
+            raw.close(linger=0)
+            mute.close(linger=0)
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

@@ -172,7 +172,10 @@ class Subscriber:
                 if sock is s.replay_monitor:
                     self._replay_dropped(s)
                     continue
-                for _ in range(1000):  # drain in bursts, so one busy publisher cannot starve the loop
+                # drain in bursts bounded in count and time (a gap may wait out a replay timeout), so
+                # one busy or stuck publisher cannot starve the others
+                burst_end = time.monotonic() + _POLL_MS / 1000
+                for _ in range(1000):
                     if self._stop.is_set():
                         return
                     try:
@@ -181,6 +184,8 @@ class Subscriber:
                         break
                     self._on_message(s, frames)
                     s.heard = time.monotonic()
+                    if s.heard > burst_end:
+                        break
 
     def _events(self, monitor: Any) -> list[int]:
         """The events a socket monitor holds now."""
