@@ -14,8 +14,9 @@ _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler'
 class SamplingParams:
     """How to pick tokens for one request. ``temperature=0`` means greedy.
 
-    ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``logprobs=k`` returns the top-k
-    log-probabilities of every generated token (plus the chosen one).
+    ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
+    likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
+    top-k log-probabilities of every generated token (plus the chosen one).
     """
 
     n: int = 1
@@ -31,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    min_p: float = 0.0  # (last, so the fields before keep their positions)
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -44,6 +46,8 @@ class SamplingParams:
                              f"float32), got {self.temperature!r}")
         if not is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_finite_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if self.max_tokens is not None:
@@ -71,7 +75,7 @@ class SamplingParams:
 
     def _from_numpy(self) -> None:
         """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, (np.integer, np.floating)):
                 setattr(self, name, value.item())

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from engine_helpers import make_llm
 from kvscope import SamplingParams
-from kvscope.runner.sampler import GREEDY_BELOW, Sampler, apply_top_k_top_p, exponential_
+from kvscope.runner.sampler import GREEDY_BELOW, Sampler, apply_min_p, apply_top_k_top_p, exponential_
 
 PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
 
@@ -39,6 +39,12 @@ def _freq(tokens: torch.Tensor) -> torch.Tensor:
     (SamplingParams(temperature=1.0, top_p=0.5), torch.tensor([0, 1.0, 0, 0])),
     (SamplingParams(temperature=1.0, top_k=3, top_p=0.7), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
     (SamplingParams(temperature=0.5), PROBS ** 2 / (PROBS ** 2).sum()),
+    (SamplingParams(temperature=1.0, min_p=0.2), torch.tensor([0, 0.5, 0.15, 0.3]) / 0.95),
+    (SamplingParams(temperature=1.0, min_p=0.5), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
+    # min-p reads the distribution at the temperature: 0.15 ** 2 is under 0.2 * 0.5 ** 2
+    (SamplingParams(temperature=0.5, min_p=0.2), torch.tensor([0, 0.25, 0, 0.09]) / 0.34),
+    # min-p before top-p (vLLM's order): top-p first would keep token 2
+    (SamplingParams(temperature=1.0, min_p=0.2, top_p=0.81), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
 ])
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_sampling_frequencies_match_the_truncated_distribution(params, expected, device):
@@ -64,6 +70,32 @@ def test_top_k_top_p_mask_is_exact():
     keep = torch.isfinite(masked)
     assert keep.tolist() == [[True] * 4, [False, True, False, True], [False, True, False, True]]
     assert torch.equal(masked[keep], logits[keep])
+
+
+def test_min_p_mask_is_transformers_min_p():
+    """Row by row against transformers' MinPLogitsWarper on the same logits."""
+    from transformers import MinPLogitsWarper
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    min_p = torch.tensor([0.0, 1e-3, 0.05, 0.3, 0.9, 1.0])
+    masked = apply_min_p(logits, min_p)
+    for i, p in enumerate(min_p.tolist()):
+        truth = logits[i:i + 1] if p == 0 else MinPLogitsWarper(p)(None, logits[i:i + 1].clone())
+        assert torch.isfinite(masked[i]).tolist() == torch.isfinite(truth[0]).tolist(), p
+    keep = torch.isfinite(masked)
+    assert torch.equal(masked[keep], logits[keep]) and keep[0].all() and 1 < keep[3].sum() < 50
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_min_p_of_one_draws_the_greedy_tokens_through_the_engine(async_scheduling):
+    """min_p=1 leaves only the likeliest token of each step (random logits have no ties), so a
+    hot temperature must give greedy's tokens, seeded or not."""
+    llm = make_llm(block_size=4, num_kv_blocks=64, async_scheduling=async_scheduling)
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [40, 41, 42, 43, 44, 45, 46]]
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    hot = [SamplingParams(temperature=5.0, min_p=1.0, max_tokens=8, ignore_eos=True, seed=s) for s in (None, 1, None)]
+    drawn = llm.generate(prompts, hot, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drawn] == [o.outputs[0].token_ids for o in greedy]
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -165,6 +197,7 @@ EDGE_PARAMS = st.builds(
     top_p=st.sampled_from([5e-324, 1e-3, 0.5, 1.0]),
     seed=st.sampled_from([None, 0, -1, 2**63, -2**63, 2**64 - 1]),  # (the ends of torch's seed range)
     logprobs=st.sampled_from([None, 0, 3, EDGE_VOCAB]),
+    min_p=st.sampled_from([0.0, 5e-324, 0.1, 1.0]),
 )
 EDGE_BATCHES = st.lists(EDGE_PARAMS, min_size=1, max_size=6)
 
@@ -172,8 +205,9 @@ EDGE_BATCHES = st.lists(EDGE_PARAMS, min_size=1, max_size=6)
 def check_any_valid_batch_samples(sampler: Sampler, params: list[SamplingParams], seed: int) -> None:
     """Every row of a batch of valid settings, however extreme and however mixed, gets a token
     that its settings allow, checked against the order of its logits: a greedy row their argmax,
-    a top-k row one of its k largest, a row whose top-p the largest alone covers that one (with
-    a temperature that leaves float32 room to rank them); and the log-probs it asked for."""
+    a top-k row one of its k largest, a row whose top-p the largest alone covers that one, a
+    min-p row one at least min-p times as likely as the likeliest (with a temperature that
+    leaves float32 room to rank them); and the log-probs it asked for."""
     logits = torch.randn(len(params), EDGE_VOCAB, generator=torch.Generator().manual_seed(seed))
     out = sampler.sample(logits, params, list(range(len(params)))).to_output()
     ranks = logits.argsort(dim=-1, descending=True).argsort(dim=-1)
@@ -186,6 +220,8 @@ def check_any_valid_batch_samples(sampler: Sampler, params: list[SamplingParams]
         elif p.temperature <= 7.0:
             assert rank < (p.top_k if 0 < p.top_k < EDGE_VOCAB else EDGE_VOCAB), (i, p)
             assert p.top_p > 1e-3 or rank == 0, (i, p)
+            probs = (logits[i] / p.temperature).softmax(dim=-1)
+            assert probs[token] >= p.min_p * probs.max() * (1 - 1e-5), (i, p)
         if p.logprobs is not None:
             assert token in out.logprobs[i] and len(out.logprobs[i]) in (p.logprobs, p.logprobs + 1), (i, p)
 

@@ -215,7 +215,7 @@ def check_captured_draws_match_eager(device: str) -> None:
     """The draw a decode graph captures (scales and step number read from device memory, the
     step bumped by the draw itself) against the sampler's eager calls, step by step: the same
     tokens through a change of rows (new scales), eager calls in between (the step in memory
-    catches up), and rows the captured draw refuses (log-probs, top-k, seeds), which change
+    catches up), and rows the captured draw refuses (log-probs, top-k, seeds, min-p), which change
     nothing. The step number read from memory draws as the number passed by value."""
     gen = torch.Generator().manual_seed(4)
     logits = (2 * torch.randn(3, 300, generator=gen)).to(device)
@@ -225,13 +225,14 @@ def check_captured_draws_match_eager(device: str) -> None:
     one = [SamplingParams(temperature=0.8)] * 3
     mixed = [SamplingParams(temperature=t) for t in (0.5, 0, 1.7)]
     refused = ([SamplingParams(temperature=0.8, logprobs=1)] * 3, [SamplingParams(temperature=0.8, top_k=5)] * 3,
-               [SamplingParams(temperature=0.8, seed=1)] * 3)
+               [SamplingParams(temperature=0.8, seed=1)] * 3, [SamplingParams(temperature=0.8, min_p=0.5)] * 3)
     captured, eager = Sampler(6, torch.device(device), use_triton=True), Sampler(6, torch.device(device), use_triton=True)
     captured.enable_captured_draws(4)
     replay = lambda: captured.draw_captured(logits)
     for step, (params, how) in enumerate([(one, "graph"), (one, "graph"), (mixed, "graph"), (mixed, "eager"),
                                           (one, "graph"), (refused[0], "refused"), (refused[1], "refused"),
-                                          (refused[2], "refused"), (mixed, "graph"), (mixed, "graph")]):
+                                          (refused[2], "refused"), (refused[3], "refused"), (mixed, "graph"),
+                                          (mixed, "graph")]):
         index = [step, step + 1, 2 * step]
         if how == "refused":
             assert captured.sample_captured(params, index, replay) is None

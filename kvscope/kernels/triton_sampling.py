@@ -14,9 +14,9 @@ The uniform is counter-based (Philox-4x32-10): a pure function of the row's *str
 ``(key, a, b)``. The sampler gives an unseeded row the stream ``(sampler key, row, step)`` and
 a seeded row ``(seed, output index, SEEDED)``, so a seeded request draws the same uniform
 whatever it is batched with. The step number may live in device memory (one int64), so that a
-CUDA graph that samples reads the current step at each replay. Rows with top-k or top-p go
-through the same kernels with the tokens outside their set masked to ``-inf`` (mass 0), so a
-row samples the same token whichever path its batch took.
+CUDA graph that samples reads the current step at each replay. Rows with min-p, top-k or
+top-p go through the same kernels with the tokens outside their set masked to ``-inf`` (mass
+0), so a row samples the same token whichever path its batch took.
 """
 from __future__ import annotations
 

@@ -229,12 +229,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _dummy_sampling(self) -> None:
-        """Top-k, top-p and 20 log-probs (vLLM's default cap, ``max_logprobs``) on every row a
-        step can sample: float32 copies and a sort of ``[rows, vocab]``. A sampler of its own
-        draws, so the engine's random streams are untouched."""
+        """Min-p, top-k, top-p and 20 log-probs (vLLM's default cap, ``max_logprobs``) on every
+        row a step can sample: float32 copies, a softmax and a sort of ``[rows, vocab]``. A
+        sampler of its own draws, so the engine's random streams are untouched."""
         rows = self.max_rows
         hidden = self._dummy_hidden()
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, logprobs=min(20, self.vocab_size))
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(20, self.vocab_size))
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
             if logits is not None:  # (tensor parallelism: rank 0 samples)

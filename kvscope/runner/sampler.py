@@ -1,4 +1,4 @@
-"""Token sampling for the rows that need a next token: greedy, temperature, top-k, top-p, seeds.
+"""Token sampling for the rows that need a next token: greedy, temperature, min-p, top-k, top-p, seeds.
 
 Random rows sample from ``softmax(logits / T)`` exactly, each seeded row from its own random
 stream. A seeded row's randomness depends only on ``(seed, output index)``, so the same request
@@ -6,8 +6,8 @@ gives the same tokens whatever it was batched with, and after a preemption. On C
 exponential race in log space (``argmax(logits / T - log E)``, ``E = -log U ~ Exp(1)`` from
 torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every
 batch in one read of the logits, inverting each row's CDF at one counter-based uniform (rows
-with top-k or top-p on logits masked outside their set; log-probs come from a ``log_softmax``
-beside it). A temperature under ``GREEDY_BELOW`` is greedy.
+with min-p, top-k or top-p on logits masked outside their set; log-probs come from a
+``log_softmax`` beside it). A temperature under ``GREEDY_BELOW`` is greedy.
 
 A decode CUDA graph bucket can have a second graph, the LM head and the draw
 (:meth:`Sampler.draw_captured`), so a steady decode step launches graphs and no sampling
@@ -156,6 +156,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask with -inf the logits whose probability is under ``min_p[i]`` times their row's
+    largest (vLLM's and transformers' min-p); ``min_p[i] == 0`` keeps every token of row ``i``.
+    ``logits`` are already divided by the temperature, as min-p reads the distribution drawn from."""
+    probs = logits.softmax(dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < floor, float("-inf"))
 
 
 def exponential_(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -330,8 +339,8 @@ class Sampler:
                         replay: Callable[[], torch.Tensor]) -> DeviceSample | None:
         """Sample these rows by ``replay`` (a decode graph ending in :meth:`draw_captured`;
         returns its tokens), as :meth:`sample` would; ``None``, having changed nothing, for rows
-        that need what only :meth:`sample` does: log-probs, top-k / top-p masks, seeds, rows
-        short of their ``min_tokens``."""
+        that need what only :meth:`sample` does: log-probs, min-p / top-k / top-p masks, seeds,
+        rows short of their ``min_tokens``."""
         rows = self._rows_of(params, output_index)
         if rows.want_logprobs >= 0 or rows.masked or rows.seeded or self._short_rows(rows, output_index):
             return None
@@ -382,15 +391,16 @@ class Sampler:
             temps = [t if t >= GREEDY_BELOW else 0.0 for t in temps]
         rows = self._last_rows = _Rows(
             params, output_index, temps=temps, want_logprobs=max(asked) if asked else -1,
-            masked=any(p.top_k > 0 or p.top_p < 1.0 for p in settings),
+            masked=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in settings),
             seeded=any(p.seed is not None for p in settings),
             min_tokens=max(p.min_tokens for p in settings),
         )
         return rows
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
-        """float32 ``logits / T`` per row (a greedy row by 1), top-k / top-p masked to ``-inf``.
-        The per-row tensors go to the device once per ``_Rows`` (a steady batch reuses them)."""
+        """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked
+        to ``-inf`` (vLLM's order). The per-row tensors go to the device once per ``_Rows`` (a
+        steady batch reuses them)."""
         if rows.one_temp:
             scaled = logits / self._temperature(rows.temps[0] if rows.temps[0] > 0 else 1.0)
         else:
@@ -398,17 +408,22 @@ class Sampler:
                 rows.divisor = self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
             scaled = logits / rows.divisor
         if rows.masked:
-            if rows.top_k_p is None:  # (a top-k past the vocabulary keeps every token, as in vLLM)
+            if rows.masks is None:  # (a top-k past the vocabulary keeps every token, as in vLLM)
                 vocab = logits.shape[-1]
-                rows.top_k_p = (self._tensor([min(p.top_k, vocab) for p in rows.params], torch.int64),
-                                self._tensor([float(p.top_p) for p in rows.params], torch.float32))
-            scaled = apply_top_k_top_p(scaled, *rows.top_k_p)
+                min_p = [float(p.min_p) for p in rows.params]
+                rows.masks = (self._tensor(min_p, torch.float32) if any(min_p) else None,
+                              self._tensor([min(p.top_k, vocab) for p in rows.params], torch.int64),
+                              self._tensor([float(p.top_p) for p in rows.params], torch.float32))
+            min_p, top_k, top_p = rows.masks
+            if min_p is not None:
+                scaled = apply_min_p(scaled, min_p)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
         return scaled
 
     def _sample_by_kernels(self, logits: torch.Tensor, as_float: torch.Tensor | None, rows: "_Rows") -> torch.Tensor:
-        """The fused kernels on ``logits`` as they are; rows with top-k / top-p take the same
-        kernels on logits whose tokens outside their set are ``-inf`` (found on ``as_float``, the
-        float32 cast), so every row draws the same as without a neighbour that masks."""
+        """The fused kernels on ``logits`` as they are; rows with min-p, top-k or top-p take the
+        same kernels on logits whose tokens outside their set are ``-inf`` (found on ``as_float``,
+        the float32 cast), so every row draws the same as without a neighbour that masks."""
         if rows.masked:
             logits = logits.masked_fill(self._scaled(as_float, rows).isinf(), float("-inf"))
         return self.kernels.sample(logits, self._kernel_scale(rows), self._streams(rows))
@@ -462,12 +477,13 @@ class _Rows:
     output_index: list[int]  # (the one field a reusing call updates)
     temps: list[float]  # one per row, or one for all when every row shares one params object
     want_logprobs: int  # the most log-probs a row asks for, -1 for none
-    masked: bool  # some row asks for top-k or top-p
+    masked: bool  # some row asks for top-k, top-p or min-p
     seeded: bool  # some row has a seed
     min_tokens: int  # the largest min_tokens of a row (0: no row holds back its stop tokens)
     scale: float | torch.Tensor | None = None  # the kernels' scale, once computed
     divisor: torch.Tensor | None = None  # float32 [rows, 1]: each row's temperature (1 for greedy)
-    top_k_p: tuple[torch.Tensor, torch.Tensor] | None = None  # per-row top-k and top-p, when masked
+    # per-row min-p (None when no row has one), top-k and top-p, when masked
+    masks: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
 
     @functools.cached_property
     def one_temp(self) -> bool:
