@@ -814,6 +814,25 @@ def test_round_trip_of_a_ring_buffer_whose_steps_hold_every_queue_and_preemption
         _assert_same_trace(trace, Trace.load(trace.save(tmp_path / trace.level)))
 
 
+@pytest.mark.parametrize("use_dictionary", [True, False], ids=["dictionary", "plain"])
+def test_a_tables_strings_read_back_as_python_strings_and_none_over_row_groups(tmp_path, use_dictionary):
+    """Strings are read as a dictionary and each distinct one made a Python string once: the
+    table must still be the one written, ``None`` where missing, whether the file stores its
+    strings as a dictionary or not, with a dictionary per row group of its own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from kvscope.trace.saved_files import SavedFiles
+    from kvscope.trace.tables import frame, read_frame
+
+    queues = frame("queues", [(s, q, i, rid) for s in range(6) for i, (q, rid) in
+                              enumerate([("running", f"r{s}"), ("waiting", None), ("finished", f"r{s % 2}")])])
+    pq.write_table(pa.Table.from_pandas(queues, preserve_index=False), tmp_path / "queues.parquet",
+                   row_group_size=4, use_dictionary=use_dictionary)
+    read = read_frame("queues", SavedFiles(tmp_path))
+    assert_frame_equal(read, queues)
+    assert read["request_id"].map(type).value_counts().to_dict() == {str: 12, type(None): 6}
+
+
 def test_levels_attach_only_their_hooks():
     llm = make_llm(block_size=4)
     prompts, params = _workload(n=2)

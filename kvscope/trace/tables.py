@@ -311,8 +311,9 @@ def read_frame(name: str, files: SavedFiles) -> pd.DataFrame:
     """Table ``name`` of a saved trace, in its schema; a file that is missing, not parquet, or
     lacks a column of the schema or holds one of another type is refused naming it."""
     path = files.path / f"{name}.parquet"
-    df = _read_parquet(files, path.name, pd.read_parquet)
     schema = SCHEMAS[name]
+    strings = [c for c, t in schema.items() if t is _S and c not in _LISTS]
+    df = _read_parquet(files, path.name, lambda source: pd.read_parquet(source, read_dictionary=strings))
     missing = [c for c in schema if c not in df.columns]
     if missing:
         raise ValueError(f"{path}: no column {', '.join(map(repr, missing))} of the {name!r} table; "
@@ -323,12 +324,22 @@ def read_frame(name: str, files: SavedFiles) -> pd.DataFrame:
         try:
             if c in _LISTS:  # parquet lists come back as numpy arrays
                 col = pd.Series([None if x is None else x.tolist() for x in col], dtype=object)
-            elif t is _S:  # and strings as pandas' string dtype
-                col = col.astype(object).where(col.notna(), None)
+            elif t is _S:
+                col = _objects(col)
             out[c] = col.astype(t)
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{path}: column {c!r} of the {name!r} table is not of type {t}: {e}") from None
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, copy=False)  # (not consolidated: stacking the columns into blocks copies them all)
+
+
+def _objects(col: pd.Series) -> pd.Series:
+    """A column as Python objects, ``None`` where missing. Strings are read as a dictionary (a
+    categorical here), so each distinct one becomes a Python string once, not once per row."""
+    if not isinstance(col.dtype, pd.CategoricalDtype):
+        return col.astype(object).where(col.notna(), None)
+    values = np.full(len(col.cat.categories) + 1, None, object)  # (the last, for code -1: missing)
+    values[:-1] = col.cat.categories.to_numpy(object)
+    return pd.Series(values[col.cat.codes.to_numpy()], index=col.index, dtype=object)
 
 
 def _read_parquet(files: SavedFiles, name: str, parse: Callable[[Any], Any]) -> Any:
