@@ -46,6 +46,7 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None
     async_scheduling: bool = False
+    generation_config: str = "auto"  # vLLM's: the model's sampling defaults, "vllm" for none, or a directory
     # --- KV events in vLLM's wire format (kvscope.attach.publisher; docs/ATTACH.md)
     kv_events_config: "KVEventsConfig | dict | None" = None
     data_parallel_rank: int = 0  # vLLM's name; here it only offsets the KV-event ports and stamps batches
@@ -106,6 +107,12 @@ class EngineConfig:
             self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")
         ):
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        gc = self.generation_config
+        if isinstance(gc, os.PathLike):
+            gc = self.generation_config = os.fspath(gc)
+        if not isinstance(gc, str) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
+            raise ValueError(f"generation_config must be 'auto' (the model's), 'vllm' (none) or a directory, "
+                             f"got {gc!r}")
         check_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
         if self.kv_events_config is not None:
             self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)

@@ -12,6 +12,7 @@ from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_prompt
 from kvscope.engine.interrupts import deferred_interrupts, interrupt_pending
 from kvscope.engine.llm_engine import LLMEngine, PromptType
+from kvscope.generation_defaults import read_defaults
 from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
 from kvscope.sampling_params import SamplingParams
@@ -96,6 +97,7 @@ class LLM:
                 "or a long prompt could never be scheduled"
             )
         check_kv_pool_fits(self.config, hf_config)
+        self._sampling_defaults = read_defaults(self.config.generation_config, model_dir)
         self.model_dir = model_dir
         self.hf_config = hf_config
         executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
@@ -120,6 +122,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what a prompt given no ``SamplingParams`` samples with, the model's
+        generation_config.json's temperature, top-k, top-p, min-p and max_new_tokens (as
+        ``max_tokens``) over ``SamplingParams()`` (``generation_config``, an engine setting,
+        says where they come from). A new object each call: change it freely."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -142,7 +151,7 @@ class LLM:
                 f"{type(sampling_params).__name__}; build one with SamplingParams(...)"
             )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
@@ -241,7 +250,8 @@ class LLM:
             raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
         with self._between_steps("LLM.add_request"):
             self._check_open()  # (again: another thread may have shut it down while this one waited)
-            return self.llm_engine.add_request(prompt, params, request_id)
+            return self.llm_engine.add_request(
+                prompt, self.get_default_sampling_params() if params is None else params, request_id)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: an output for every streamed request that progressed or finished

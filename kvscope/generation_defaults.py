@@ -1,0 +1,45 @@
+"""A model's own default sampling parameters, read as vLLM reads them (``generation_config``).
+
+A checkpoint's ``generation_config.json`` may set the sampling its authors recommend (Qwen3's
+temperature 0.6, top-k 20 and top-p 0.95). vLLM applies them to prompts given no
+``SamplingParams``, and so does kvscope; ``generation_config="vllm"`` ignores them, and a
+directory reads them from there instead of the model's.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kvscope.sampling_params import SamplingParams
+
+# generation_config.json's keys that set sampling, and their SamplingParams names (vLLM's list)
+SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "max_new_tokens": "max_tokens"}
+NOT_APPLIED = {"repetition_penalty": 1.0}  # vLLM applies these too; kvscope's sampler has no such step
+
+
+def read_defaults(generation_config: str, model_dir: str) -> dict[str, Any]:
+    """The ``SamplingParams`` keywords the generation config sets (none for ``"vllm"``, or for a
+    model without the file), checked as ``SamplingParams`` checks them."""
+    from transformers import GenerationConfig
+
+    if generation_config == "vllm":
+        return {}
+    directory = Path(model_dir if generation_config == "auto" else generation_config)
+    if not (directory / "generation_config.json").is_file():
+        if generation_config == "auto":
+            return {}
+        raise FileNotFoundError(f"generation_config={generation_config!r} has no generation_config.json")
+    set_there = GenerationConfig.from_pretrained(directory).to_diff_dict()
+    defaults = {name: set_there[key] for key, name in SAMPLING_KEYS.items() if set_there.get(key) is not None}
+    ignored = {key: set_there[key] for key, neutral in NOT_APPLIED.items() if set_there.get(key) not in (None, neutral)}
+    if ignored:
+        warnings.warn(f"{directory / 'generation_config.json'} sets {ignored}, which kvscope does not apply; "
+                      "its other sampling defaults are used", stacklevel=3)
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{directory / 'generation_config.json'} sets sampling defaults kvscope cannot use: {exc}. "
+                         "Pass generation_config='vllm' to ignore them") from exc
+    return defaults
