@@ -469,6 +469,67 @@ def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
         router.close(linger=0)
 
 
+def test_an_idle_probe_answered_by_another_publisher_does_not_drop_later_batches():
+    """The replay endpoint given is another publisher's, fifty batches ahead: the idle probe takes
+    its batches 1..49 as ours. Our next live batch 1 differs from the one replay gave under that
+    number, so the stream starts over from it: every live batch ours sends after the probe applies."""
+    with publisher() as ours, publisher() as other:
+        for i in range(50):
+            other.publish([stored([1000 + i], None, [1, 2], 2)])
+        att = kvscope.attach({"p0": ours.endpoint}, topic="kv-events", replay_endpoints={"p0": other.replay_endpoint},
+                             replay_timeout=0.5)
+        try:
+            time.sleep(0.3)  # the subscription reaches the publisher
+            wait_for(applied(att, "p0", ours.publish([stored([0], None, [1, 2], 2)])), what="batch 0")
+            wait_for(lambda: att.streams[0].faults["replayed_batches"] > 0, what="the idle probe")
+            sent = [ours.publish([stored([i], None, [1, 2], 2)]) for i in range(1, 4)]
+            wait_for(applied(att, "p0", sent[-1]), timeout=5, what="our live batches")
+            ev = att.events
+            assert {1, 2, 3} <= att.block_hashes("p0") and att.streams[0].faults["duplicate_batches"] == 0
+            assert [list(h) for h in ev[ev.seq.isin(sent)].block_hashes][-3:] == [[1], [2], [3]]
+            assert att.streams[0].faults["replay_mismatches"] == 1
+        finally:
+            att.close()
+
+
+def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
+    """A replay endpoint that accepts each connection and closes it: the idle probe gets no batch,
+    so it counts none missed or lost and the live batches after it all apply."""
+    ctx = zmq.Context.instance()
+    raw, stop = ctx.socket(zmq.PUB), threading.Event()
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+
+    def hang_up():
+        while not stop.is_set():
+            try:
+                srv.accept()[0].close()
+            except OSError:
+                continue
+
+    server = threading.Thread(target=hang_up, daemon=True)
+    server.start()
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=1.0,
+                         replay_endpoints=f"tcp://127.0.0.1:{srv.getsockname()[1]}")
+    try:
+        wait_for(lambda: probed(raw, att), what="subscription")
+        time.sleep(2.5)  # the idle probe, asked once a second, meets the dropping replay socket
+        for seq in (1, 2, 3):
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1], 1)], 0)])
+        name = att.instances[0]
+        wait_for(applied(att, name, 3), timeout=5, what="the live batches")
+        assert att.block_hashes(name) == {1, 2, 3}
+        f = att.streams[0].faults
+        assert (f["duplicate_batches"], f["missed_batches"], f["lost_batches"]) == (0, 0, 0)
+    finally:
+        att.close()
+        stop.set()
+        server.join()
+        srv.close()
+        raw.close(linger=0)
+
+
 def test_a_stream_left_unread_while_another_replays_is_not_probed():
     """One publisher's gaps wait on a replay socket that never answers, two seconds in all; the
     other's batches meanwhile wait unread. It lost nothing: no gap, replay or duplicate shows."""

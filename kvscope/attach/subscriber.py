@@ -12,7 +12,10 @@ is checked against the next one expected from that publisher:
 - the first message from a publisher that started before we connected asks replay for
   everything it still buffers, so a late subscriber sees the blocks stored before it joined;
 - a publisher that has gone quiet is asked once a second for anything after the last batch
-  applied, since a dropped *last* batch leaves no later sequence number to reveal the gap;
+  applied, since a dropped *last* batch leaves no later sequence number to reveal the gap. Nothing
+  live bounds that answer, so each batch it brings is checked against the live one of the same
+  number when that comes: one that differs means the replay socket is not this publisher's (or
+  ran ahead of it), and the stream starts over as after a restart;
 - after the connection dropped (a socket monitor reports it, and that ZMQ reconnects), the
   publisher may be a new process whose numbers happen to continue past ours, so the next message
   starts over: the rebuilt cache is cleared and refilled from what replay still buffers;
@@ -29,6 +32,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,6 +50,7 @@ FAULTS: tuple[str, ...] = (
     "lost_batches",       # batches neither received nor replayed
     "duplicate_batches",  # live batches already applied from a replay
     "publisher_restarts", # the sequence went back: the publisher restarted
+    "replay_mismatches",  # a live batch differs from the one the idle probe's replay gave under its number
     "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
 )
 
@@ -67,6 +72,9 @@ class Stream:
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULTS, 0))
     next_seq: int | None = None  # the next sequence number to apply
     last_live: int | None = None  # the last sequence number read from the SUB socket
+    # hash() of each payload the idle probe applied past last_live (last_live + 1 .. next_seq - 1), None
+    # for one it skipped: only replay vouches for them until the live socket brings the same numbers
+    ahead: deque[int | None] = field(default_factory=deque)
     disconnected: bool = False
     dropped: float | None = None  # time.monotonic() of a drop that ZMQ has not (yet) said it reconnects from
     heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
@@ -237,10 +245,15 @@ class Subscriber:
         if topic != self.topic:  # ZMQ subscribes by prefix: "kv-events-b" is another stream, with its own numbers
             return
         restarted = s.last_live is not None and seq <= s.last_live
-        if restarted or s.disconnected:
-            s.faults["publisher_restarts" if restarted else "reconnects"] += 1
+        mismatched = not (restarted or s.disconnected) and self._contradicts_replay(s, seq, payload)
+        if restarted or s.disconnected or mismatched:
+            s.faults["publisher_restarts" if restarted else "replay_mismatches" if mismatched else "reconnects"] += 1
             s.next_seq, s.disconnected = None, False
+            s.ahead.clear()
             self.reset(s)
+        if s.ahead:  # the live socket has passed these now
+            for _ in range(min(len(s.ahead), seq - s.last_live)):
+                s.ahead.popleft()
         s.last_live = seq
         if s.next_seq is None:
             if seq > 0 and s.replay is not None:
@@ -258,6 +271,13 @@ class Subscriber:
             s.faults["lost_batches"] += seq - s.next_seq
             s.next_seq = seq
         self._apply(s, seq, payload)
+
+    def _contradicts_replay(self, s: Stream, seq: int, payload: bytes) -> bool:
+        """Whether live batch ``seq`` is one the idle probe's replay gave (or skipped) differently: the
+        replay socket is not this publisher's, or ran ahead of it. Its numbers then say nothing about
+        what the publisher sent, and the cache holds batches it never did."""
+        i = seq - s.last_live - 1 if s.last_live is not None else -1
+        return 0 <= i < len(s.ahead) and s.ahead[i] != hash(payload)
 
     def _apply(self, s: Stream, seq: int, payload: bytes) -> None:
         s.next_seq = seq + 1
@@ -293,13 +313,16 @@ class Subscriber:
 
         A batch the answer skips (past the publisher's buffer, or dropped by its high-water mark)
         is counted lost, except before the first one returned to a stream that is joining.
-        ``contiguous`` takes only the batch after the last one applied: with no live batch to
-        bound the answer (the idle probe), a number far ahead would make every later live batch
-        look like one already applied; what a skip leaves out comes back at the next gap.
+        ``contiguous`` takes only the batch the answer owes next: with no live batch to bound the
+        answer (the idle probe), a number far ahead would make every later live batch look like one
+        already applied; what a skip leaves out comes back at the next gap. Even so the answer may
+        run ahead of the publisher (a replay socket that is not its own), so what it applies is
+        kept in ``Stream.ahead`` until the live socket brings the same numbers.
 
         An answer the connection dropped in the middle of is asked for again from the batch it
         still owes; a second drop there with no reply between means that batch cannot come
-        through under ``max_message_bytes``, so the next ask starts after it (it is lost)."""
+        through under ``max_message_bytes``, so the next ask starts after it (it is lost once a
+        later one comes: a connection that drops at every ask moves nothing)."""
         if s.replay is None:
             return False
         zmq = self._zmq
@@ -321,10 +344,7 @@ class Subscriber:
                     if owed >= end:  # all that was asked for came; what broke the connection lies past it
                         return True
                     if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
-                        owed, stuck = owed + 1, None
-                        if not joining:  # the batch is lost; what follows it is what the answer owes now
-                            s.faults["lost_batches"] += 1
-                            s.next_seq = owed
+                        owed, stuck = owed + 1, None  # (lost, if a later batch comes: counted as any hole is)
                     else:
                         stuck = owed
                     if not self._ask(s, owed):
@@ -337,11 +357,14 @@ class Subscriber:
             seq = int.from_bytes(reply[1], "big", signed=True)
             if seq == END_SEQ:
                 return True
-            if contiguous and seq != s.next_seq:
+            if contiguous and seq != owed:
                 continue
             if (start if joining else s.next_seq) <= seq < end:
                 if not joining:
                     s.faults["lost_batches"] += seq - s.next_seq
+                if contiguous:
+                    s.ahead.extend([None] * (seq - s.next_seq))
+                    s.ahead.append(hash(reply[2]))
                 joining = False
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
