@@ -712,6 +712,38 @@ def test_a_save_edited_so_it_replays_another_pool_is_refused(run, tmp_path, name
         Trace.load(path)
 
 
+def _first(df, column, value):
+    """The position of the first row whose ``column`` is ``value``."""
+    return int(np.flatnonzero(df[column].to_numpy() == value)[0])
+
+
+# (file, edit, what the error says after the file's name): one fault each, refused by its own check
+_NAMED_EDITS = [
+    ("queues.parquet", lambda df: _set(df, "queue", "wating", row=_first(df, "queue", "waiting")),
+     "a queue other than running, waiting, preempted, finished"),
+    ("queues.parquet", lambda df: _set(df, "queue", None, row=_first(df, "queue", "finished")),
+     "a queue other than running, waiting, preempted, finished"),
+    ("queues.parquet", lambda df: _set(df, "queue", "finished", row=_first(df, "queue", "waiting")),
+     "a step's waiting queue is not the num_requests_waiting of steps.parquet"),
+    ("queues.parquet", lambda df: _set(df, "queue", "running", row=_first(df, "queue", "finished")),
+     "a step's running queue is not the num_requests_running of steps.parquet"),
+    ("queues.parquet", lambda df: _set(df, "queue", "preempted", row=_first(df, "queue", "finished")),
+     "a step's preempted queue is not the num_preemptions of steps.parquet"),
+    ("queues.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
+     "step [0-9]+ has rows but was not recorded"),
+]
+
+
+@pytest.mark.parametrize("name,edit,says", _NAMED_EDITS, ids=[f"{f.split('.')[0]}-{i}" for i, (f, _, _) in enumerate(_NAMED_EDITS)])
+def test_a_save_edited_in_one_place_is_refused_by_the_check_for_it(run, tmp_path, name, edit, says):
+    """Each edit breaks one thing the tables must agree on, and the check for that thing names it
+    (the checksums would refuse every edit too, but the tables are checked first)."""
+    path = run.blocks.save(tmp_path / "t")
+    _edit_rows(path / name, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path / name))}: {says}; not a whole, unedited save"):
+        Trace.load(path)
+
+
 # (file, edit): each leaves the tables fitting together, so only the checksums tell
 _UNSEEN_EDITS = [
     ("tokens.parquet", lambda df: _set(df, "text", "EDITED")),

@@ -28,7 +28,9 @@ from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, to
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.snapshots import SnapshotCursor
-from kvscope.trace.verify import CHECKSUMS, check_checksums, check_frames, check_replay, check_tokens, write_checksums
+from kvscope.trace.verify import (
+    CHECKSUMS, check_checksums, check_frames, check_queues, check_replay, check_tokens, write_checksums,
+)
 from kvscope.trace.tables import (
     SCHEMAS, baseline_frames, baseline_from_frames, block_events_frame, frame, launched_beyond, launches_frame,
     pool_frames, queues_frame, read_baseline, read_frame, records_from_frames, scheduled_frame, steps_frame,
@@ -300,6 +302,7 @@ class Trace:
             level, steps, *(frames[n] for n in ("scheduled", "block_events", "queues", "launches")),
             pool=(frames["pool_changes"], frames["pool_fills"]) if level == "full" else None,
         )
+        check_queues(path, records, len(frames["queues"]))
         baseline = baseline_from_frames(read_baseline(files, meta["num_blocks"], meta["block_size"]),
                                         frames["baseline_tables"])
         tokens = frames["tokens"]

@@ -58,8 +58,9 @@ def check_checksums(files: SavedFiles) -> None:
 
 def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -> None:
     """Refuse tables that cannot belong to one save: unsorted or unknown steps, blocks outside
-    the pool, scheduled rows or queues that are not what ``steps`` counted, launches outside
-    their records. A ``summary`` save has only ``steps``."""
+    the pool, scheduled rows that are not what ``steps`` counted, launches outside their
+    records (the queues :func:`check_queues` checks, once rebuilt). A ``summary`` save has only
+    ``steps``."""
     st = frames["steps"]
     steps = st["step"].to_numpy()
     if (np.diff(steps) <= 0).any():
@@ -88,14 +89,6 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
     if ((per_step["tokens"].to_numpy() != st["num_scheduled_tokens"].to_numpy()).any()
             or (per_step["rows"].to_numpy() != (st["num_prefill_seqs"] + st["num_decode_seqs"]).to_numpy()).any()):
         _refuse(path / "scheduled.parquet", "a step's rows or tokens are not what steps.parquet counted")
-    queues = frames["queues"]
-    if not queues["queue"].isin(QUEUES).all():
-        _refuse(path / "queues.parquet", f"a queue other than {', '.join(QUEUES)}")
-    counts = queues.groupby(["step", "queue"]).size().unstack(fill_value=0).reindex(index=steps, columns=QUEUES, fill_value=0)
-    for queue, column in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
-                          ("preempted", "num_preemptions")):
-        if (counts[queue].to_numpy() != st[column].to_numpy()).any():
-            _refuse(path / "queues.parquet", f"a step's {queue} queue is not the {column} of steps.parquet")
     for name in ("block_events", "pool_changes", "pool_fills"):
         if name in frames:
             _check_blocks(path / f"{name}.parquet", frames[name]["block_id"].to_numpy(), num_blocks)
@@ -114,6 +107,18 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
         _refuse(path / "launches.parquet", "a launch lies outside its record's block events")
     if frames["tokens"]["token_id"].duplicated().any():
         _refuse(path / "tokens.parquet", "a token id has two texts")
+
+
+def check_queues(path: Path, records: Sequence[StepRecord], num_rows: int) -> None:
+    """Refuse queues that are not what ``steps`` counted: the records' queues, rebuilt from the
+    ``num_rows`` rows of ``queues.parquet``, must hold them all (a row of an unknown queue is in
+    none; one of an unrecorded step :func:`check_frames` refused) and number the counts."""
+    if sum(len(getattr(rec, queue)) for rec in records for queue in QUEUES) != num_rows:
+        _refuse(path / "queues.parquet", f"a queue other than {', '.join(QUEUES)}")
+    for queue, column in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
+                          ("preempted", "num_preemptions")):
+        if any(len(getattr(rec, queue)) != getattr(rec, column) for rec in records):
+            _refuse(path / "queues.parquet", f"a step's {queue} queue is not the {column} of steps.parquet")
 
 
 def check_tokens(path: Path, tokens: pd.DataFrame, sched: pd.DataFrame, baseline: PoolState) -> None:
