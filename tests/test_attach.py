@@ -950,6 +950,38 @@ def test_metrics_servers_that_misbehave_are_scrape_errors():
         scraper.close()
 
 
+def test_a_host_that_resolves_slowly_is_held_to_the_scrape_deadline(monkeypatch):
+    """Resolving a host name is part of the scrape's deadline: a resolver that takes ten seconds
+    (a stand-in for a slow DNS server, which a test cannot reach) fails that scrape within the
+    timeout, the good URL after it keeps being scraped, and close() returns at once."""
+    from kvscope.attach.metrics import MetricsScraper
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def resolve(host, *args, **kwargs):
+        if host == "slow.invalid":
+            release.wait(10.0)
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    rows = []
+    with metrics_server(lambda: VLLM_METRICS) as url:
+        port = url.split(":")[2].split("/")[0]
+        scraper = MetricsScraper({"slow": f"http://slow.invalid:{port}/metrics", "good": url}, 0.05, rows.extend,
+                                 timeout=0.5)
+        try:
+            wait_for(lambda: scraper.errors["slow"] >= 2 and len(rows) >= 4, timeout=4,
+                     what="two failed scrapes of the slow host and two of the good one")
+            assert scraper.errors["good"] == 0 and {r[1] for r in rows} == {"good"}
+            start = time.monotonic()
+            scraper.close()
+            assert time.monotonic() - start < 1.0 and not scraper._thread.is_alive()
+        finally:
+            release.set()
+            scraper.close()
+
+
 # ----------------------------------------------------------------------------- API boundary
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="endpoints"):

@@ -123,7 +123,7 @@ class MetricsScraper:
 class _Deadline:
     """Shuts the connections of one fetch once ``seconds`` pass: http.client's timeout bounds each
     read, not the answer, so a server sending its headers a byte at a time would hold the
-    scraper (and every URL after it) for ever."""
+    scraper (and every URL after it) for ever. Resolving the host and connecting count too."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -131,17 +131,22 @@ class _Deadline:
         self._sockets: list[socket.socket] = []
         self._timer = threading.Timer(seconds, self._shut)
         self._timer.daemon = True
+        self._end = math.inf
 
     def __enter__(self) -> "_Deadline":
+        self._end = time.monotonic() + self.seconds
         self._timer.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
 
+    def left(self) -> float:
+        return max(self._end - time.monotonic(), 0.0)
+
     def open(self, url: str) -> http.client.HTTPResponse:
         """``urlopen(url)`` (redirects and https included), its sockets recorded for :meth:`_shut`."""
-        opener = urllib.request.build_opener(_HTTPHandler(self._sockets), _HTTPSHandler(self._sockets))
+        opener = urllib.request.build_opener(_HTTPHandler(self), _HTTPSHandler(self))
         return opener.open(url, timeout=self.seconds)  # noqa: S310 - the user's URL
 
     def _shut(self) -> None:
@@ -152,42 +157,92 @@ class _Deadline:
             except OSError:  # closed already
                 pass
 
+    def connect(self, address: tuple[str, int], timeout: float,
+                source_address: tuple[str, int] | None = None) -> socket.socket:
+        """``socket.create_connection`` within the deadline, the socket recorded for :meth:`_shut`
+        (before any TLS handshake)."""
+        err: OSError = TimeoutError(f"connecting to {address[0]!r} took longer than {self.seconds} s")
+        for family, kind, proto, _, sockaddr in _resolve(*address, wait=self.left()):
+            if self.left() == 0:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(self.left())
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(sockaddr)
+            except OSError as exc:
+                sock.close()
+                err = exc
+                continue
+            sock.settimeout(timeout)
+            self._sockets.append(sock)
+            return sock
+        raise err
 
-class _Recorded:
-    """A connection mixin appending each socket it opens (before any TLS handshake) to ``sockets``."""
 
-    def __init__(self, *args: Any, sockets: list, **kwargs: Any) -> None:
+_lookups: dict[tuple[str, int], tuple[threading.Event, list]] = {}  # (host, port) -> (done, [answer])
+_lookups_lock = threading.Lock()
+
+
+def _resolve(host: str, port: int, wait: float) -> list[tuple]:
+    """``getaddrinfo`` in a daemon thread, waited for ``wait`` seconds: a resolver cannot be
+    interrupted, and a slow one would hold the scraper past its deadline (and past ``close()``).
+    A lookup still running is waited for again rather than started anew, so a resolver that hangs
+    holds one thread per host, not one per scrape."""
+    key = (host, port)
+    with _lookups_lock:
+        if key not in _lookups:
+            _lookups[key] = (threading.Event(), [])
+            threading.Thread(target=_lookup, args=(key,), name="kvscope-metrics-resolve", daemon=True).start()
+        done, answer = _lookups[key]
+    if not done.wait(wait):
+        raise TimeoutError(f"resolving {host!r} took longer than the scrape's deadline")
+    if isinstance(answer[0], Exception):
+        raise answer[0]
+    return answer[0]
+
+
+def _lookup(key: tuple[str, int]) -> None:
+    done, answer = _lookups[key]
+    try:
+        answer.append(socket.getaddrinfo(*key, 0, socket.SOCK_STREAM))
+    except Exception as exc:  # noqa: BLE001 - raised in the scraper's thread, by _resolve
+        answer.append(exc)
+    with _lookups_lock:
+        del _lookups[key]
+    done.set()
+
+
+class _Bounded:
+    """A connection mixin opening its socket through a :class:`_Deadline`."""
+
+    def __init__(self, *args: Any, deadline: _Deadline, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._create_connection = functools.partial(_connect, sockets)
+        self._create_connection = deadline.connect
 
 
-def _connect(sockets: list, *args: Any, **kwargs: Any) -> socket.socket:
-    sock = socket.create_connection(*args, **kwargs)
-    sockets.append(sock)
-    return sock
-
-
-class _HTTP(_Recorded, http.client.HTTPConnection):
+class _HTTP(_Bounded, http.client.HTTPConnection):
     pass
 
 
-class _HTTPS(_Recorded, http.client.HTTPSConnection):
+class _HTTPS(_Bounded, http.client.HTTPSConnection):
     pass
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, sockets: list) -> None:
+    def __init__(self, deadline: _Deadline) -> None:
         super().__init__()
-        self.sockets = sockets
+        self.deadline = deadline
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_HTTP, sockets=self.sockets), req)
+        return self.do_open(functools.partial(_HTTP, deadline=self.deadline), req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, sockets: list) -> None:
+    def __init__(self, deadline: _Deadline) -> None:
         super().__init__()
-        self.sockets = sockets
+        self.deadline = deadline
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(functools.partial(_HTTPS, sockets=self.sockets), req, context=self._context)
+        return self.do_open(functools.partial(_HTTPS, deadline=self.deadline), req, context=self._context)
