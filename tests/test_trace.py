@@ -744,6 +744,19 @@ def test_a_save_edited_in_one_place_is_refused_by_the_check_for_it(run, tmp_path
         Trace.load(path)
 
 
+def test_a_steps_queue_rows_interleaved_load_as_the_same_queues(run, tmp_path):
+    """A step's rows of different queues mixed (each queue's rows still in order) are still its
+    queues: the load groups them by queue whatever order they come in. Without checksums.json a
+    save is checked by its contents alone."""
+    path = run.blocks.save(tmp_path / "t")
+    (path / "checksums.json").unlink()
+    file = path / "queues.parquet"
+    saved = pd.read_parquet(file)["queue"]
+    _edit_rows(file, lambda df: df.sort_values(["step", "position"], kind="stable"))
+    assert not pd.read_parquet(file)["queue"].equals(saved)
+    _assert_same_trace(run.blocks, Trace.load(path))
+
+
 # (file, edit): each leaves the tables fitting together, so only the checksums tell
 _UNSEEN_EDITS = [
     ("tokens.parquet", lambda df: _set(df, "text", "EDITED")),

@@ -259,11 +259,16 @@ def _set_queues(records: Sequence[StepRecord], queues: pd.DataFrame, step_ids: n
 
 
 def _queue_codes(names: pd.Series) -> np.ndarray:
-    """Per row, 1 + its queue's index in ``QUEUES``, 0 for another name or none (factorizing
-    hashes each string once; a categorical of them takes longer)."""
-    codes, uniques = pd.factorize(names.to_numpy(object))
+    """Per row, 1 + its queue's index in ``QUEUES``, 0 for another name or none. A step's rows
+    of one queue come together, so only the first name of each run of equal ones is looked up
+    (comparing neighbours costs less than hashing every string)."""
+    values = names.to_numpy(object)
+    starts = np.ones(len(values), bool)
+    starts[1:] = values[1:] != values[:-1]
+    first = np.flatnonzero(starts)
+    codes, uniques = pd.factorize(values[first])
     of_unique = np.array([QUEUES.index(u) + 1 if u in QUEUES else 0 for u in uniques] + [0], np.int64)
-    return of_unique[codes]  # (code -1, a missing name, reads the 0 appended)
+    return np.repeat(of_unique[codes], np.diff(first, append=len(values)))  # (code -1, no name: the 0 appended)
 
 
 def _set_pool(records: Sequence[StepRecord], changes: pd.DataFrame, fills: pd.DataFrame, step_ids: np.ndarray) -> None:
