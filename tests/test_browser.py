@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from browser.lab import chromium_page, jupyterlab, missing, open_notebook, run_all, write_notebook
+from browser.views import open_view
 from pool_reference import bucket_summary
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
@@ -330,3 +331,102 @@ def test_million_block_pool_and_lifecycle_in_jupyterlab(tmp_path: Path):
 
 def pool_data_of(page, selector: str) -> dict:
     return page.eval_on_selector(selector, "el => ({...el.dataset})")
+
+
+# ----------------------------------------------------------------------------- views alone
+# GPU-sized states fed to one view in a plain page (tests/browser/views.py): no kernel, a
+# second or so each.
+
+@pytest.fixture(scope="module")
+def plain_page():
+    with chromium_page(1000, 900) as page:
+        yield page
+
+
+def gpu_tables(num_requests: int = 256, prefix: int = 32, length: int = 300) -> list[dict]:
+    """Block tables as at a GPU's decode: every request holds a shared prefix (ref 2) and a
+    contiguous run of its own blocks, with one stray block in the middle of the run."""
+    rows = []
+    for r in range(num_requests):
+        own = list(range(1000 + 400 * r, 1000 + 400 * r + length))
+        own[length // 2] = 900_000 + r
+        blocks = list(range(prefix)) + own
+        rows.append({"id": str(r), "blocks": blocks, "refs": [2] * prefix + [1] * length, "num_tokens": 16 * len(blocks)})
+    return rows
+
+
+def elements(view) -> int:
+    return view.evaluate("el => el.getElementsByTagName('*').length")
+
+
+def test_block_tables_at_gpu_scale_fold_runs_of_consecutive_blocks(plain_page, tmp_path):
+    """256 requests of 332 blocks: each row folds runs of consecutive blocks into one chip, so the
+    view builds a few thousand elements (it built one or two per block, some 130,000, and took
+    seconds per step), and the chips still name exactly the row's blocks, shared ones marked."""
+    rows = gpu_tables()
+    view = open_view(plain_page, tmp_path, "tables", {"rows": rows, "step": 7, "selected_request": ""})
+    assert elements(view) < 8_000
+    shown = view.evaluate("""el => Array.from(el.querySelectorAll("tr")).map((tr) => [tr.dataset.rid,
+        Array.from(tr.querySelectorAll("[data-physical]")).map((c) =>
+          [+c.dataset.logical, +c.dataset.physical, +c.dataset.count, c.classList.contains("kvs-shared")])])""")
+    assert [rid for rid, _ in shown] == [r["id"] for r in rows]
+    for row, (_, chips) in zip(rows, shown):
+        logical = [i for first, _, n, _ in chips for i in range(first, first + n)]
+        physical = [b for _, start, n, _ in chips for b in range(start, start + n)]
+        shared = [s for _, _, n, s in chips for _ in range(n)]
+        assert logical == list(range(len(row["blocks"]))) and physical == row["blocks"]
+        assert shared == [ref > 1 for ref in row["refs"]]
+        assert len(chips) == 4  # the shared prefix, the run's halves, and the stray block between them
+
+
+def test_a_short_block_table_keeps_one_chip_per_block(plain_page, tmp_path):
+    rows = [{"id": "a", "blocks": [3, 4, 5, 9], "refs": [2, 1, 1, 1], "num_tokens": 60}]
+    view = open_view(plain_page, tmp_path, "tables", {"rows": rows, "step": 1, "selected_request": ""})
+    chips = view.evaluate("""el => Array.from(el.querySelectorAll("[data-physical]")).map((c) =>
+        [+c.dataset.physical, +c.dataset.count])""")
+    assert chips == [[3, 1], [4, 1], [5, 1], [9, 1]]
+
+
+def gpu_queues(running: int = 256, waiting: int = 1500) -> dict:
+    return {"running": [str(i) for i in range(running)], "waiting": [str(running + i) for i in range(waiting)],
+            "preempted": [], "finished": ["x"], "scheduled_tokens": 4000, "prefill_tokens": 3744,
+            "decode_tokens": 256, "token_budget": 4096, "kv_usage": 0.6, "num_blocks": 150_000,
+            "used": 90_000, "cached": 40_000, "kv_shards": []}
+
+
+def test_the_scheduler_view_at_gpu_scale_stays_one_screen_high(plain_page, tmp_path):
+    """256 running and 1,500 waiting requests: each lane scrolls within a few lines and draws at
+    most its first chips, saying how many more it holds (the view drew every chip and grew some
+    4,000 px tall, pushing the other views off screen)."""
+    q = gpu_queues()
+    view = open_view(plain_page, tmp_path, "queues", {"queues": q, "step": 3, "selected_request": ""})
+    assert view.bounding_box()["height"] < 500
+    lanes = view.evaluate("""el => Array.from(el.querySelectorAll(".kvs-lane")).map((lane) =>
+        [Array.from(lane.querySelectorAll(".kvs-chip")).map((c) => c.textContent), lane.textContent])""")
+    for (chips, text), name in zip(lanes, ("running", "waiting")):
+        assert chips == q[name][:len(chips)] and len(chips) <= 256
+        more = len(q[name]) - len(chips)
+        assert f"{name} ({len(q[name])})" in text and (more == 0 or f"+{more} more" in text)
+    # a selected request past the chips drawn is drawn too, marked
+    plain_page.evaluate("() => kvsSet('selected_request', '1700')")
+    assert view.evaluate("el => el.querySelector('.kvs-chip.kvs-selected').textContent") == "1700"
+
+
+@pytest.mark.parametrize("name", ["tables", "queues", "slots"])
+def test_a_selection_restyles_the_view_without_rebuilding_it(plain_page, tmp_path, name):
+    """Selecting a request (a click anywhere: the views are linked) marks it in place; the views
+    rebuilt every element for it, seconds at GPU scale, and lost their scroll position."""
+    states = {
+        "tables": {"rows": gpu_tables(64)},
+        "queues": {"queues": gpu_queues(64, 64)},
+        "slots": {"block_size": 16, "groups": [{"id": str(r), "kind": "decode", "num_tokens": 1,
+                                                 "tokens": [[40, 7, "a", 16 * r, r, 0]]} for r in range(64)]},
+    }
+    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""})
+    view.evaluate("el => { el.querySelectorAll('*').forEach((e) => { e.kvsBefore = true; }); }")
+    for rid in ("12", "40", ""):
+        plain_page.evaluate(f"() => kvsSet('selected_request', '{rid}')")
+        marked = view.evaluate("el => Array.from(el.querySelectorAll('.kvs-selected')).map((e) => e.dataset.rid)")
+        assert marked == ([rid] if rid else [])
+    assert view.evaluate("el => Array.from(el.querySelectorAll('*')).every((e) => e.kvsBefore)")
+

@@ -54,6 +54,22 @@ function kvsWatchBatched(model, names, fn) {
   });
 }
 
+/** Draw on changes of `names` (batched), and on a new `selected_request` only call `select`
+ * (by default: re-mark the elements with a `data-rid`). The views are linked, so every click
+ * reaches each of them, and rebuilding every view for it took seconds at GPU scale. `draw`
+ * marks the selection itself. Returns an unsubscribe function. */
+function kvsWatchView(model, el, names, draw, select) {
+  const mark = select || (() => kvsMarkSelected(el, model.get("selected_request")));
+  const unwatch = kvsWatchBatched(model, names, draw);
+  model.on("change:selected_request", mark);
+  return () => { unwatch(); model.off("change:selected_request", mark); };
+}
+
+/** Mark the elements of `el` that stand for request `selected` (their `data-rid`), unmark the rest. */
+function kvsMarkSelected(el, selected) {
+  for (const e of el.querySelectorAll("[data-rid]")) e.classList.toggle("kvs-selected", e.dataset.rid === selected);
+}
+
 /** Toggle the shared `selected_request` trait (empty string: nothing selected). */
 function kvsSelect(model, requestId) {
   const next = model.get("selected_request") === requestId ? "" : requestId;
@@ -61,8 +77,10 @@ function kvsSelect(model, requestId) {
   model.save_changes();
 }
 
-function kvsChip(text, cls, title, onclick) {
-  return h("span", { class: `kvs-chip ${cls || ""}`, title, onclick }, text);
+/** A request's chip: its id, selectable. */
+function kvsChip(model, id, cls) {
+  const cl = `kvs-chip ${cls} ${id === model.get("selected_request") ? "kvs-selected" : ""}`;
+  return h("span", { class: cl, title: `request ${id}`, "data-rid": id, onclick: () => kvsSelect(model, id) }, id);
 }
 
 /** A block delta (kvscope/widgets/pool_sync.py): int32 ids | int32 refcounts | uint8 states. */

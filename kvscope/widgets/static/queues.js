@@ -1,6 +1,22 @@
 // Scheduler queues after one step: running and waiting (head first), requests preempted and
-// finished in the step, the token budget spent (prefill / decode) and a KV usage gauge.
+// finished in the step, the token budget spent (prefill / decode) and a KV usage gauge. A lane
+// scrolls within a few lines and draws its first MAX_LANE chips (a GPU runs hundreds of
+// requests and queues thousands), plus the selected request wherever it stands.
 // Synced state: `queues` (see kvscope/widgets/snapshot.py: queues_state), `selected_request`, `step`.
+
+const MAX_LANE = 256;
+const LANES = ["running", "waiting", "preempted", "finished"];
+
+/** A lane's chips: the first MAX_LANE requests, the selected one if it stands further back,
+ * and how many are not drawn. */
+function laneChips(model, ids, cls) {
+  const selected = model.get("selected_request");
+  const shown = ids.slice(0, MAX_LANE);
+  if (ids.length > MAX_LANE && selected && ids.indexOf(selected, MAX_LANE) >= 0) shown.push(selected);
+  const chips = shown.map((id) => kvsChip(model, id, cls));
+  if (ids.length > shown.length) chips.push(h("span", { class: "kvs-dim" }, ` +${ids.length - shown.length} more`));
+  return chips;
+}
 
 function kvsGauge(frac, label) {
   const a = Math.PI * (1 - Math.min(Math.max(frac, 0), 1));
@@ -30,11 +46,11 @@ function render({ model, el }) {
   el.dataset.kvscopeView = "queues";
 
   function draw() {
+    const t0 = performance.now();
     const q = model.get("queues") || {};
-    const selected = model.get("selected_request");
     const lane = (name, ids, cls) => h("div", { class: "kvs-lane" },
       h("span", { class: "kvs-lane-name" }, `${name} (${(ids || []).length})`),
-      (ids || []).map((id) => kvsChip(id, `${cls} ${id === selected ? "kvs-selected" : ""}`, `request ${id}`, () => kvsSelect(model, id))));
+      h("div", { class: "kvs-lane-chips" }, laneChips(model, ids || [], cls)));
     const budget = Math.max(q.token_budget || 0, 1);
     const pct = (n) => `${(100 * (n || 0) / budget).toFixed(1)}%`;
     el.replaceChildren(
@@ -55,10 +71,17 @@ function render({ model, el }) {
     );
     Object.assign(el.dataset, {
       step: model.get("step"), running: (q.running || []).length, waiting: (q.waiting || []).length,
-      preempted: (q.preempted || []).length,
+      preempted: (q.preempted || []).length, drawMs: (performance.now() - t0).toFixed(1),
     });
   }
-  return kvsWatch(model, ["queues", "selected_request", "step"], draw);
+
+  function select() { // a request in a lane but past its first chips needs the lanes redrawn
+    const rid = model.get("selected_request"), q = model.get("queues") || {};
+    const queued = LANES.some((name) => (q[name] || []).includes(rid));
+    if (queued && !el.querySelector(`[data-rid="${CSS.escape(rid)}"]`)) draw();
+    else kvsMarkSelected(el, rid);
+  }
+  return kvsWatchView(model, el, ["queues", "step"], draw, select);
 }
 
 export default { render };

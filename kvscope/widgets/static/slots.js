@@ -9,6 +9,7 @@ function render({ model, el }) {
   el.dataset.kvscopeView = "slots";
 
   function draw() {
+    const t0 = performance.now();
     const groups = model.get("groups") || [];
     const selected = model.get("selected_request");
     let total = 0;
@@ -19,7 +20,7 @@ function render({ model, el }) {
         h("div", { class: "kvs-slot", title: `position ${pos} \u00b7 token ${tok} \u2192 slot ${slot} = block ${block} \u00d7 ${model.get("block_size")} + ${off}` },
           h("code", {}, kvsShowText(text) || "\u2205"), h("small", {}, `${slot} = ${block}\u00b7${off}`)));
       if (g.num_tokens > g.tokens.length) cells.push(h("span", { class: "kvs-dim" }, `+${g.num_tokens - g.tokens.length} more`));
-      return h("div", { class: `kvs-slot-group ${g.id === selected ? "kvs-selected" : ""}` },
+      return h("div", { class: `kvs-slot-group ${g.id === selected ? "kvs-selected" : ""}`, "data-rid": g.id },
         h("div", { class: "kvs-slot-head", onclick: () => kvsSelect(model, g.id) },
           h("span", { class: `kvs-badge kvs-${g.kind}` }, g.kind), ` request ${g.id} \u00b7 `,
           first === last ? `position ${first}` : `positions ${first}\u2013${last} (${g.num_tokens} tokens)`),
@@ -30,9 +31,9 @@ function render({ model, el }) {
         h("span", { class: "kvs-dim" }, " \u00b7 slot = block \u00d7 block_size + offset")),
       groups.length ? h("div", { class: "kvs-scroll" }, parts) : h("div", { class: "kvs-dim" }, "nothing computed at this step"),
     );
-    Object.assign(el.dataset, { step: model.get("step"), numTokens: total });
+    Object.assign(el.dataset, { step: model.get("step"), numTokens: total, drawMs: (performance.now() - t0).toFixed(1) });
   }
-  return kvsWatch(model, ["groups", "selected_request", "step", "block_size"], draw);
+  return kvsWatchView(model, el, ["groups", "step", "block_size"], draw);
 }
 
 export default { render };

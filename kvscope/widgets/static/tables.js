@@ -1,27 +1,50 @@
 // Block tables: one row per request, logical block i -> physical block id; blocks shared with
-// another request (ref > 1) are marked. Clicking a row selects the request (the dashboard
-// links `selected_request` with the pool, which then highlights that request's blocks).
+// another request (ref > 1) are marked. A long table (a GPU request holds hundreds of blocks)
+// folds each run of consecutive physical blocks into one chip, "logical a–b -> physical x–y",
+// as allocation hands out neighbouring blocks. Clicking a row selects the request (the
+// dashboard links `selected_request` with the pool, which then highlights that request's blocks).
 // Synced state: `rows` ([{id, blocks, refs, num_tokens}]), `selected_request`, `step`.
 
 const MAX_CHIPS = 256;
+const FOLD_OVER = 24; // blocks: a longer table folds its runs
+
+/** Chips of one table as runs [first logical, first physical, count, shared]: consecutive
+ * blocks alike in sharing make one run when `fold`, else every block is its own. */
+function tableRuns(blocks, refs, fold) {
+  const runs = [];
+  for (let i = 0; i < blocks.length; i++) {
+    const shared = refs[i] > 1, last = runs[runs.length - 1];
+    if (fold && last && last[3] === shared && blocks[i] === last[1] + last[2]) last[2]++;
+    else runs.push([i, blocks[i], 1, shared]);
+  }
+  return runs;
+}
+
+function tableChip([i, b, n, shared], refs) {
+  const span = (a, z) => (n === 1 ? `${a}` : `${a}\u2013${z}`);
+  const ref = n === 1 ? `ref ${refs[i]}` : shared ? "ref > 1" : "ref 1";
+  return h("span", {
+    class: `kvs-chip ${shared ? "kvs-shared" : ""}`, "data-logical": i, "data-physical": b, "data-count": n,
+    title: `logical ${span(i, i + n - 1)} \u2192 physical ${span(b, b + n - 1)} \u00b7 ${ref}${shared ? " (shared)" : ""}`,
+  }, h("sub", {}, span(i, i + n - 1)), span(b, b + n - 1));
+}
 
 function render({ model, el }) {
   el.classList.add("kvs-view", "kvs-tables");
   el.dataset.kvscopeView = "tables";
 
   function draw() {
+    const t0 = performance.now();
     const rows = model.get("rows") || [];
     const selected = model.get("selected_request");
     const body = rows.map((r) => {
-      const chips = r.blocks.slice(0, MAX_CHIPS).map((b, i) => {
-        const shared = r.refs[i] > 1;
-        return h("span", {
-          class: `kvs-chip ${shared ? "kvs-shared" : ""}`,
-          title: `logical ${i} \u2192 physical ${b} \u00b7 ref ${r.refs[i]}${shared ? " (shared)" : ""}`,
-        }, h("sub", {}, i), b);
-      });
-      if (r.blocks.length > MAX_CHIPS) chips.push(h("span", { class: "kvs-dim" }, ` +${r.blocks.length - MAX_CHIPS} more`));
-      return h("tr", { class: r.id === selected ? "kvs-selected" : "", onclick: () => kvsSelect(model, r.id) },
+      const runs = tableRuns(r.blocks, r.refs, r.blocks.length > FOLD_OVER);
+      const chips = runs.slice(0, MAX_CHIPS).map((run) => tableChip(run, r.refs));
+      if (runs.length > MAX_CHIPS) {
+        const [i] = runs[MAX_CHIPS];
+        chips.push(h("span", { class: "kvs-dim" }, ` +${r.blocks.length - i} more blocks`));
+      }
+      return h("tr", { class: r.id === selected ? "kvs-selected" : "", "data-rid": r.id, onclick: () => kvsSelect(model, r.id) },
         h("td", { class: "kvs-rid" }, r.id),
         h("td", { class: "kvs-num" }, `${r.num_tokens} tok / ${r.blocks.length} blk`),
         h("td", {}, chips));
@@ -29,14 +52,21 @@ function render({ model, el }) {
     el.replaceChildren(
       h("div", { class: "kvs-title" }, `Block tables \u00b7 step ${model.get("step")}`,
         h("span", { class: "kvs-dim" }, " \u00b7 logical\u2192physical; ",
-          h("span", { class: "kvs-chip kvs-shared" }, "shared"), " = ref > 1")),
+          h("span", { class: "kvs-chip kvs-shared" }, "shared"), ` = ref > 1; a table of over ${FOLD_OVER} blocks folds runs: a\u2013b`)),
       rows.length
         ? h("div", { class: "kvs-scroll" }, h("table", { class: "kvs-table" }, body))
         : h("div", { class: "kvs-dim" }, "no request holds blocks at this step"),
     );
-    Object.assign(el.dataset, { step: model.get("step"), numRequests: rows.length });
+    Object.assign(el.dataset, { step: model.get("step"), numRequests: rows.length, drawMs: (performance.now() - t0).toFixed(1) });
   }
-  return kvsWatch(model, ["rows", "selected_request", "step"], draw);
+  function select() { // mark the selected row, and scroll it into the table's box (a click elsewhere chose it)
+    kvsMarkSelected(el, model.get("selected_request"));
+    const row = el.querySelector("tr.kvs-selected"), box = el.querySelector(".kvs-scroll");
+    if (!row || !box) return;
+    const top = row.getBoundingClientRect().top - box.getBoundingClientRect().top;
+    if (top < 0 || top + row.offsetHeight > box.clientHeight) box.scrollTop += top - 20;
+  }
+  return kvsWatchView(model, el, ["rows", "step"], draw, select);
 }
 
 export default { render };
