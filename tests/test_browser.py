@@ -430,3 +430,62 @@ def test_a_selection_restyles_the_view_without_rebuilding_it(plain_page, tmp_pat
         assert marked == ([rid] if rid else [])
     assert view.evaluate("el => Array.from(el.querySelectorAll('*')).every((e) => e.kvsBefore)")
 
+
+DARK = ("background: #111111; --jp-layout-color0: #111111; --jp-layout-color1: #111111; "
+        "--jp-layout-color2: #2a2a2a; --jp-border-color1: #616161; --jp-border-color2: #424242; "
+        "--jp-content-font-color1: rgba(255, 255, 255, 1); --jp-content-font-color2: rgba(255, 255, 255, 0.72); "
+        "--jp-content-font-color3: rgba(255, 255, 255, 0.54)")
+
+
+def contrast(fg: list[float], bg: list[float]) -> float:
+    """WCAG contrast ratio of two sRGB colours (0-255)."""
+    def lum(c):
+        v = [x / 255 for x in c]
+        v = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in v]
+        return 0.2126 * v[0] + 0.7152 * v[1] + 0.0722 * v[2]
+    a, b = sorted((lum(fg), lum(bg)), reverse=True)
+    return (a + 0.05) / (b + 0.05)
+
+
+TEXT_COLOURS = """el => Array.from(el.querySelectorAll("*")).filter((e) =>
+    Array.from(e.childNodes).some((n) => n.nodeType === 3 && n.textContent.trim())).map((e) => {
+  const style = getComputedStyle(e), c = (e instanceof SVGElement ? style.fill : style.color).match(/[\\d.]+/g).map(Number);
+  let bg = e, b;  // the first ancestor with an opaque background
+  while (bg && (b = getComputedStyle(bg).backgroundColor.match(/[\\d.]+/g).map(Number)) && (b.length > 3 && b[3] < 1)) bg = bg.parentElement;
+  const alpha = c.length > 3 ? c[3] : 1;
+  const back = bg ? b.slice(0, 3) : [17, 17, 17];
+  return [e.getAttribute("class") || e.tagName, e.textContent.slice(0, 30), c.slice(0, 3).map((x, i) => alpha * x + (1 - alpha) * back[i]), back];
+})"""
+
+
+@pytest.mark.parametrize("name", ["tables", "queues", "slots"])
+def test_text_is_readable_in_a_dark_theme(plain_page, tmp_path, name):
+    """Under JupyterLab's dark theme (its CSS variables), every text of the view contrasts with
+    what it is drawn on (the views wrote #222 and #777 on Lab's near-black background)."""
+    states = {
+        "tables": {"rows": gpu_tables(3)},
+        "queues": {"queues": gpu_queues(3, 3)},
+        "slots": {"block_size": 16, "groups": [{"id": "0", "kind": "prefill", "num_tokens": 2,
+                                                 "tokens": [[0, 7, "a", 0, 0, 0], [1, 8, "b", 1, 0, 1]]}]},
+    }
+    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""}, body_style=DARK)
+    texts = view.evaluate(TEXT_COLOURS)
+    assert texts
+    faint = [(cls, text, round(contrast(fg, bg), 1)) for cls, text, fg, bg in texts if contrast(fg, bg) < 3]
+    assert not faint
+
+
+def test_lifecycle_labels_are_readable_in_a_dark_theme(plain_page, tmp_path):
+    """The request ids the lifecycle writes on its canvas take the theme's text colour (they
+    were #333, near-black on Lab's dark background)."""
+    requests = [{"id": f"req-{r}", "prompt_len": 9, "output_len": 3, "num_cached_tokens": 0, "num_preemptions": 0,
+                 "ttft_s": None, "mean_itl_s": None, "finish_reason": "length"} for r in range(4)]
+    intervals = [v for r in range(4) for v in (r, 3, 1, 9, 1, 0)]  # each row: decode over steps 1-9
+    state = {"requests": requests, "intervals": intervals, "states": ["waiting", "prefill", "recompute", "decode"],
+             "first_step": 1, "last_step": 9, "step": 5, "selected_request": ""}
+    view = open_view(plain_page, tmp_path, "lifecycle", state, body_style=DARK, int32=("intervals",))
+    assert view.evaluate("el => +el.dataset.rowHeight") >= 9  # tall enough rows to carry their ids
+    brightest = view.evaluate("""el => { const c = el.querySelector("canvas");
+        const px = c.getContext("2d").getImageData(0, 0, 60, c.height).data;  // the ids' gutter
+        let best = 0; for (let i = 0; i < px.length; i += 4) if (px[i + 3] > 0) best = Math.max(best, px[i]); return best; }""")
+    assert brightest > 180

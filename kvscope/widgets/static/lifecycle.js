@@ -74,7 +74,7 @@ function render({ model, el }) {
     if (rowH >= 9) {
       ctx.font = `${Math.min(11, rowH - 2)}px ui-monospace, monospace`;
       ctx.textBaseline = "middle";
-      ctx.fillStyle = "#333";
+      ctx.fillStyle = getComputedStyle(el).color; // the theme's text colour (a dark theme's is light)
       for (let r = 0; r < n; r++) ctx.fillText(reqs[r].id.slice(0, 9), 2, r * rowH + rowH / 2);
     }
     const step = model.get("step");

@@ -24,7 +24,7 @@ function kvsGauge(frac, label) {
   const svg = `<svg viewBox="0 0 100 60" width="120" height="72">
     <path d="M10 50 A40 40 0 0 1 90 50" fill="none" stroke="${KVS_COLORS.free}" stroke-width="10"/>
     <path d="M10 50 A40 40 0 0 1 ${x.toFixed(2)} ${y.toFixed(2)}" fill="none" stroke="${frac > 0.9 ? KVS_COLORS.selected : KVS_COLORS.used[2]}" stroke-width="10"/>
-    <text x="50" y="48" text-anchor="middle" font-size="16">${(100 * frac).toFixed(0)}%</text></svg>`;
+    <text x="50" y="48" text-anchor="middle" font-size="16" fill="currentColor">${(100 * frac).toFixed(0)}%</text></svg>`;
   const box = h("div", { class: "kvs-gauge" }, h("div", { class: "kvs-dim" }, label));
   box.insertAdjacentHTML("beforeend", svg);
   return box;
