@@ -684,3 +684,25 @@ console.log(JSON.stringify(input.cases.map(([ids, lo, count, bucket]) => {
         chosen = (np.arange(n) if ids is None else ids)[lo:lo + count]
         want_top, want_busy = bucket_summary(state, refs, bucket, chosen)
         assert top == want_top.tolist() and busy == want_busy.tolist()
+
+
+def test_scrubbing_a_replay_reads_the_lifecycle_once_and_shows_it_at_every_step(monkeypatch):
+    """The lifecycle covers every step, so moving the slider over a replay only moves its step
+    marker; it rebuilt the whole view from ``trace.lifecycle`` at each step."""
+    llm = make_llm(**ENGINE)
+    with llm.record() as trace:
+        llm.generate(PROMPTS, greedy(8), use_tqdm=False)
+    reads = []
+    lifecycle = type(trace).lifecycle
+    monkeypatch.setattr(type(trace), "lifecycle", property(lambda t: reads.append(1) or lifecycle.fget(t)))
+    dash = Dashboard(trace)
+    before = len(reads)
+    for step in trace.step_ids[::-2]:
+        dash.slider.value = step
+        life = dash.views["lifecycle"]
+        assert life.step == step
+        cols = np.frombuffer(life.intervals, np.int32).reshape(-1, 6)
+        want = lifecycle.fget(trace)
+        assert [life.requests[i]["id"] for i in cols[:, 0]] == want["request_id"].tolist()
+        assert cols[:, 2:4].tolist() == want[["start_step", "end_step"]].to_numpy().tolist()
+    assert len(reads) - before == 0

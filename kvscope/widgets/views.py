@@ -178,6 +178,19 @@ class LifecycleView(_StepView):
     states = traitlets.List().tag(sync=True)
     requests = traitlets.List().tag(sync=True)
     intervals = traitlets.Bytes(b"").tag(sync=True)
+    _steps_shown: tuple[int, int, int] | None = None  # (count, first, last) of the steps the lanes cover
+
+    def show(self, data: StepData) -> None:
+        """Move the step marker; rebuild the lanes only when the trace's steps changed (they
+        cover every step, so scrubbing a replay of thousands of requests rebuilt the same
+        lanes at each step)."""
+        ids = data.trace.step_ids
+        steps = (len(ids), ids[0], ids[-1]) if ids else None
+        if data.trace is self.trace and steps == self._steps_shown:
+            self.step = data.step
+        else:
+            super().show(data)
+            self._steps_shown = steps
 
 
 # --------------------------------------------------------------------------- timeline
