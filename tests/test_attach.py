@@ -238,6 +238,30 @@ def test_a_replayed_batch_over_max_message_bytes_is_skipped_not_a_stuck_replay()
             att.close()
 
 
+def test_a_join_whose_replay_starts_with_a_batch_over_max_message_bytes_skips_it_at_once():
+    """A subscriber joins a publisher that keeps its last 20 batches, the first of which is over
+    the limit: the join's answer (asked from 0) drops before any reply, at a number it cannot see.
+    It finds that batch quickly, counts it lost, and replays every other batch the publisher keeps."""
+    keep, n = 20, 200
+    big = n - keep + 1  # the head of the buffer once the live batch n is published
+    with publisher(buffer_steps=keep) as pub:
+        for i in range(n):
+            pub.publish(big_batch(666) if i == big else [stored([i], None, [1, 2], 2)])
+        att = attach_to(pub, max_message_bytes=4096, replay_timeout=5.0)
+        try:
+            start = time.monotonic()
+            live = pub.publish([stored([n], None, [1, 2], 2)])
+            kept = [seq for seq, _ in pub._buffer]
+            wait_for(applied(att, "p0", live), timeout=10, what="the live batch after the join")
+            assert time.monotonic() - start < 2.0
+            assert kept[0] == big and att.events.seq.tolist() == kept[1:]
+            assert att.block_hashes("p0") == set(kept[1:])
+            f = att.faults.iloc[0]
+            assert (f.replayed_batches, f.lost_batches) == (keep - 2, 1)
+        finally:
+            att.close()
+
+
 def test_a_replay_dropped_past_its_gap_returns_at_once():
     """Batches 1 and 2 are lost live; live 3 asks replay for them, whose answer goes on to batch 4,
     over the limit. The gap was filled before the drop: batch 3 applies at once, not after the

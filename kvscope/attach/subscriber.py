@@ -57,6 +57,7 @@ FAULTS: tuple[str, ...] = (
 _POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
 _CLOSE_WAIT_S = 2.0  # how long close() waits for a listener to return (the thread then closes its sockets itself)
 _GAVE_UP_S = 0.5  # a drop ZMQ has not said it reconnects from by then is one it gave up on
+_DROP_GRACE_MS = 20  # replies read before a drop reach the socket just after ZMQ reports the drop
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # far above a vLLM batch (a step's blocks and token ids)
 
 
@@ -224,10 +225,13 @@ class Subscriber:
     def _replay_dropped(self, s: Stream) -> bool:
         """Whether the replay connection dropped since last asked; if so it is made again (after a
         message over the limit ZMQ would not; after any other drop this only starts it at once)."""
-        if not any(e == self._zmq.EVENT_DISCONNECTED for e in self._events(s.replay_monitor)):
+        if not self._drop_reported(s):
             return False
         self._reconnect(s.replay, s.replay_endpoint)
         return True
+
+    def _drop_reported(self, s: Stream) -> bool:
+        return any(e == self._zmq.EVENT_DISCONNECTED for e in self._events(s.replay_monitor))
 
     def _reconnect(self, sock: Any, endpoint: str) -> None:
         try:
@@ -334,6 +338,7 @@ class Subscriber:
                 break
         joining = s.next_seq is None
         owed, stuck = start, None  # the first batch the answer has not brought; where it last dropped
+        known, skipped = False, 0  # whether a batch came (or was skipped) before owed; batches skipped
         if not self._ask(s, owed):
             return False
         deadline = time.monotonic() + self.replay_timeout
@@ -344,7 +349,10 @@ class Subscriber:
                     if owed >= end:  # all that was asked for came; what broke the connection lies past it
                         return True
                     if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
-                        owed, stuck = owed + 1, None  # (lost, if a later batch comes: counted as any hole is)
+                        if not known:  # the answer's first batch, whose number it never showed
+                            owed = self._bisect_stuck(s, owed, end, deadline)
+                        # lost, if a later batch comes: counted as any hole is
+                        owed, stuck, known, skipped = owed + 1, None, True, skipped + 1
                     else:
                         stuck = owed
                     if not self._ask(s, owed):
@@ -360,13 +368,46 @@ class Subscriber:
             if contiguous and seq != owed:
                 continue
             if (start if joining else s.next_seq) <= seq < end:
-                if not joining:
-                    s.faults["lost_batches"] += seq - s.next_seq
+                s.faults["lost_batches"] += skipped if joining else seq - s.next_seq
                 if contiguous:
                     s.ahead.extend([None] * (seq - s.next_seq))
                     s.ahead.append(hash(reply[2]))
                 joining = False
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
-                owed = seq + 1
+                owed, known = seq + 1, True
         return False
+
+    def _bisect_stuck(self, s: Stream, lo: int, hi: int, deadline: float) -> int:
+        """The number of the batch over the size limit that an answer from ``lo`` drops at before
+        any reply (the first one the publisher still buffers: a join asks from 0).
+
+        An answer from ``k`` drops so for ``lo <= k <=`` that number, and brings a reply for any
+        ``k`` past it, so bisection over ``lo..hi-1`` finds it in a few asks instead of one ask
+        per number (a join would walk from 0 to the publisher's buffer, and time out)."""
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            drops = self._drops_first(s, mid, deadline)
+            if drops is None:
+                break
+            lo, hi = (mid, hi) if drops else (lo, mid)
+        return lo
+
+    def _drops_first(self, s: Stream, start: int, deadline: float) -> bool | None:
+        """Whether the answer from ``start`` drops the connection before its first reply; None if
+        it cannot be asked or says nothing in time. The answer is left unread either way: the
+        connection is made again, which discards what ZMQ still holds of it."""
+        zmq = self._zmq
+        if not self._ask(s, start):
+            return None
+        poller = zmq.Poller()
+        for sock in (s.replay, s.replay_monitor):
+            poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(min(int(left * 1000) + 1, _POLL_MS)))
+            replied = s.replay in ready
+            if replied or (s.replay_monitor in ready and self._drop_reported(s)):
+                replied = replied or bool(s.replay.poll(_DROP_GRACE_MS))
+                self._reconnect(s.replay, s.replay_endpoint)
+                return not replied
+        return None
