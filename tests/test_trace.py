@@ -731,6 +731,12 @@ _NAMED_EDITS = [
      "a step's preempted queue is not the num_preemptions of steps.parquet"),
     ("queues.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
      "step [0-9]+ has rows but was not recorded"),
+    ("block_events.parquet", lambda df: _set(df, "step", lambda s: s - 1), "step -?[0-9]+ has rows but was not recorded"),
+    ("block_events.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
+     "step [0-9]+ has rows but was not recorded"),
+    ("block_events.parquet", lambda df: df.iloc[::-1], "rows are not in step order"),
+    ("scheduled.parquet", lambda df: _set(df, "step", lambda s: s + 100, row=len(df) - 1),
+     "step [0-9]+ has rows but was not launched"),
 ]
 
 
