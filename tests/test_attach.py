@@ -699,6 +699,27 @@ def test_slow_consumer_past_the_high_water_mark():
 
 
 # ------------------------------------------------------------------- several publishers
+def test_parent_cycles_and_deep_chains_give_finite_depths():
+    """Events whose parent links loop (1 <-> 2 with 4 below 1, 3 its own parent) and a chain
+    20,000 blocks deep: src.blocks is built without looping or recursing, and each depth is its
+    parent's plus one, except one block on each loop, which counts as a root."""
+    deep = 20_000
+    with publisher() as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([1], 2, [1], 1), stored([2], 1, [2], 1), stored([3], 3, [3], 1), stored([4], 1, [4], 1)])
+            last = pub.publish([stored(list(range(10, 10 + deep)), None, list(range(deep)), 1)])
+            wait_for(applied(att, "p0", last), what="both batches")
+            blocks = att.blocks.set_index("block_hash")
+            depth, parent = blocks.depth.to_dict(), blocks.parent_block_hash.to_dict()
+            assert len(depth) == deep + 4 and depth[10 + deep - 1] == deep - 1
+            roots = {h for h in depth if depth[h] == 0}
+            assert all(depth[h] == depth[parent[h]] + 1 for h in depth if h not in roots)
+            assert roots == {3, 10} | ({1, 2} & roots) and len({1, 2} & roots) == 1 and depth[4] == depth[1] + 1
+        finally:
+            att.close()
+
+
 def test_four_replicas_overlap_matches_hand_count():
     """Four replicas share a system prompt; the overlap numbers below are counted by hand.
 
