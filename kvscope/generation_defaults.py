@@ -7,7 +7,6 @@ directory reads them from there instead of the model's.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,7 @@ from kvscope.sampling_params import SamplingParams
 
 # generation_config.json's keys that set sampling, and their SamplingParams names (vLLM's list)
 SAMPLING_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "max_new_tokens": "max_tokens"}
-NOT_APPLIED = {"repetition_penalty": 1.0}  # vLLM applies these too; kvscope's sampler has no such step
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def read_defaults(generation_config: str, model_dir: str) -> dict[str, Any]:
@@ -33,10 +31,6 @@ def read_defaults(generation_config: str, model_dir: str) -> dict[str, Any]:
         raise FileNotFoundError(f"generation_config={generation_config!r} has no generation_config.json")
     set_there = GenerationConfig.from_pretrained(directory).to_diff_dict()
     defaults = {name: set_there[key] for key, name in SAMPLING_KEYS.items() if set_there.get(key) is not None}
-    ignored = {key: set_there[key] for key, neutral in NOT_APPLIED.items() if set_there.get(key) not in (None, neutral)}
-    if ignored:
-        warnings.warn(f"{directory / 'generation_config.json'} sets {ignored}, which kvscope does not apply; "
-                      "its other sampling defaults are used", stacklevel=3)
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as exc:

@@ -124,9 +124,9 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: what a prompt given no ``SamplingParams`` samples with, the model's
-        generation_config.json's temperature, top-k, top-p, min-p and max_new_tokens (as
-        ``max_tokens``) over ``SamplingParams()`` (``generation_config``, an engine setting,
-        says where they come from). A new object each call: change it freely."""
+        generation_config.json's temperature, top-k, top-p, min-p, repetition penalty and
+        max_new_tokens (as ``max_tokens``) over ``SamplingParams()`` (``generation_config``, an
+        engine setting, says where they come from). A new object each call: change it freely."""
         return SamplingParams(**self._sampling_defaults)
 
     def generate(

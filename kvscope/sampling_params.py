@@ -17,6 +17,11 @@ class SamplingParams:
     ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
     top-k log-probabilities of every generated token (plus the chosen one).
+
+    The penalties are vLLM's, applied to the logits before everything else (greedy rows too):
+    ``presence_penalty`` is subtracted from every token generated so far, and
+    ``frequency_penalty`` once per time it was generated; ``repetition_penalty`` divides the
+    positive logits of the tokens in the prompt or the output and multiplies the negative ones.
     """
 
     n: int = 1
@@ -32,7 +37,11 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    min_p: float = 0.0  # (last, so the fields before keep their positions)
+    # (These last, so the fields before keep their positions.)
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +57,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_finite_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_finite_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not is_finite_number(rp) or not 0.0 < rp <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {rp!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if self.max_tokens is not None:
@@ -75,7 +91,8 @@ class SamplingParams:
 
     def _from_numpy(self) -> None:
         """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p"):
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p",
+                     "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, (np.integer, np.floating)):
                 setattr(self, name, value.item())
@@ -87,6 +104,11 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty changes the logits: the sampler then needs the request's tokens."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 def _as_list(name: str, value: object, item_type: type) -> list:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import warnings
 
 import pytest
 
@@ -61,15 +60,12 @@ def test_generation_config_vllm_ignores_them_and_a_directory_replaces_them(tmp_p
         token_ids(make(path).generate(PROMPTS, use_tqdm=False))
 
 
-def test_a_default_kvscope_does_not_apply_is_named_in_a_warning_and_the_others_hold(tmp_path):
-    path = checkpoint_with(tmp_path / "m", temperature=0.0, max_new_tokens=4, repetition_penalty=1.05)
-    with pytest.warns(UserWarning, match="repetition_penalty.*does not apply"):
-        llm = make(path)
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=4)
-    neutral = checkpoint_with(tmp_path / "n", repetition_penalty=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        make(neutral)
+def test_a_repetition_penalty_there_is_applied(tmp_path):
+    path = checkpoint_with(tmp_path / "m", temperature=0.0, max_new_tokens=6, repetition_penalty=1.9)
+    llm = make(path)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.9)
+    assert token_ids(llm.generate(PROMPTS, use_tqdm=False)) == token_ids(llm.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.9), use_tqdm=False))
 
 
 @pytest.mark.parametrize("generation, config, error, named", [

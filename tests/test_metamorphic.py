@@ -2,7 +2,7 @@
 
 The same workload must give identical tokens with prefix caching on or off, any chunk budget,
 any block size, a pool small enough to force preemption, either scheduling policy, and with
-async scheduling on or off. The
+async scheduling on or off, for plain rows and penalized ones alike. The
 invariant validator runs after every step of every run.
 """
 from __future__ import annotations
@@ -28,6 +28,8 @@ def _workload() -> tuple[list[list[int]], list]:
         tail = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
         prompts.append((system if i % 2 == 0 else system[:9]) + tail)
     params = [greedy(rng.randrange(6, 20)) for _ in prompts]
+    for i in (3, 6):  # (penalties read each request's own tokens, whatever the schedule)
+        params[i] = greedy(params[i].max_tokens, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3)
     return prompts, params
 
 

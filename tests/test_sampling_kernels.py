@@ -209,14 +209,20 @@ def check_sampler_paths_agree(device: str) -> None:
     top1 = [dataclasses.replace(p, top_k=1) for p in rows]
     assert Sampler(8, torch.device(device), use_triton=True).sample(logits, top1, index).to_output().tokens \
         == logits.argmax(-1).tolist()
+    # A penalized row (no history yet: its penalties change nothing) sends every row's logits to
+    # the kernels as float32: half logits drawn so give the tokens drawn from them as they are.
+    half = logits.half()
+    penalized = rows[:-1] + [dataclasses.replace(rows[-1], presence_penalty=1.0)]
+    assert Sampler(8, torch.device(device), use_triton=True).sample(half, penalized, index).to_output().tokens \
+        == Sampler(8, torch.device(device), use_triton=True).sample(half, rows, index).to_output().tokens
 
 
 def check_captured_draws_match_eager(device: str) -> None:
     """The draw a decode graph captures (scales and step number read from device memory, the
     step bumped by the draw itself) against the sampler's eager calls, step by step: the same
     tokens through a change of rows (new scales), eager calls in between (the step in memory
-    catches up), and rows the captured draw refuses (log-probs, top-k, seeds, min-p), which change
-    nothing. The step number read from memory draws as the number passed by value."""
+    catches up), and rows the captured draw refuses (log-probs, top-k, seeds, min-p, penalties),
+    which change nothing. The step number read from memory draws as the number passed by value."""
     gen = torch.Generator().manual_seed(4)
     logits = (2 * torch.randn(3, 300, generator=gen)).to(device)
     scale = torch.tensor([ts.scale_of(0.7), 0.0, ts.scale_of(1.4)], device=device)
@@ -225,14 +231,14 @@ def check_captured_draws_match_eager(device: str) -> None:
     one = [SamplingParams(temperature=0.8)] * 3
     mixed = [SamplingParams(temperature=t) for t in (0.5, 0, 1.7)]
     refused = ([SamplingParams(temperature=0.8, logprobs=1)] * 3, [SamplingParams(temperature=0.8, top_k=5)] * 3,
-               [SamplingParams(temperature=0.8, seed=1)] * 3, [SamplingParams(temperature=0.8, min_p=0.5)] * 3)
+               [SamplingParams(temperature=0.8, seed=1)] * 3, [SamplingParams(temperature=0.8, min_p=0.5)] * 3,
+               [SamplingParams(temperature=0.8, presence_penalty=0.5)] * 3)
     captured, eager = Sampler(6, torch.device(device), use_triton=True), Sampler(6, torch.device(device), use_triton=True)
     captured.enable_captured_draws(4)
     replay = lambda: captured.draw_captured(logits)
-    for step, (params, how) in enumerate([(one, "graph"), (one, "graph"), (mixed, "graph"), (mixed, "eager"),
-                                          (one, "graph"), (refused[0], "refused"), (refused[1], "refused"),
-                                          (refused[2], "refused"), (refused[3], "refused"), (mixed, "graph"),
-                                          (mixed, "graph")]):
+    plan = [(one, "graph"), (one, "graph"), (mixed, "graph"), (mixed, "eager"), (one, "graph"),
+            *((r, "refused") for r in refused), (mixed, "graph"), (mixed, "graph")]
+    for step, (params, how) in enumerate(plan):
         index = [step, step + 1, 2 * step]
         if how == "refused":
             assert captured.sample_captured(params, index, replay) is None

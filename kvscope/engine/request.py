@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.engine.scheduler_output import TokenHistory
 from kvscope.outputs import RequestMetrics
 from kvscope.sampling_params import SamplingParams
 
@@ -58,6 +59,7 @@ class Request:
     cumulative_logprob: float = 0.0
     text: str = ""  # the final text, set when the request finishes
     detokenizer: IncrementalDetokenizer | None = None  # streaming text, made on first use
+    history: TokenHistory | None = field(init=False, default=None)  # what penalties read; set when they apply
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -65,6 +67,8 @@ class Request:
         self.stop_token_set = self.eos_token_ids.union(self.params.stop_token_ids)
         if self.params.logprobs is not None:
             self.output_logprobs = []
+        if self.params.penalizes:
+            self.history = TokenHistory(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -312,7 +312,7 @@ class Scheduler:
         row = ScheduledRequest(
             req.seq_id, token_ids, start, _unsent_blocks(req), req.resumed,
             start < req.prefill_len, sample, num_cached, req.params if sample else None,
-            num_tokens - req.num_prompt_tokens + pending, req.stop_token_set,
+            num_tokens - req.num_prompt_tokens + pending, req.stop_token_set, req.history if sample else None,
         )
         req.resumed = False
         req.num_computed_tokens = end

@@ -1,7 +1,7 @@
 """What the scheduler decided for one step: the contract between control plane and runner.
 
-The runner receives only this (plus the sampling parameters of rows it must sample); it never
-reads scheduler or block-manager state. Block tables travel as deltas: each row carries the
+The runner receives only this (plus the sampling parameters of rows it must sample, and the
+token history of rows whose penalties need it); it never reads scheduler or block-manager state. Block tables travel as deltas: each row carries the
 block ids appended to its request's table since the runner last saw it, and the runner keeps
 the tables (one owner on each side: the scheduler's requests, the runner's persistent batch).
 Everything is plain Python so it can be pickled to tensor-parallel workers.
@@ -17,6 +17,24 @@ import numpy as np
 from kvscope.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an input token sampled by the step in flight; the runner reads it on the device
+
+
+@dataclass(slots=True, frozen=True)
+class TokenHistory:
+    """The tokens a penalized request has so far, for the sampler's penalties: its prompt, then
+    the outputs appended on the host. ``token_ids`` is the request's own list, read when the
+    step launches; an output still in flight is its row's ``PLACEHOLDER`` input."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def outputs(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
@@ -39,6 +57,7 @@ class ScheduledRequest:
     # EOS (unless ignore_eos) and params.stop_token_ids: what a sampled row may not draw before
     # its min_tokens-th token (vLLM's all_stop_token_ids)
     all_stop_token_ids: frozenset[int] = frozenset()
+    history: TokenHistory | None = None  # set when ``sample`` and the params penalize
 
     @property
     def num_new_tokens(self) -> int:
@@ -147,7 +166,8 @@ class DecodeRows(Sequence[ScheduledRequest]):
         # (Fields in order: not resumed, not prefill, samples, no cache hit.)
         req = self._reqs[i]
         return ScheduledRequest(req.seq_id, [self._tokens[i]], self._starts[i], self._new_block_ids[i],
-                                False, False, True, 0, req.params, self._output_index[i], req.stop_token_set)
+                                False, False, True, 0, req.params, self._output_index[i], req.stop_token_set,
+                                req.history)
 
 
 @dataclass

@@ -229,12 +229,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _dummy_sampling(self) -> None:
-        """Min-p, top-k, top-p and 20 log-probs (vLLM's default cap, ``max_logprobs``) on every
-        row a step can sample: float32 copies, a softmax and a sort of ``[rows, vocab]``. A
-        sampler of its own draws, so the engine's random streams are untouched."""
+        """Penalties, min-p, top-k, top-p and 20 log-probs (vLLM's default cap,
+        ``max_logprobs``) on every row a step can sample: float32 copies, masks, a softmax and a
+        sort of ``[rows, vocab]``. A sampler of its own draws, so the engine's random streams are
+        untouched."""
         rows = self.max_rows
         hidden = self._dummy_hidden()
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(20, self.vocab_size))
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(20, self.vocab_size),
+                                presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
             if logits is not None:  # (tensor parallelism: rank 0 samples)
@@ -522,7 +524,7 @@ class ModelRunner:
                     self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
                                            cuda_graph=use_graph))
-            s, errors = self._sample(logits, sampled, params, index)
+            s, errors = self._sample(logits, sampled, params, index, table_rows)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
         return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t2, use_graph, errors)
@@ -546,9 +548,10 @@ class ModelRunner:
         return params
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[ScheduledRequest], params: list[SamplingParams],
-                index: list[int]) -> tuple[DeviceSample, dict[int, str]]:
-        """Sample every row (``params`` and ``index``: their parameters, from :meth:`_params_of`,
-        and output indices); a row whose own parameters make sampling fail fails alone.
+                index: list[int], table_rows: np.ndarray) -> tuple[DeviceSample, dict[int, str]]:
+        """Sample every row (``params``, ``index`` and ``table_rows``: their parameters, from
+        :meth:`_params_of`, output indices and BlockTables rows); a row whose own parameters
+        make sampling fail fails alone.
 
         When the batch's draw fails, its rows are drawn one at a time (``Sampler.sample_each``):
         a row that fails by itself is drawn greedily so the others keep their places, and its
@@ -558,10 +561,20 @@ class ModelRunner:
         def stop_token_ids_of(i: int) -> frozenset[int]:
             return rows[i].all_stop_token_ids
 
+        def history_of(i: int) -> tuple[list[int], list[int], torch.Tensor | None]:
+            """A penalized row's tokens; its output in flight (async scheduling) is its
+            placeholder input, which the last step sampled on the device."""
+            row, history = rows[i], rows[i].history
+            in_flight = None
+            if row.token_ids[-1] == PLACEHOLDER:
+                j = int(self._sample_row[table_rows[i]])
+                in_flight = self._last_sample[j:j + 1]
+            return history.prompt, history.outputs, in_flight
+
         try:
-            return self.sampler.sample(logits, params, index, stop_token_ids_of), {}
+            return self.sampler.sample(logits, params, index, stop_token_ids_of, history_of), {}
         except Exception:
-            s, failed = self.sampler.sample_each(logits, params, index, stop_token_ids_of, _FALLBACK)
+            s, failed = self.sampler.sample_each(logits, params, index, stop_token_ids_of, _FALLBACK, history_of)
             return s, {rows[i].seq_id: f"{type(exc).__name__}: {exc}" for i, exc in failed.items()}
 
     def kv_shards(self) -> list[dict[str, int | str]]:
