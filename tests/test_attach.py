@@ -217,6 +217,30 @@ def test_a_live_message_over_max_message_bytes_is_refused_and_counted():
             att.close()
 
 
+def test_without_replay_a_message_over_max_message_bytes_loses_little_and_says_so():
+    """With no replay socket, what the publisher sends while the refused connection is made again
+    is lost for good. It is made again as soon as ZMQ's silence says it will not (ZMQ's own retry
+    follows any other drop at once), so of 25 batches sent 20 ms apart after the big one, only the
+    first few are lost; every one not applied is counted lost, and the big one too."""
+    with publisher(replay_endpoint=None) as pub:
+        att = attach_to(pub, max_message_bytes=4096)
+        try:
+            wait_for(applied(att, "p0", pub.publish([stored([0], None, [1, 2], 2)])), what="batch 0")
+            big = pub.publish(big_batch(666))
+            for i in range(1, 26):
+                pub.publish([stored([i], None, [1, 2], 2)])
+                time.sleep(0.02)
+            wait_for(lambda: att.faults.oversize_messages.iloc[0] == 1, what="the refusal")
+            wait_for(applied(att, "p0", pub.publish([stored([26], None, [1, 2], 2)])), what="the batch after them")
+            held = att.block_hashes("p0")
+            lost = set(range(27)) - held  # block i > 0 went out as batch big + i
+            assert lost == set(range(1, len(lost) + 1)) and len(lost) <= 8
+            assert att.events.seq.tolist() == [0] + [big + i for i in sorted(held - {0})]
+            assert att.faults.lost_batches.iloc[0] == len(lost) + 1  # and the big one
+        finally:
+            att.close()
+
+
 def test_a_replayed_batch_over_max_message_bytes_is_skipped_not_a_stuck_replay():
     """A subscriber joins after batches 0..3, of which 1 is over the limit: replay brings the others,
     skips the big one (lost), and the live batches after it apply."""

@@ -20,9 +20,9 @@ is checked against the next one expected from that publisher:
   publisher may be a new process whose numbers happen to continue past ours, so the next message
   starts over: the rebuilt cache is cleared and refilled from what replay still buffers;
 - a message over ``max_message_bytes`` is refused by ZMQ at its header, before it is read, and
-  ZMQ then drops the connection for good: the monitor reports the drop without the reconnection
-  that follows any other, so the subscriber connects again itself, and the batches it missed
-  meanwhile come back through replay like any gap. A replay answer cut short the same way is asked
+  ZMQ then drops the connection for good: the monitor reports the drop without the retry that
+  follows any other at once, so the subscriber connects again itself, and the batches it missed
+  meanwhile come back through replay like any gap (without a replay socket they are lost). A replay answer cut short the same way is asked
   for again, past the batch that cannot come through.
 
 Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
@@ -56,7 +56,7 @@ FAULTS: tuple[str, ...] = (
 
 _POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
 _CLOSE_WAIT_S = 2.0  # how long close() waits for a listener to return (the thread then closes its sockets itself)
-_GAVE_UP_S = 0.5  # a drop ZMQ has not said it reconnects from by then is one it gave up on
+_RETRY_WAIT_MS = 50  # ZMQ reports its retry right after any drop it will reconnect from
 _DROP_GRACE_MS = 20  # replies read before a drop reach the socket just after ZMQ reports the drop
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # far above a vLLM batch (a step's blocks and token ids)
 
@@ -77,7 +77,6 @@ class Stream:
     # for one it skipped: only replay vouches for them until the live socket brings the same numbers
     ahead: deque[int | None] = field(default_factory=deque)
     disconnected: bool = False
-    dropped: float | None = None  # time.monotonic() of a drop that ZMQ has not (yet) said it reconnects from
     heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
     sub: Any = None
     replay: Any = None
@@ -167,8 +166,6 @@ class Subscriber:
         while not self._stop.is_set():
             now = time.monotonic()
             for s in self.streams:
-                if s.dropped is not None and now - s.dropped > _GAVE_UP_S:
-                    self._refused(s)
                 if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
                     s.heard = now
                     if not s.sub.poll(0):  # batches waiting: not quiet, only unread while another stream replayed
@@ -207,18 +204,25 @@ class Subscriber:
 
     def _on_sub_events(self, s: Stream) -> None:
         """A drop, then ZMQ's retry: a lost connection, maybe to a new publisher process. A drop
-        alone (for :data:`_GAVE_UP_S`) is one ZMQ gave up on: :meth:`_refused`."""
-        for event in self._events(s.monitor):
-            if event == self._zmq.EVENT_DISCONNECTED:
-                s.dropped = time.monotonic()
-            elif s.dropped is not None:  # a retry after a drop (retries alone: a publisher not up yet)
-                s.dropped, s.disconnected = None, True
+        with no retry within :data:`_RETRY_WAIT_MS` is one ZMQ gave up on: :meth:`_refused` (the
+        sooner it is made again, the fewer batches go by meanwhile, lost if there is no replay)."""
+        disconnected = self._zmq.EVENT_DISCONNECTED
+        events = self._events(s.monitor)
+        while events and events[-1] == disconnected and s.monitor.poll(_RETRY_WAIT_MS):
+            events += self._events(s.monitor)
+        dropped = False
+        for event in events:
+            if event == disconnected:
+                dropped = True
+            elif dropped:  # a retry after a drop (retries alone: a publisher not up yet)
+                dropped, s.disconnected = False, True
+        if dropped:
+            self._refused(s)
 
     def _refused(self, s: Stream) -> None:
         """ZMQ refused a message over ``max_message_bytes`` at its header and closed the connection
         for good: connect again. The same publisher is still there, so the cache stays; the next
         batch shows the gap, which replay fills."""
-        s.dropped = None
         s.faults["oversize_messages"] += 1
         self._reconnect(s.sub, s.endpoint)
 
