@@ -344,7 +344,7 @@ def _objects(col: pd.Series) -> pd.Series:
         return col.astype(object).where(col.notna(), None)
     values = np.full(len(col.cat.categories) + 1, None, object)  # (the last, for code -1: missing)
     values[:-1] = col.cat.categories.to_numpy(object)
-    return pd.Series(values[col.cat.codes.to_numpy()], index=col.index, dtype=object)
+    return pd.Series(values[col.cat.codes.to_numpy()], index=col.index, dtype=object, copy=False)
 
 
 def _read_parquet(files: SavedFiles, name: str, parse: Callable[[Any], Any]) -> Any:
