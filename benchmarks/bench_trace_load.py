@@ -26,8 +26,8 @@ import pandas as pd
 
 REPO = Path(__file__).resolve().parent.parent
 # The functions Trace.load calls from trace.py, timed as phases where a version has them.
-PHASES = ("read_frame", "check_frames", "records_from_frames", "read_baseline", "baseline_from_frames",
-          "check_tokens", "check_replay", "check_checksums")
+PHASES = ("read_frame", "check_frames", "records_from_frames", "check_queues", "read_baseline",
+          "baseline_from_frames", "check_tokens", "check_replay", "check_checksums")
 QUEUES = ("running", "waiting", "preempted", "finished")
 ROW_COLUMNS = ("request_ids", "start", "num_new_tokens", "num_cached_tokens", "is_prefill", "sample", "token_ids")
 EVENT_COLUMNS = ("event", "block_id", "request", "ref_count", "block_hash", "engine_step")
