@@ -63,6 +63,33 @@ def raw_stream(**kw) -> Iterator[tuple]:
         raw.close(linger=0)
 
 
+@contextlib.contextmanager
+def mute_and_good(replay_timeout: float) -> Iterator[tuple]:
+    """Two publishers attached as "bad" and "good": a bare PUB socket whose replay socket takes
+    requests and never answers, and a real publisher. Yields ``(raw, att, good)`` once both
+    subscriptions are live (the good one's batch 0 applied)."""
+    import zmq
+
+    import kvscope
+    from kvscope.attach.wire import stored
+
+    ctx = zmq.Context.instance()
+    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
+    with publisher() as good:
+        att = kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint}, topic="kv-events",
+                             replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
+                             replay_timeout=replay_timeout)
+        try:
+            wait_for(lambda: probed(raw, att), what="subscription")
+            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
+            yield raw, att, good
+        finally:
+            att.close()
+            raw.close(linger=0)
+            mute.close(linger=0)
+
+
 def probed(raw, att, stream: int = 0) -> bool:
     """Send an empty batch 0 on ``raw``; True once stream ``stream`` of ``att`` has it (its
     subscription is then live)."""

@@ -13,8 +13,8 @@ pytest.importorskip("zmq")
 pd = pytest.importorskip("pandas")
 
 import zmq  # noqa: E402
-from attach_helpers import (applied, attach_to, metrics_server, probed, publisher, raw_stream,  # noqa: E402
-                            wait_for)
+from attach_helpers import (applied, attach_to, metrics_server, mute_and_good, probed, publisher,  # noqa: E402
+                            raw_stream, wait_for)
 
 import kvscope  # noqa: E402
 from kvscope.attach import MIN_MESSAGE_BYTES, MIN_METRICS_INTERVAL  # noqa: E402
@@ -543,23 +543,10 @@ def test_an_idle_probe_answered_by_another_publisher_does_not_drop_later_batches
 def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
     """A replay endpoint that accepts each connection and closes it: the idle probe gets no batch,
     so it counts none missed or lost and the live batches after it all apply."""
-    ctx = zmq.Context.instance()
-    raw, stop = ctx.socket(zmq.PUB), threading.Event()
+    raw, stop = zmq.Context.instance().socket(zmq.PUB), threading.Event()
     port = raw.bind_to_random_port("tcp://127.0.0.1")
-    srv = socket.create_server(("127.0.0.1", 0))
-    srv.settimeout(0.05)
-
-    def hang_up():
-        while not stop.is_set():
-            try:
-                srv.accept()[0].close()
-            except OSError:
-                continue
-
-    server = threading.Thread(target=hang_up, daemon=True)
-    server.start()
     att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=1.0,
-                         replay_endpoints=f"tcp://127.0.0.1:{srv.getsockname()[1]}")
+                         replay_endpoints=f"tcp://127.0.0.1:{_tcp_server(lambda conn: None, stop)}")
     try:
         wait_for(lambda: probed(raw, att), what="subscription")
         time.sleep(2.5)  # the idle probe, asked once a second, meets the dropping replay socket
@@ -573,67 +560,39 @@ def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
     finally:
         att.close()
         stop.set()
-        server.join()
-        srv.close()
         raw.close(linger=0)
 
 
 def test_a_stream_left_unread_while_another_replays_is_not_probed():
     """One publisher's gaps wait on a replay socket that never answers, two seconds in all; the
     other's batches meanwhile wait unread. It lost nothing: no gap, replay or duplicate shows."""
-    ctx = zmq.Context.instance()
-    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
-    with publisher() as good:
-        att = kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint}, topic="kv-events",
-                             replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
-                             replay_timeout=0.5)
-        try:
-            wait_for(lambda: probed(raw, att), what="subscription")
-            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
-            for seq in (2, 4, 6, 8):  # four gaps, half a second each
-                raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
-            time.sleep(0.2)  # the thread is in the first of those replays, so what follows waits unread
-            for i in range(1, 21):
-                last = good.publish([stored([i], None, [1, 2], 2)])
-                time.sleep(0.05)
-            wait_for(applied(att, "good", last), timeout=10, what="the good publisher's batches")
-            f = att.faults.set_index("instance").loc["good"]
-            assert (f.gaps, f.replayed_batches, f.duplicate_batches) == (0, 0, 0)
-            assert att.block_hashes("good") == set(range(21))
-        finally:
-            att.close()
-            raw.close(linger=0)
-            mute.close(linger=0)
+    with mute_and_good(replay_timeout=0.5) as (raw, att, good):
+        for seq in (2, 4, 6, 8):  # four gaps, half a second each
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
+        time.sleep(0.2)  # the thread is in the first of those replays, so what follows waits unread
+        for i in range(1, 21):
+            last = good.publish([stored([i], None, [1, 2], 2)])
+            time.sleep(0.05)
+        wait_for(applied(att, "good", last), timeout=10, what="the good publisher's batches")
+        f = att.faults.set_index("instance").loc["good"]
+        assert (f.gaps, f.replayed_batches, f.duplicate_batches) == (0, 0, 0)
+        assert att.block_hashes("good") == set(range(21))
 
 
 def test_a_stream_whose_replays_time_out_does_not_starve_the_others():
     """Twenty gaps queue up on one publisher whose replay socket never answers (ten seconds of
     waiting in all); a batch the other publisher sends meanwhile applies within about one of those
     waits, not after all of them."""
-    ctx = zmq.Context.instance()
-    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
-    with publisher() as good:
-        att = kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint}, topic="kv-events",
-                             replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
-                             replay_timeout=0.5)
-        try:
-            wait_for(lambda: probed(raw, att), what="subscription")
-            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
-            gaps = 20
-            for seq in range(2, 2 * gaps + 2, 2):
-                raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
-            wait_for(lambda: att.streams[0].faults["gaps"] >= 1, what="the first gap")
-            start = time.monotonic()
-            wait_for(applied(att, "good", good.publish([stored([1], None, [1, 2], 2)])), timeout=15,
-                     what="the good publisher's batch")
-            assert time.monotonic() - start < 2.0
-            assert att.block_hashes("good") == {0, 1} and att.streams[0].faults["gaps"] < gaps
-        finally:
-            att.close()
-            raw.close(linger=0)
-            mute.close(linger=0)
+    with mute_and_good(replay_timeout=0.5) as (raw, att, good):
+        gaps = 20
+        for seq in range(2, 2 * gaps + 2, 2):
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
+        wait_for(lambda: att.streams[0].faults["gaps"] >= 1, what="the first gap")
+        start = time.monotonic()
+        wait_for(applied(att, "good", good.publish([stored([1], None, [1, 2], 2)])), timeout=15,
+                 what="the good publisher's batch")
+        assert time.monotonic() - start < 2.0
+        assert att.block_hashes("good") == {0, 1} and att.streams[0].faults["gaps"] < gaps
 
 
 def test_gap_without_replay_socket_is_counted_lost():
@@ -943,7 +902,8 @@ def test_metrics_interval_below_its_floor_is_refused_and_the_floor_is_kept():
 
 
 def _tcp_server(answer, stop):
-    """A loopback server calling ``answer(conn)`` per connection (until ``stop`` is set); its URL."""
+    """A loopback server calling ``answer(conn)`` per connection, after its first bytes (until
+    ``stop`` is set); its port."""
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(0.1)
 
@@ -957,7 +917,7 @@ def _tcp_server(answer, stop):
         srv.close()
 
     threading.Thread(target=serve, daemon=True).start()
-    return f"http://127.0.0.1:{srv.getsockname()[1]}/metrics"
+    return srv.getsockname()[1]
 
 
 def _answer_once(answer, conn):
@@ -1003,7 +963,7 @@ def test_metrics_servers_that_misbehave_are_scrape_errors():
                "cut": lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(page)
                                                 + page[:len(page) // 2]),
                "endless": endless, "trickle": trickle, "slow_headers": slow_headers}
-    urls = {name: _tcp_server(answer, stop) for name, answer in answers.items()}
+    urls = {name: f"http://127.0.0.1:{_tcp_server(answer, stop)}/metrics" for name, answer in answers.items()}
     rows = []
     scraper = MetricsScraper(urls, 0.05, rows.extend, timeout=0.5)
     try:
