@@ -342,7 +342,9 @@ class Subscriber:
                 break
         joining = s.next_seq is None
         owed, stuck = start, None  # the first batch the answer has not brought; where it last dropped
-        known, skipped = False, 0  # whether a batch came (or was skipped) before owed; batches skipped
+        # whether a batch came (or was skipped) before owed (the probe takes only owed itself: it
+        # need not look past it); and how many were skipped
+        known, skipped = contiguous, 0
         if not self._ask(s, owed):
             return False
         deadline = time.monotonic() + self.replay_timeout
