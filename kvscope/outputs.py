@@ -53,4 +53,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: None = field(default=None)
+    # vLLM's: one entry per prompt token, None for the first, {token: log-prob} plus the top-k
+    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None)

@@ -16,7 +16,9 @@ class SamplingParams:
 
     ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
-    top-k log-probabilities of every generated token (plus the chosen one).
+    top-k log-probabilities of every generated token (plus the chosen one), and
+    ``prompt_logprobs=k`` those of every prompt token after the first (vLLM's: such a request
+    computes its whole prompt, the prefix cache left unread).
 
     The penalties are vLLM's, applied to the logits before everything else (greedy rows too):
     ``presence_penalty`` is subtracted from every token generated so far, and
@@ -42,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    prompt_logprobs: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,8 +79,10 @@ class SamplingParams:
             if self.seed + self.n - 1 >= 2**64:  # (child i draws with seed + i)
                 raise ValueError(f"seed + n - 1 must be < 2**64: the n={self.n} children draw with seeds "
                                  f"seed..seed+n-1, got seed={self.seed}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or k < 0):
+                raise ValueError(f"{name} must be an integer >= 0 or None, got {k!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -92,7 +97,7 @@ class SamplingParams:
     def _from_numpy(self) -> None:
         """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, (np.integer, np.floating)):
                 setattr(self, name, value.item())

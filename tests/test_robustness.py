@@ -469,11 +469,11 @@ def test_a_device_error_at_any_step_costs_no_request_its_tokens(async_scheduling
         if where == "forward":
             forward = runner._forward_rows
 
-            def fails_once(step, forward=forward, calls=calls, k=k):
+            def fails_once(step, *rest, forward=forward, calls=calls, k=k):
                 calls.append(1)
                 if len(calls) == k:
                     raise RuntimeError("injected device error")
-                return forward(step)
+                return forward(step, *rest)
 
             runner._forward_rows = fails_once
         else:

@@ -16,6 +16,8 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)  # prepare_s, forward_s, sample_s
     errors: dict[int, str] = field(default_factory=dict)  # seq_id -> why its row could not be sampled
     cuda_graph: bool = False
+    # seq_id -> the prompt log-probs of the tokens after its row's first num_prompt_logits positions
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class StepHandle(Protocol):

@@ -64,8 +64,10 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
     ids = _plain_ids(token_ids, vocab_size)
     if ids is None:
         ids = _checked_ids(token_ids, vocab_size)
-    if params.logprobs is not None and params.logprobs > vocab_size:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab_size})")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab_size:
+            raise ValueError(f"{name}={k} exceeds the vocabulary size ({vocab_size})")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")

@@ -652,7 +652,15 @@ class LLMEngine:
             finished=req.is_finished,
             metrics=req.metrics,
             num_cached_tokens=req.metrics.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(req),
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
+        """The request's prompt log-probs once its whole prompt has them (vLLM's first entry,
+        the first token's, is None), else None."""
+        kept = req.prompt_logprobs
+        return list(kept) if kept is not None and len(kept) == req.num_prompt_tokens else None
 
     def _release(self, req: Request) -> None:
         """Forget a finished request once its last output is out."""

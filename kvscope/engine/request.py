@@ -59,7 +59,8 @@ class Request:
     cumulative_logprob: float = 0.0
     text: str = ""  # the final text, set when the request finishes
     detokenizer: IncrementalDetokenizer | None = None  # streaming text, made on first use
-    history: TokenHistory | None = field(init=False, default=None)  # what penalties read; set when they apply
+    history: TokenHistory | None = field(init=False, default=None)  # what penalties and prompt logprobs read
+    prompt_logprobs: list[dict[int, float] | None] | None = field(init=False, default=None)  # when asked
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -67,8 +68,16 @@ class Request:
         self.stop_token_set = self.eos_token_ids.union(self.params.stop_token_ids)
         if self.params.logprobs is not None:
             self.output_logprobs = []
-        if self.params.penalizes:
-            self.history = TokenHistory(self.token_ids, self.num_prompt_tokens)
+        k = self.params.prompt_logprobs
+        if k is not None:
+            self.prompt_logprobs = [None]  # (the first token has none: nothing comes before it)
+        if self.params.penalizes or k is not None:
+            self.history = TokenHistory(self.token_ids, self.num_prompt_tokens, k)
+
+    @property
+    def num_prompt_logits(self) -> int:
+        """How many prompt positions still owe the log-prob of the token after them."""
+        return 0 if self.prompt_logprobs is None else self.num_prompt_tokens - len(self.prompt_logprobs)
 
     @property
     def num_tokens(self) -> int:

@@ -238,8 +238,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: re-admit once its tokens are all known
-            cached = self.block_manager.find_cached_prefix(req)
-            if share and out.requests and self._may_hit_more(req, len(cached)):
+            # (a request owed prompt log-probs computes its prompt: cached blocks give no logits)
+            cached = [] if req.num_prompt_logits else self.block_manager.find_cached_prefix(req)
+            if share and out.requests and not req.num_prompt_logits and self._may_hit_more(req, len(cached)):
                 if in_flight is None:
                     in_flight = self._blocks_in_flight()
                 if self.block_manager.block_hash_of(req, len(cached)) in in_flight:
@@ -304,6 +305,8 @@ class Scheduler:
         num_tokens = len(tokens)
         pending = req.num_pending
         sample = end == num_tokens + pending
+        # (prompt positions below the last whose logits give the next prompt token's log-prob)
+        prompt_logits = max(0, min(end, req.num_prompt_tokens - 1) - start) if req.num_prompt_logits else 0
         token_ids = tokens[start:end]
         if end > num_tokens:  # only a decode row's one input token can be in flight
             token_ids.append(PLACEHOLDER)
@@ -312,7 +315,8 @@ class Scheduler:
         row = ScheduledRequest(
             req.seq_id, token_ids, start, _unsent_blocks(req), req.resumed,
             start < req.prefill_len, sample, num_cached, req.params if sample else None,
-            num_tokens - req.num_prompt_tokens + pending, req.stop_token_set, req.history if sample else None,
+            num_tokens - req.num_prompt_tokens + pending, req.stop_token_set,
+            req.history if sample or prompt_logits else None, prompt_logits,
         )
         req.resumed = False
         req.num_computed_tokens = end
@@ -347,6 +351,8 @@ class Scheduler:
         tokens, errors = result.tokens, result.errors
         if type(out.requests) is DecodeRows and not errors and not result.logprobs:
             return self._update_steady(out, tokens, now)
+        if result.prompt_logprobs:
+            self._keep_prompt_logprobs(out, result.prompt_logprobs)
         progressed, finished = [], []
         bm = self.block_manager
         bs = bm.block_size if bm.enable_prefix_caching else 0
@@ -390,6 +396,19 @@ class Scheduler:
             if token in req.stop_token_set or len(ids) >= req.max_total_tokens:
                 self._finish_if_stopped(req, token, finished)
         return progressed, finished
+
+    def _keep_prompt_logprobs(self, out: SchedulerOutput, prompt_logprobs: dict[int, list[dict[int, float]]]) -> None:
+        """Append each row's prompt log-probs to its request's: those of prompt tokens
+        ``start + 1`` on, each kept once (a request recomputed after a preemption owes fewer)."""
+        cols, live = out.columns, self.requests
+        for row in cols.prompt_logit_rows.tolist():
+            req = live.get(int(cols.seq_id[row]))
+            if req is None or req.prompt_logprobs is None:
+                continue  # finished or aborted while the step was in flight
+            first = int(cols.start[row]) + 1  # the prompt token the row's first position predicts
+            kept = req.prompt_logprobs
+            if first <= len(kept):  # (chunks come back in order: the row starts where the last ended, or before)
+                kept += prompt_logprobs[req.seq_id][len(kept) - first:]
 
     def _update_steady(self, out: SchedulerOutput, tokens: dict[int, int], now: float
                        ) -> tuple[list[Request], list[Request]]:

@@ -17,16 +17,20 @@ import numpy as np
 from kvscope.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # an input token sampled by the step in flight; the runner reads it on the device
+_NONE = np.zeros(0, dtype=np.int64)  # no rows (read-only)
+_NONE.flags.writeable = False
 
 
 @dataclass(slots=True, frozen=True)
 class TokenHistory:
-    """The tokens a penalized request has so far, for the sampler's penalties: its prompt, then
-    the outputs appended on the host. ``token_ids`` is the request's own list, read when the
-    step launches; an output still in flight is its row's ``PLACEHOLDER`` input."""
+    """The tokens a request has so far, for what reads more than a row's own tokens: the
+    sampler's penalties, and prompt log-probs (of the tokens after each row's last, too). Its
+    prompt, then the outputs appended on the host: ``token_ids`` is the request's own list,
+    read when the step launches; an output still in flight is its row's ``PLACEHOLDER`` input."""
 
     token_ids: list[int]
     num_prompt_tokens: int
+    prompt_logprobs: int | None = None  # the request's top-k of prompt log-probs, when it asks
 
     @property
     def prompt(self) -> list[int]:
@@ -57,7 +61,9 @@ class ScheduledRequest:
     # EOS (unless ignore_eos) and params.stop_token_ids: what a sampled row may not draw before
     # its min_tokens-th token (vLLM's all_stop_token_ids)
     all_stop_token_ids: frozenset[int] = frozenset()
-    history: TokenHistory | None = None  # set when ``sample`` and the params penalize
+    history: TokenHistory | None = None  # set when ``sample`` and the params penalize, or prompt logits
+    # leading positions whose logits give prompt log-probs (of the tokens after them), when asked
+    num_prompt_logits: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -78,6 +84,7 @@ class StepColumns:
     output_index: np.ndarray    # int64 [B]: each row's ScheduledRequest.output_index
     is_prefill: np.ndarray      # bool [B]
     num_cached_tokens: np.ndarray  # int64 [B]
+    prompt_logit_rows: np.ndarray = field(default_factory=lambda: _NONE)  # int64 [P]: rows with prompt logits
 
     @classmethod
     def from_rows(cls, rows: list[ScheduledRequest]) -> "StepColumns":
@@ -91,6 +98,7 @@ class StepColumns:
         index: list[int] = []
         prefill: list[bool] = []
         cached: list[int] = []
+        prompt_logits: list[int] = []
         for i, r in enumerate(rows):
             seq_ids.append(r.seq_id)
             starts.append(r.start)
@@ -103,6 +111,8 @@ class StepColumns:
             cached.append(r.num_cached_tokens)
             if r.new_block_ids or r.resumed_from_preemption:
                 changed.append(i)
+            if r.num_prompt_logits:
+                prompt_logits.append(i)
         return cls(
             seq_id=np.array(seq_ids, dtype=np.int64),
             start=np.array(starts, dtype=np.int64),
@@ -113,6 +123,7 @@ class StepColumns:
             output_index=np.array(index, dtype=np.int64),
             is_prefill=np.array(prefill, dtype=bool),
             num_cached_tokens=np.array(cached, dtype=np.int64),
+            prompt_logit_rows=np.array(prompt_logits, dtype=np.int64),
         )
 
 

@@ -33,6 +33,7 @@ from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
 from kvscope.runner.sampler import DeviceSample, Sampler
+from kvscope.runner.prompt_logprobs import PromptLogprobs, prompt_positions
 from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -467,19 +468,22 @@ class ModelRunner:
         graphs.advance(b, self._last_sample, new)
         return _PreparedStep(table_rows, b, b, b, graphs, None, None, None, None)
 
-    def _forward_rows(self, step: "_PreparedStep") -> torch.Tensor | None:
-        """Run the model on a prepared step; returns the hidden rows to sample (or None)."""
+    def _forward_rows(self, step: "_PreparedStep", prompt_at: np.ndarray | None = None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run the model on a prepared step; returns the hidden rows to sample (or None), and
+        those at ``prompt_at`` (positions giving prompt log-probs; prefill steps run eagerly)."""
         d = step.d
         if step.graphs is not None:
             hidden = step.graphs.run(step.num_seqs, step.layout)
         else:
             with forward_context(self._metadata(step.x, d)), self._threads():
                 hidden = self._forward(step.ids, d.positions)
+        prompt = None if prompt_at is None else hidden[torch.from_numpy(prompt_at).to(hidden.device)]
         if step.num_logits == step.num_tokens:
-            return hidden
+            return hidden, prompt
         if step.num_logits:
-            return hidden[d.logits_indices]
-        return None
+            return hidden[d.logits_indices], prompt
+        return None, prompt
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         return self.execute_async(out).result()
@@ -512,28 +516,35 @@ class ModelRunner:
             if s is not None:
                 t2 = time.perf_counter()
                 return self._launched(s, table_rows, seq_ids, prepare_s, t2 - t1, t2, use_graph, {})
-        rows = self._forward_rows(step)
+        which = cols.prompt_logit_rows
+        prompt_at = prompt_positions(step.x.cu_seqlens_q, out.requests, which) if which.size else None
+        rows, prompt_rows = self._forward_rows(step, prompt_at)
         t2 = time.perf_counter()
         forward_s = t2 - t1
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
+            # (Every rank computes the prompt positions' logits too: the LM head is a collective.)
+            prompt_logits = None if prompt_rows is None else self.model.compute_logits(prompt_rows)
+            prompt = None if prompt_logits is None else PromptLogprobs.of(prompt_logits, out.requests, which)
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them
                     tokens = tp_broadcast_from_rank0(torch.empty(len(sampled), dtype=torch.int64, device=self.device))
                     self._remember_sampled(tokens, table_rows)
                 return DoneStep(StepResult(tokens={}, timings={"prepare_s": prepare_s, "forward_s": forward_s},
-                                           cuda_graph=use_graph))
+                                           cuda_graph=use_graph,
+                                           prompt_logprobs={} if prompt is None else prompt.to_host()))
             s, errors = self._sample(logits, sampled, params, index, table_rows)
             if self.share_sampled:
                 tp_broadcast_from_rank0(s.tokens)
-        return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t2, use_graph, errors)
+        return self._launched(s, table_rows, seq_ids, prepare_s, forward_s, t2, use_graph, errors, prompt)
 
     def _launched(self, s: DeviceSample, table_rows: np.ndarray, seq_ids: np.ndarray, prepare_s: float,
-                  forward_s: float, t0: float, use_graph: bool, errors: dict[int, str]) -> StepHandle:
+                  forward_s: float, t0: float, use_graph: bool, errors: dict[int, str],
+                  prompt: PromptLogprobs | None = None) -> StepHandle:
         self._remember_sampled(s.tokens, table_rows)
         timings = {"prepare_s": prepare_s, "forward_s": forward_s, "sample_s": time.perf_counter() - t0}
-        step = _LaunchedStep(s, seq_ids, timings, use_graph, errors)
+        step = _LaunchedStep(s, seq_ids, timings, use_graph, errors, prompt)
         return step if self.device.type == "cuda" else DoneStep(step.result())
 
     def _params_of(self, rows: Sequence[ScheduledRequest], table_rows: np.ndarray) -> list[SamplingParams]:
@@ -608,9 +619,9 @@ class _LaunchedStep:
     """A step whose tokens are still being copied back from the device."""
 
     def __init__(self, sample: DeviceSample, seq_ids: np.ndarray, timings: dict[str, float],
-                 cuda_graph: bool, errors: dict[int, str]) -> None:
+                 cuda_graph: bool, errors: dict[int, str], prompt: PromptLogprobs | None) -> None:
         self._sample, self._seq_ids, self._timings, self._graph = sample, seq_ids, timings, cuda_graph
-        self._errors = errors
+        self._errors, self._prompt = errors, prompt
 
     def result(self) -> StepResult:
         t0 = time.perf_counter()
@@ -619,7 +630,8 @@ class _LaunchedStep:
         seq_ids = self._seq_ids.tolist()
         logprobs = {} if s.logprobs is None else dict(zip(seq_ids, s.logprobs))
         return StepResult(tokens=dict(zip(seq_ids, s.tokens)), logprobs=logprobs,
-                          timings=timings, cuda_graph=self._graph, errors=self._errors)
+                          timings=timings, cuda_graph=self._graph, errors=self._errors,
+                          prompt_logprobs={} if self._prompt is None else self._prompt.to_host())
 
 
 @dataclass(slots=True)
