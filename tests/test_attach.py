@@ -611,6 +611,56 @@ def test_gap_without_replay_socket_is_counted_lost():
             att.close()
 
 
+def test_a_late_answer_to_a_timed_out_replay_does_not_end_the_next_one():
+    """The replay socket answers the first request after the replay timeout, and each later one
+    after a shorter while. The first gap's batch counts lost; the late answer, arriving while the
+    second gap's replay waits, is not taken for that replay's end: its batch comes back too."""
+    ctx = zmq.Context.instance()
+    raw, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, replay_port = raw.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
+    batch = {q: Codec().encode(1.0, [stored([q], None, [1, 2], 2)], 0) for q in range(1, 5)}
+    history = {1: batch[1]}  # what the replay socket keeps: 1 and (once published) 3 never go out live
+    asked, stop = threading.Event(), threading.Event()
+
+    def serve():  # one thread owns the socket: answers wait in a queue until they are due
+        due = []
+        while not stop.is_set():
+            now = time.monotonic()
+            for when, frames in [d for d in due if d[0] <= now]:
+                due.remove((when, frames))
+                router.send_multipart(frames)
+            if router.poll(10):
+                client, _, start = router.recv_multipart()
+                start = int.from_bytes(start, "big", signed=True)
+                delay = 0.3 if asked.is_set() else 1.0
+                asked.set()
+                due += [(now + delay, [client, b"", seq_bytes(q), history[q]]) for q in sorted(history) if q >= start]
+                due.append((now + delay + 0.001, [client, b"", seq_bytes(-1), b""]))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.5,
+                         replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
+    try:
+        wait_for(lambda: probed(raw, att), what="subscription")
+        raw.send_multipart([b"kv-events", seq_bytes(2), batch[2]])
+        assert asked.wait(5), "the first replay request"
+        history[3] = batch[3]
+        time.sleep(0.8)  # the first replay timed out; its answer comes 0.2 s from now, the next one's after it
+        raw.send_multipart([b"kv-events", seq_bytes(4), batch[4]])
+        name = att.instances[0]
+        wait_for(applied(att, name, 4), timeout=5, what="the second gap")
+        assert att.block_hashes(name) == {2, 3, 4}
+        f = att.streams[0].faults
+        assert (f["gaps"], f["replayed_batches"], f["lost_batches"]) == (2, 1, 1)
+    finally:
+        att.close()
+        stop.set()
+        server.join()
+        raw.close(linger=0)
+        router.close(linger=0)
+
+
 def test_many_gaps_with_a_replay_socket_that_is_down():
     """Each gap asks a replay socket nobody listens on; past ZMQ's queue of unsent requests the
     next ask must fail at once, not block the thread, and every batch after keeps applying."""

@@ -333,13 +333,7 @@ class Subscriber:
         later one comes: a connection that drops at every ask moves nothing)."""
         if s.replay is None:
             return False
-        zmq = self._zmq
         sock = s.replay
-        while True:  # drop late replies to an earlier request that timed out
-            try:
-                sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
         joining = s.next_seq is None
         owed, stuck = start, None  # the first batch the answer has not brought; where it last dropped
         # whether a batch came (or was skipped) before owed (the probe takes only owed itself: it
@@ -382,6 +376,9 @@ class Subscriber:
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2])
                 owed, known = seq + 1, True
+        # the answer may still come: a new connection leaves it to the old one, so that no reply of it
+        # (its end above all) is taken for part of the next answer
+        self._reconnect(sock, s.replay_endpoint)
         return False
 
     def _bisect_stuck(self, s: Stream, lo: int, hi: int, deadline: float) -> int:
