@@ -44,15 +44,25 @@ def applied(att, name: str, seq: int) -> Callable[[], bool]:
 
 
 @contextlib.contextmanager
-def raw_stream(**kw) -> Iterator[tuple]:
+def raw_stream(serve: Callable | None = None, **kw) -> Iterator[tuple]:
     """A bare ZMQ PUB socket on loopback (the test writes every frame itself, well formed or not)
-    and ``kvscope.attach`` subscribed to it, the subscription live (an empty batch 0 arrived)."""
+    and ``kvscope.attach`` subscribed to it, the subscription live (an empty batch 0 arrived).
+    With ``serve``, a bare ROUTER is its replay socket, ``serve(router, stop)`` answering it in a
+    thread until the block ends (``stop``: a threading.Event)."""
+    import threading
+
     import zmq
 
     import kvscope
 
-    raw = zmq.Context.instance().socket(zmq.PUB)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PUB)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
+    router, stop = ctx.socket(zmq.ROUTER), threading.Event()
+    server = threading.Thread(target=serve, args=(router, stop), daemon=True) if serve is not None else None
+    if server is not None:
+        kw["replay_endpoints"] = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        server.start()
     kw.setdefault("replay_timeout", 0.2)
     att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", **kw)
     try:
@@ -60,6 +70,10 @@ def raw_stream(**kw) -> Iterator[tuple]:
         yield raw, att
     finally:
         att.close()
+        stop.set()
+        if server is not None:
+            server.join()
+        router.close(linger=0)
         raw.close(linger=0)
 
 

@@ -481,13 +481,9 @@ def test_a_late_subscriber_that_stalls_gets_the_whole_replay_buffer():
 def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
     """The idle probe asks replay for what follows the last batch; a reply numbered far ahead of it
     is not taken, the real next batch (dropped live) is, and the live batches after it apply."""
-    ctx = zmq.Context.instance()
-    raw, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, replay_port = raw.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
     history = {1: Codec().encode(1.0, [stored([1], None, [1, 2], 2)], 0)}  # batch 1 never goes out live
-    stop = threading.Event()
 
-    def serve():  # a replay socket that puts a reply 10**9 ahead before the real ones
+    def serve(router, stop):  # a replay socket that puts a reply 10**9 ahead before the real ones
         while not stop.is_set():
             if router.poll(50):
                 client, _, start = router.recv_multipart()
@@ -497,24 +493,13 @@ def test_an_idle_probe_answered_far_ahead_does_not_drop_later_batches():
                     router.send_multipart([client, b"", seq_bytes(seq), history[seq]])
                 router.send_multipart([client, b"", seq_bytes(-1), b""])
 
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.5,
-                         replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
-    try:
-        wait_for(lambda: probed(raw, att), what="subscription")
+    with raw_stream(serve, replay_timeout=0.5) as (raw, att):
         name = att.instances[0]
         wait_for(applied(att, name, 1), timeout=5, what="batch 1, through the idle probe")
         for seq in (2, 3):
             raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1, 2], 2)], 0)])
         wait_for(applied(att, name, 3), timeout=5, what="the live batches after it")
         assert att.block_hashes(name) == {1, 2, 3} and att.faults.duplicate_batches.iloc[0] == 0
-    finally:
-        att.close()
-        stop.set()
-        server.join()
-        raw.close(linger=0)
-        router.close(linger=0)
 
 
 def test_an_idle_probe_answered_by_another_publisher_does_not_drop_later_batches():
@@ -543,24 +528,20 @@ def test_an_idle_probe_answered_by_another_publisher_does_not_drop_later_batches
 def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
     """A replay endpoint that accepts each connection and closes it: the idle probe gets no batch,
     so it counts none missed or lost and the live batches after it all apply."""
-    raw, stop = zmq.Context.instance().socket(zmq.PUB), threading.Event()
-    port = raw.bind_to_random_port("tcp://127.0.0.1")
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=1.0,
-                         replay_endpoints=f"tcp://127.0.0.1:{_tcp_server(lambda conn: None, stop)}")
+    stop = threading.Event()
     try:
-        wait_for(lambda: probed(raw, att), what="subscription")
-        time.sleep(2.5)  # the idle probe, asked once a second, meets the dropping replay socket
-        for seq in (1, 2, 3):
-            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1], 1)], 0)])
-        name = att.instances[0]
-        wait_for(applied(att, name, 3), timeout=5, what="the live batches")
-        assert att.block_hashes(name) == {1, 2, 3}
-        f = att.streams[0].faults
-        assert (f["duplicate_batches"], f["missed_batches"], f["lost_batches"]) == (0, 0, 0)
+        with raw_stream(replay_timeout=1.0,
+                        replay_endpoints=f"tcp://127.0.0.1:{_tcp_server(lambda conn: None, stop)}") as (raw, att):
+            time.sleep(2.5)  # the idle probe, asked once a second, meets the dropping replay socket
+            for seq in (1, 2, 3):
+                raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1], 1)], 0)])
+            name = att.instances[0]
+            wait_for(applied(att, name, 3), timeout=5, what="the live batches")
+            assert att.block_hashes(name) == {1, 2, 3}
+            f = att.streams[0].faults
+            assert (f["duplicate_batches"], f["missed_batches"], f["lost_batches"]) == (0, 0, 0)
     finally:
-        att.close()
         stop.set()
-        raw.close(linger=0)
 
 
 def test_a_stream_left_unread_while_another_replays_is_not_probed():
@@ -615,14 +596,11 @@ def test_a_late_answer_to_a_timed_out_replay_does_not_end_the_next_one():
     """The replay socket answers the first request after the replay timeout, and each later one
     after a shorter while. The first gap's batch counts lost; the late answer, arriving while the
     second gap's replay waits, is not taken for that replay's end: its batch comes back too."""
-    ctx = zmq.Context.instance()
-    raw, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
-    port, replay_port = raw.bind_to_random_port("tcp://127.0.0.1"), router.bind_to_random_port("tcp://127.0.0.1")
     batch = {q: Codec().encode(1.0, [stored([q], None, [1, 2], 2)], 0) for q in range(1, 5)}
     history = {1: batch[1]}  # what the replay socket keeps: 1 and (once published) 3 never go out live
-    asked, stop = threading.Event(), threading.Event()
+    asked = threading.Event()
 
-    def serve():  # one thread owns the socket: answers wait in a queue until they are due
+    def serve(router, stop):  # answers wait in a queue until they are due
         due = []
         while not stop.is_set():
             now = time.monotonic()
@@ -637,12 +615,7 @@ def test_a_late_answer_to_a_timed_out_replay_does_not_end_the_next_one():
                 due += [(now + delay, [client, b"", seq_bytes(q), history[q]]) for q in sorted(history) if q >= start]
                 due.append((now + delay + 0.001, [client, b"", seq_bytes(-1), b""]))
 
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events", replay_timeout=0.5,
-                         replay_endpoints=f"tcp://127.0.0.1:{replay_port}")
-    try:
-        wait_for(lambda: probed(raw, att), what="subscription")
+    with raw_stream(serve, replay_timeout=0.5) as (raw, att):
         raw.send_multipart([b"kv-events", seq_bytes(2), batch[2]])
         assert asked.wait(5), "the first replay request"
         history[3] = batch[3]
@@ -653,12 +626,6 @@ def test_a_late_answer_to_a_timed_out_replay_does_not_end_the_next_one():
         assert att.block_hashes(name) == {2, 3, 4}
         f = att.streams[0].faults
         assert (f["gaps"], f["replayed_batches"], f["lost_batches"]) == (2, 1, 1)
-    finally:
-        att.close()
-        stop.set()
-        server.join()
-        raw.close(linger=0)
-        router.close(linger=0)
 
 
 def test_many_gaps_with_a_replay_socket_that_is_down():
