@@ -717,36 +717,65 @@ def _first(df, column, value):
     return int(np.flatnonzero(df[column].to_numpy() == value)[0])
 
 
-# (file, edit, what the error says after the file's name): one fault each, refused by its own check
+def _named(file, edit, says, named=None):
+    """A ``_NAMED_EDITS`` entry: ``edit`` of ``file`` is refused naming ``named`` (``""``: the
+    save itself; None: ``file``), then saying ``says``."""
+    return file, edit, says, file if named is None else named
+
+
+def _freed_by(df, request):
+    """The first block freed, freed by ``request`` instead."""
+    df["request_id"] = df["request_id"].cat.add_categories([request])
+    return _set(df, "request_id", request, row=_first(df, "event", "block.freed"))
+
+
+def _renamed(df, column, name, new_name):
+    """The first row whose ``column`` (a categorical) is ``name`` given ``new_name`` instead."""
+    df[column] = df[column].cat.add_categories([new_name])
+    return _set(df, column, new_name, row=_first(df, column, name))
+
+
+_REPLAYED = "the block events replay to [0-9]+ used and [0-9]+ cached blocks after step [0-9]+, where steps.parquet says"
+# (file, edit, what the error says and names): one fault each, refused by its own check
 _NAMED_EDITS = [
-    ("queues.parquet", lambda df: _set(df, "queue", "wating", row=_first(df, "queue", "waiting")),
-     "a queue other than running, waiting, preempted, finished"),
-    ("queues.parquet", lambda df: _set(df, "queue", None, row=_first(df, "queue", "finished")),
-     "a queue other than running, waiting, preempted, finished"),
-    ("queues.parquet", lambda df: _set(df, "queue", "finished", row=_first(df, "queue", "waiting")),
-     "a step's waiting queue is not the num_requests_waiting of steps.parquet"),
-    ("queues.parquet", lambda df: _set(df, "queue", "running", row=_first(df, "queue", "finished")),
-     "a step's running queue is not the num_requests_running of steps.parquet"),
-    ("queues.parquet", lambda df: _set(df, "queue", "preempted", row=_first(df, "queue", "finished")),
-     "a step's preempted queue is not the num_preemptions of steps.parquet"),
-    ("queues.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
-     "step [0-9]+ has rows but was not recorded"),
-    ("block_events.parquet", lambda df: _set(df, "step", lambda s: s - 1), "step -?[0-9]+ has rows but was not recorded"),
-    ("block_events.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
-     "step [0-9]+ has rows but was not recorded"),
-    ("block_events.parquet", lambda df: df.iloc[::-1], "rows are not in step order"),
-    ("scheduled.parquet", lambda df: _set(df, "step", lambda s: s + 100, row=len(df) - 1),
-     "step [0-9]+ has rows but was not launched"),
+    _named("queues.parquet", lambda df: _set(df, "queue", "wating", row=_first(df, "queue", "waiting")),
+           "a queue other than running, waiting, preempted, finished"),
+    _named("queues.parquet", lambda df: _set(df, "queue", None, row=_first(df, "queue", "finished")),
+           "a queue other than running, waiting, preempted, finished"),
+    _named("queues.parquet", lambda df: _set(df, "queue", "finished", row=_first(df, "queue", "waiting")),
+           "a step's waiting queue is not the num_requests_waiting of steps.parquet"),
+    _named("queues.parquet", lambda df: _set(df, "queue", "running", row=_first(df, "queue", "finished")),
+           "a step's running queue is not the num_requests_running of steps.parquet"),
+    _named("queues.parquet", lambda df: _set(df, "queue", "preempted", row=_first(df, "queue", "finished")),
+           "a step's preempted queue is not the num_preemptions of steps.parquet"),
+    _named("queues.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
+           "step [0-9]+ has rows but was not recorded"),
+    _named("block_events.parquet", lambda df: _set(df, "step", lambda s: s - 1), "step -?[0-9]+ has rows but was not recorded"),
+    _named("block_events.parquet", lambda df: _set(df, "step", lambda s: s + 1, row=len(df) - 1),
+           "step [0-9]+ has rows but was not recorded"),
+    _named("block_events.parquet", lambda df: df.iloc[::-1], "rows are not in step order"),
+    _named("scheduled.parquet", lambda df: _set(df, "step", lambda s: s + 100, row=len(df) - 1),
+           "step [0-9]+ has rows but was not launched"),
+    _named("block_events.parquet", lambda df: _set(df, "ref_count", lambda n: n + 1, row=len(df) - 1),
+           "a reference count of step [0-9]+ is not its events' recount"),
+    _named("block_events.parquet", lambda df: _freed_by(df, "nobody"), "the events of step [0-9]+ do not replay"),
+    _named("block_events.parquet", lambda df: _renamed(df, "event", "block.allocated", "block.bogus"),
+           f"an event other than {', '.join(BLOCK_EVENTS)}"),
+    _named("steps.parquet", lambda df: _set(_set(df, "num_used_blocks", lambda n: n + 1, row=len(df) // 2),
+                                            "num_free_blocks", lambda n: n - 1, row=len(df) // 2),
+           _REPLAYED, named=""),
+    _named("steps.parquet", lambda df: _set(df, "num_cached_blocks", lambda n: n + 1, row=len(df) // 2), _REPLAYED, named=""),
 ]
 
 
-@pytest.mark.parametrize("name,edit,says", _NAMED_EDITS, ids=[f"{f.split('.')[0]}-{i}" for i, (f, _, _) in enumerate(_NAMED_EDITS)])
-def test_a_save_edited_in_one_place_is_refused_by_the_check_for_it(run, tmp_path, name, edit, says):
+@pytest.mark.parametrize("name,edit,says,named", _NAMED_EDITS,
+                         ids=[f"{f.split('.')[0]}-{i}" for i, (f, *_) in enumerate(_NAMED_EDITS)])
+def test_a_save_edited_in_one_place_is_refused_by_the_check_for_it(run, tmp_path, name, edit, says, named):
     """Each edit breaks one thing the tables must agree on, and the check for that thing names it
     (the checksums would refuse every edit too, but the tables are checked first)."""
     path = run.blocks.save(tmp_path / "t")
     _edit_rows(path / name, edit)
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path / name))}: {says}; not a whole, unedited save"):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path / named))}: {says}.*; not a whole, unedited save"):
         Trace.load(path)
 
 

@@ -176,6 +176,11 @@ class EventLog(Sequence[BlockEvent]):
         return rows[name].astype(COLUMNS[name])
 
 
+def joined_column(logs: Sequence[EventLog], name: str) -> np.ndarray:
+    """Column ``name`` (see :meth:`EventLog.column`) of ``logs``, one after another."""
+    return np.concatenate([log.column(name) for log in logs]) if logs else np.zeros(0, COLUMNS[name])
+
+
 def num_events(items: Sequence[BlockEvent | BlockEvents]) -> int:
     """How many events a ``columns=True`` block sink's list holds."""
     return sum(len(item) if type(item) is BlockEvents else 1 for item in items)

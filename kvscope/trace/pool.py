@@ -37,6 +37,25 @@ def block_states(ref_count: np.ndarray, block_hash: np.ndarray) -> np.ndarray:
     return state
 
 
+def after_each_event(blocks: np.ndarray, codes: np.ndarray, hashes: np.ndarray, ref_count: np.ndarray,
+                     block_hash: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference count and hash of each event's block right after the event, for events
+    sorted by block (stably, so in replay order within one) that start from ``ref_count`` and
+    ``block_hash``: :meth:`PoolState.apply`'s arithmetic over a whole trace at once (tables and
+    token writes aside), so a check need not replay the counts step by step."""
+    n = len(blocks)
+    first = np.ones(n, bool)
+    first[1:] = blocks[1:] != blocks[:-1]
+    starts = np.flatnonzero(first)
+    start = np.repeat(starts, np.diff(starts, append=n))  # per event: its block's first event
+    delta = _TAKES[codes].astype(np.int64) - (codes == _FREED)
+    total = np.cumsum(delta)
+    ref = ref_count[blocks] + total - (total - delta)[start]
+    newest = np.maximum.accumulate(np.where((codes == _HASHED) | (codes == _EVICTED), np.arange(n), -1))
+    set_hash = np.where(codes == _HASHED, hashes, NO_HASH)[newest]
+    return ref, np.where(newest >= start, set_hash, block_hash[blocks])
+
+
 def last_fills(rows: list[tuple[int, int, int]], block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Each live table's last block and the tokens with K/V in it, from one
     ``(last block id, table length, num_computed_tokens)`` row per non-empty table."""

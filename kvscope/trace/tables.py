@@ -7,6 +7,7 @@ table, uses categoricals and int32 instead.
 """
 from __future__ import annotations
 
+from functools import partial
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.engine.hooks import BLOCK_EVENTS
-from kvscope.trace.event_log import COLUMNS, NONE, EventLog, RequestIds
+from kvscope.trace.event_log import NONE, EventLog, RequestIds, joined_column
 from kvscope.trace.events import POSTPROCESS
 from kvscope.trace.pool import PoolState
 from kvscope.trace.record import PHASES, STEP_COLUMNS, Launch, PoolDelta, Scheduled, StepRecord
@@ -130,10 +131,7 @@ def pool_frames(records: Sequence[StepRecord]) -> tuple[pd.DataFrame, pd.DataFra
 def block_events_frame(records: Sequence[StepRecord]) -> pd.DataFrame:
     """Built from the records' packed columns, never through a tuple per event."""
     logs = [rec.block_events for rec in records]
-
-    def column(name: str) -> np.ndarray:
-        return np.concatenate([log.column(name) for log in logs]) if logs else np.zeros(0, COLUMNS[name])
-
+    column = partial(joined_column, logs)
     block_hash = column("block_hash")
     phases = [rec.event_phases() for rec in records]
     phase = np.concatenate([p for p, _ in phases]) if phases else np.zeros(0, np.int8)

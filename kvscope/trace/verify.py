@@ -19,7 +19,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, block_states, last_fills
+from kvscope.engine.hooks import BLOCK_EVENTS
+from kvscope.trace.event_log import joined_column
+from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, after_each_event, block_states, last_fills
 from kvscope.trace.record import StepRecord
 from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.tables import QUEUES
@@ -98,6 +100,8 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
     if tables["request_id"].duplicated().any():
         _refuse(path / "baseline_tables.parquet", "a request has two block tables")
     events = frames["block_events"]
+    if events["event"].isna().any():  # (read_frame leaves a name BLOCK_EVENTS lacks missing)
+        _refuse(path / "block_events.parquet", f"an event other than {', '.join(BLOCK_EVENTS)}")
     if (events["ref_count"] < 0).any():
         _refuse(path / "block_events.parquet", "a reference count below 0")
     in_record = events.groupby("step").size().reindex(launches["step"], fill_value=0).to_numpy()
@@ -133,47 +137,86 @@ def check_tokens(path: Path, tokens: pd.DataFrame, sched: pd.DataFrame, baseline
 def check_replay(path: Path, records: Sequence[StepRecord], baseline: PoolState) -> None:
     """Replay ``records`` from ``baseline``: after each step its used and cached blocks must be
     the counts the step reported, each block's count the one its last event carried, and a
-    ``full`` trace's snapshot this replay."""
+    ``full`` trace's snapshot this replay. The counts are worked out for every step at once
+    (:func:`_counts_after`); the replay step by step edits the tables and writes the tokens,
+    which refuses events that free a block no table holds, and the like."""
     state = baseline.copy()
     if (state.ref_count < 0).any():
         _refuse(path / "baseline.parquet", "a reference count below 0")
-    states = block_states(state.ref_count, state.block_hash)
-    used, cached = int((states == USED).sum()), int((states == CACHED).sum())
-    snap_ref = snap_hash = None
-    for rec in records:
-        log = rec.block_events
-        blocks = log.column("block_id")
-        touched = np.unique(blocks)
-        before = block_states(state.ref_count[touched], state.block_hash[touched])
+    recounted, used, cached = _counts_after(records, state)
+    snapshot = None
+    for rec, ok, n_used, n_cached in zip(records, recounted.tolist(), used.tolist(), cached.tolist()):
         try:
             state.apply(rec)
         except (KeyError, IndexError, ValueError) as e:  # a freed block no table holds, and the like
             _refuse(path / "block_events.parquet", f"the events of step {rec.step} do not replay ({e!r})")
-        after = block_states(state.ref_count[touched], state.block_hash[touched])
-        used += int((after == USED).sum() - (before == USED).sum())
-        cached += int((after == CACHED).sum() - (before == CACHED).sum())
-        last = len(blocks) - 1 - np.unique(blocks[::-1], return_index=True)[1]
-        if (state.ref_count[touched] != log.column("ref_count")[last]).any() or (state.ref_count[touched] < 0).any():
+        if not ok:
             _refuse(path / "block_events.parquet", f"a reference count of step {rec.step} is not its events' recount")
-        if (used, cached) != (rec.num_used_blocks, rec.num_cached_blocks):
-            _refuse(path, f"the block events replay to {used} used and {cached} cached blocks after step "
+        if (n_used, n_cached) != (rec.num_used_blocks, rec.num_cached_blocks):
+            _refuse(path, f"the block events replay to {n_used} used and {n_cached} cached blocks after step "
                           f"{rec.step}, where steps.parquet says {rec.num_used_blocks} and {rec.num_cached_blocks}")
         if rec.pool is not None:
-            d = rec.pool
-            if snap_ref is None:  # the keyframe lists every block
-                if not np.array_equal(np.sort(d.block_ids), np.arange(len(state.ref_count))):
-                    _refuse(path / "pool_changes.parquet", f"its first step, {rec.step}, does not list every block")
-                snap_ref, snap_hash = np.empty_like(state.ref_count), np.empty_like(state.block_hash)
-                touched = d.block_ids
-            snap_ref[d.block_ids], snap_hash[d.block_ids] = d.ref_count, d.block_hash
-            check = np.union1d(touched, d.block_ids)
-            if not (np.array_equal(snap_ref[check], state.ref_count[check])
-                    and np.array_equal(snap_hash[check], state.block_hash[check])):
-                _refuse(path / "pool_changes.parquet", f"the pool snapshot of step {rec.step} is not the replay of the block events")
-            replayed = last_fills([(t[-1], len(t), state.computed.get(r, 0)) for r, t in state.tables.items() if t],
-                                  state.block_size)
-            if _fills(state, *replayed) != _fills(state, d.last_blocks, d.last_counts):
-                _refuse(path / "pool_fills.parquet", f"the tokens in the blocks of step {rec.step} are not the replay's")
+            snapshot = _check_snapshot(path, rec, state, snapshot)
+
+
+def _counts_after(records: Sequence[StepRecord], baseline: PoolState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per record, replayed from ``baseline``: whether every block its events touch ends it with
+    the count its last event there carried (and not below 0), and the used and cached blocks
+    after it. Worked out over all events at once, sorted by block (a loop over the steps costs
+    several array operations per step, for a handful of events each)."""
+    logs = [rec.block_events for rec in records]
+    columns = {c: joined_column(logs, c) for c in ("block_id", "event", "block_hash", "ref_count")}
+    order = np.argsort(columns["block_id"], kind="stable")  # a block's events stay in replay order
+    blocks, events, hashes, carried = (col[order] for col in columns.values())
+    record = np.repeat(np.arange(len(logs)), [len(log) for log in logs])[order]
+    ref, block_hash = after_each_event(blocks, events, hashes, baseline.ref_count, baseline.block_hash)
+    ends = _run_ends(blocks, record)  # each block's last event in each record that touches it
+    block, ref_end, of_run, n = blocks[ends], ref[ends], record[ends], len(logs)
+    initial = block_states(baseline.ref_count, baseline.block_hash)
+    after = block_states(ref_end, block_hash[ends])
+    before = initial[block]
+    again = np.flatnonzero(block[1:] == block[:-1]) + 1  # a block's later run starts where its run before ended
+    before[again] = after[again - 1]
+
+    def count(state: int) -> np.ndarray:
+        """The blocks in ``state`` after each record."""
+        gained = np.bincount(of_run[after == state], minlength=n) - np.bincount(of_run[before == state], minlength=n)
+        return int((initial == state).sum()) + np.cumsum(gained)
+
+    wrong = (ref_end != carried[ends]) | (ref_end < 0)
+    return np.bincount(of_run[wrong], minlength=n) == 0, count(USED), count(CACHED)
+
+
+def _run_ends(blocks: np.ndarray, record: np.ndarray) -> np.ndarray:
+    """Where each run of events of one block in one record ends (the events sorted by block)."""
+    end = np.ones(len(blocks), bool)
+    end[:-1] = (blocks[1:] != blocks[:-1]) | (record[1:] != record[:-1])
+    return np.flatnonzero(end)
+
+
+def _check_snapshot(path: Path, rec: StepRecord, state: PoolState,
+                    snapshot: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+    """A ``full`` record's pool snapshot (``snapshot``: the one before, its changes applied
+    to) must be ``state``, the replay after it; returns the snapshot after it."""
+    d = rec.pool
+    if snapshot is None:  # the keyframe lists every block
+        if not np.array_equal(np.sort(d.block_ids), np.arange(len(state.ref_count))):
+            _refuse(path / "pool_changes.parquet", f"its first step, {rec.step}, does not list every block")
+        snapshot = np.empty_like(state.ref_count), np.empty_like(state.block_hash)
+        touched = d.block_ids
+    else:
+        touched = np.unique(rec.block_events.column("block_id"))
+    snap_ref, snap_hash = snapshot
+    snap_ref[d.block_ids], snap_hash[d.block_ids] = d.ref_count, d.block_hash
+    check = np.union1d(touched, d.block_ids)
+    if not (np.array_equal(snap_ref[check], state.ref_count[check])
+            and np.array_equal(snap_hash[check], state.block_hash[check])):
+        _refuse(path / "pool_changes.parquet", f"the pool snapshot of step {rec.step} is not the replay of the block events")
+    replayed = last_fills([(t[-1], len(t), state.computed.get(r, 0)) for r, t in state.tables.items() if t],
+                          state.block_size)
+    if _fills(state, *replayed) != _fills(state, d.last_blocks, d.last_counts):
+        _refuse(path / "pool_fills.parquet", f"the tokens in the blocks of step {rec.step} are not the replay's")
+    return snapshot
 
 
 def _fills(state: PoolState, last_blocks: np.ndarray, last_counts: np.ndarray) -> dict[int, int]:
