@@ -20,7 +20,9 @@ class SamplingParams:
     ``prompt_logprobs=k`` those of every prompt token after the first (vLLM's: such a request
     computes its whole prompt, the prefix cache left unread).
 
-    The penalties are vLLM's, applied to the logits before everything else (greedy rows too):
+    ``allowed_token_ids`` limits the draw to those tokens and ``logit_bias`` adds its value to
+    its tokens' logits. These and the penalties are vLLM's, applied in this order to the logits
+    before everything else (greedy rows too):
     ``presence_penalty`` is subtracted from every token generated so far, and
     ``frequency_penalty`` once per time it was generated; ``repetition_penalty`` divides the
     positive logits of the tokens in the prompt or the output and multiplies the negative ones.
@@ -45,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +90,13 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_logit_bias()
+        if self.allowed_token_ids is not None:
+            ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
+            if not ids or any(isinstance(t, bool) or t < 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = ids
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -101,14 +112,40 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, (np.integer, np.floating)):
                 setattr(self, name, value.item())
-        if isinstance(self.stop_token_ids, (list, tuple)):
-            self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in self.stop_token_ids]
-        elif isinstance(self.stop_token_ids, np.integer):
-            self.stop_token_ids = self.stop_token_ids.item()
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                setattr(self, name, [t.item() if isinstance(t, np.integer) else t for t in value])
+            elif isinstance(value, np.integer):
+                setattr(self, name, value.item())
 
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+        plain = {}
+        for token, value in bias.items():
+            token = token.item() if isinstance(token, np.integer) else token
+            value = value.item() if isinstance(value, (np.integer, np.floating)) else value
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not is_finite_number(value) or abs(value) > _FLOAT32_MAX:
+                raise ValueError(f"logit_bias values must be finite float32 numbers (to ban a token, use a "
+                                 f"large negative one such as -100, or allowed_token_ids), got {value!r} "
+                                 f"for token {token}")
+            plain[token] = value
+        self.logit_bias = plain
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the draw (bias, allowed tokens, penalties)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.penalizes
 
     @property
     def penalizes(self) -> bool:

@@ -1,16 +1,20 @@
-"""vLLM's repetition, frequency and presence penalties: the logits arithmetic against
-transformers' processor and the formula, and whole runs against transformers ``generate`` and a
-step-by-step torch reference, under async scheduling, chunked prefill and preemption."""
+"""vLLM's logit adjustments: allowed_token_ids, logit_bias, and the repetition, frequency and
+presence penalties. The penalties' arithmetic against transformers' processor and the formula;
+whole runs against transformers ``generate`` and a step-by-step torch reference, under async
+scheduling, chunked prefill and preemption; draws against the adjusted distribution."""
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import SamplingParams
-from kvscope.runner.sampler import Sampler, apply_penalties
+from kvscope.runner.logit_adjustments import apply_penalties
+from kvscope.runner.sampler import Sampler
 from tiny_models import load_hf_model, tiny_checkpoint
 
 MAX_NEW = 24
@@ -61,6 +65,10 @@ def _hf_reference(model, prompt: list[int], params: SamplingParams, bias: dict[i
         for _ in range(MAX_NEW):
             logits = model(torch.tensor([ids])).logits[0, -1].float()
             for token, b in bias.items():
+                logits[token] += b
+            if params.allowed_token_ids is not None:
+                logits[[t for t in range(logits.numel()) if t not in params.allowed_token_ids]] = float("-inf")
+            for token, b in (params.logit_bias or {}).items():
                 logits[token] += b
             seen = torch.zeros_like(logits, dtype=torch.bool)
             seen[ids] = True
@@ -144,3 +152,76 @@ def test_penalties_without_a_history_leave_the_logits_as_they_are():
 def test_penalties_out_of_vllm_s_ranges_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["sync", "async", "chunked", "preempting"])
+def test_allowed_tokens_and_logit_bias_match_a_torch_reference(config):
+    """In vLLM's order: tokens outside the allowed set dropped, then the bias added, then the
+    penalties; greedy rows obey them too."""
+    llm = make_llm(block_size=4, **config)
+    prompts = _prompts(llm.hf_config.vocab_size)
+    model = load_hf_model(tiny_checkpoint("qwen3"))
+    plain = token_ids(llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False))
+    favoured = {plain[0][3]: -50.0, 77: 4.0, 78: 2.5}
+    rows = [greedy(MAX_NEW, logit_bias=favoured), greedy(MAX_NEW, allowed_token_ids=[9, 77, 150, 301]),
+            greedy(MAX_NEW, allowed_token_ids=[9, 77, 150], logit_bias={150: 1.0}, repetition_penalty=1.9),
+            greedy(MAX_NEW)]
+    ours = token_ids(llm.generate(prompts, rows, use_tqdm=False))
+    assert ours == [_hf_reference(model, p, r) for p, r in zip(prompts, rows)]
+    assert ours[3] == plain[3] and ours[0] != plain[0] and set(ours[1]) <= {9, 77, 150, 301}
+
+
+PROBS = torch.tensor([0.05, 0.5, 0.15, 0.3])
+
+
+ADJUSTED = [
+    (SamplingParams(temperature=1.0, allowed_token_ids=[1, 3]), torch.tensor([0, 0.5, 0, 0.3]) / 0.8),
+    (SamplingParams(temperature=1.0, logit_bias={0: math.log(10.0)}), torch.tensor([0.5, 0.5, 0.15, 0.3]) / 1.45),
+    (SamplingParams(temperature=1.0, allowed_token_ids=[0, 2], logit_bias={0: math.log(3.0)}),
+     torch.tensor([0.15, 0, 0.15, 0]) / 0.3),
+]
+
+
+def check_draws_follow_the_adjusted_distribution(sampler: Sampler, n: int, atol: float) -> None:
+    """``n`` draws of each of ``ADJUSTED`` on a known distribution: never a dropped token, and
+    frequencies within ``atol`` of the adjusted distribution."""
+    for params, expected in ADJUSTED:
+        tokens = sampler.sample(PROBS.log().repeat(n, 1), [params] * n, [0] * n).to_output().tokens
+        freq = torch.bincount(torch.tensor(tokens), minlength=4).float() / n
+        assert (freq[expected == 0] == 0).all(), params
+        assert torch.allclose(freq, expected, atol=atol), (params, freq, expected)
+
+
+def test_draws_follow_the_adjusted_distribution():
+    """(The kernels' path: test_sampling_kernels.py, under Triton's interpreter.)"""
+    check_draws_follow_the_adjusted_distribution(Sampler(0, torch.device("cpu")), 40_000, 0.0125)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+    (dict(logit_bias={"12": 1.0}), "logit_bias keys must be non-negative token ids"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be non-negative token ids"),
+    (dict(logit_bias={5: float("-inf")}), "logit_bias values must be finite"),
+    (dict(logit_bias={5: 1e39}), "logit_bias values must be finite"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids must be a non-empty list"),
+    (dict(allowed_token_ids={3, 4}), "allowed_token_ids must be one int or a list"),
+])
+def test_bad_biases_and_allowed_tokens_are_refused_by_name(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        SamplingParams(**kwargs)
+
+
+def test_tokens_outside_the_vocabulary_or_nothing_left_to_draw_are_refused_at_add_request():
+    llm = make_llm(block_size=4)
+    for params, error in [(greedy(2, allowed_token_ids=[3, 320]), r"allowed_token_ids contains 320, outside"),
+                          (greedy(2, logit_bias={400: 1.0}), r"logit_bias contains 400, outside"),
+                          (SamplingParams(max_tokens=3, min_tokens=2, allowed_token_ids=[0, 7], stop_token_ids=[7]),
+                           "cover every token of allowed_token_ids")]:
+        with pytest.raises(ValueError, match=error):
+            llm.add_request([5, 6, 7], params)
+    assert not llm.has_unfinished_requests()
+    numpy = SamplingParams(max_tokens=2, temperature=0, allowed_token_ids=np.array([7, 9]).tolist(),
+                           logit_bias={np.int64(9): np.float32(3.0)})
+    assert set(token_ids(llm.generate([[5, 6, 7]], numpy, use_tqdm=False))[0]) <= {7, 9}

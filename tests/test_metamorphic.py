@@ -2,7 +2,7 @@
 
 The same workload must give identical tokens with prefix caching on or off, any chunk budget,
 any block size, a pool small enough to force preemption, either scheduling policy, and with
-async scheduling on or off, for plain rows and penalized ones alike. The
+async scheduling on or off, for plain rows and adjusted ones (penalties, bias, allowed tokens) alike. The
 invariant validator runs after every step of every run.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ def _workload() -> tuple[list[list[int]], list]:
     params = [greedy(rng.randrange(6, 20)) for _ in prompts]
     for i in (3, 6):  # (penalties read each request's own tokens, whatever the schedule)
         params[i] = greedy(params[i].max_tokens, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.3)
+    params[5] = greedy(params[5].max_tokens, allowed_token_ids=list(range(3, 200, 3)), logit_bias={9: 2.0})
     return prompts, params
 
 

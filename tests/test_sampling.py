@@ -198,6 +198,7 @@ EDGE_PARAMS = st.builds(
     seed=st.sampled_from([None, 0, -1, 2**63, -2**63, 2**64 - 1]),  # (the ends of torch's seed range)
     logprobs=st.sampled_from([None, 0, 3, EDGE_VOCAB]),
     min_p=st.sampled_from([0.0, 5e-324, 0.1, 1.0]),
+    allowed_token_ids=st.sampled_from([None, [7], [0, 13, EDGE_VOCAB - 1], list(range(EDGE_VOCAB))]),
 )
 EDGE_BATCHES = st.lists(EDGE_PARAMS, min_size=1, max_size=6)
 
@@ -206,10 +207,14 @@ def check_any_valid_batch_samples(sampler: Sampler, params: list[SamplingParams]
     """Every row of a batch of valid settings, however extreme and however mixed, gets a token
     that its settings allow, checked against the order of its logits: a greedy row their argmax,
     a top-k row one of its k largest, a row whose top-p the largest alone covers that one, a
-    min-p row one at least min-p times as likely as the likeliest (with a temperature that
-    leaves float32 room to rank them); and the log-probs it asked for."""
-    logits = torch.randn(len(params), EDGE_VOCAB, generator=torch.Generator().manual_seed(seed))
-    out = sampler.sample(logits, params, list(range(len(params)))).to_output()
+    min-p row one at least min-p times as likely as the likeliest, all among its allowed tokens
+    (with a temperature that leaves float32 room to rank them); and the log-probs it asked for."""
+    raw = torch.randn(len(params), EDGE_VOCAB, generator=torch.Generator().manual_seed(seed))
+    out = sampler.sample(raw, params, list(range(len(params)))).to_output()
+    logits = raw.clone()  # (what a row may draw from: its allowed tokens)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            logits[i, [t for t in range(EDGE_VOCAB) if t not in p.allowed_token_ids]] = float("-inf")
     ranks = logits.argsort(dim=-1, descending=True).argsort(dim=-1)
     for i, p in enumerate(params):
         token = out.tokens[i]
@@ -219,6 +224,7 @@ def check_any_valid_batch_samples(sampler: Sampler, params: list[SamplingParams]
             assert rank == 0, (i, p)
         elif p.temperature <= 7.0:
             assert rank < (p.top_k if 0 < p.top_k < EDGE_VOCAB else EDGE_VOCAB), (i, p)
+            assert p.allowed_token_ids is None or token in p.allowed_token_ids, (i, p)
             assert p.top_p > 1e-3 or rank == 0, (i, p)
             probs = (logits[i] / p.temperature).softmax(dim=-1)
             assert probs[token] >= p.min_p * probs.max() * (1 - 1e-5), (i, p)

@@ -28,6 +28,7 @@ from kvscope import LLM, SamplingParams
 from kvscope.kernels import triton_sampling as ts
 from kvscope.runner.sampler import Sampler
 from test_sampling import EDGE_BATCHES, check_any_valid_batch_samples
+from test_logit_adjustments import check_draws_follow_the_adjusted_distribution
 from tiny_models import EOS_ID
 from triton_testing import (compile_recorded, compiled_only, interpreted_only, needs_cuda, record_launches,
                             run_interpreted_tests)
@@ -288,6 +289,12 @@ def test_interpreted_sampler_paths_agree() -> None:
 @interpreted_only
 def test_interpreted_captured_draws_match_eager() -> None:
     check_captured_draws_match_eager("cpu")
+
+
+@interpreted_only
+def test_interpreted_draws_follow_the_adjusted_distribution() -> None:
+    """test_logit_adjustments.py's allowed tokens and logit bias on the kernels' path."""
+    check_draws_follow_the_adjusted_distribution(Sampler(0, torch.device("cpu"), use_triton=True), 4_000, 0.04)
 
 
 @interpreted_only

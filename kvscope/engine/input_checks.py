@@ -68,9 +68,15 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
         k = getattr(params, name)
         if k is not None and k > vocab_size:
             raise ValueError(f"{name}={k} exceeds the vocabulary size ({vocab_size})")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    for name, tokens in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                         ("logit_bias", params.logit_bias)):
+        bad = [t for t in tokens or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    held = eos_token_ids.union(params.stop_token_ids)
+    if params.min_tokens and params.allowed_token_ids is not None and held.issuperset(params.allowed_token_ids):
+        raise ValueError(f"min_tokens={params.min_tokens} holds back stop_token_ids and EOS, which cover every "
+                         f"token of allowed_token_ids: no token could be drawn before it")
     if params.min_tokens and sum(t < vocab_size for t in eos_token_ids.union(params.stop_token_ids)) == vocab_size:
         raise ValueError(f"min_tokens={params.min_tokens} holds back stop_token_ids and EOS, which cover "
                          f"the whole vocabulary ({vocab_size}): no token could be drawn before it")

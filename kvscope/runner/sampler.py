@@ -1,13 +1,13 @@
-"""Token sampling for the rows that need a next token: penalties, greedy, temperature, min-p,
-top-k, top-p, seeds.
+"""Token sampling for the rows that need a next token: adjusted logits, greedy, temperature,
+min-p, top-k, top-p, seeds.
 
-A penalized row's logits are penalized first (vLLM's presence, frequency and repetition
-penalties), from the tokens it has so far (:data:`HistoryOf`); they then go to whichever path
-draws. Random rows sample from ``softmax(logits / T)`` exactly, each seeded row from its own
-random stream. A seeded row's randomness depends only on ``(seed, output index)``, so the same request
-gives the same tokens whatever it was batched with, and after a preemption. On CPU that is the
-exponential race in log space (``argmax(logits / T - log E)``, ``E = -log U ~ Exp(1)`` from
-torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every
+An adjusted row's logits are changed first (vLLM's allowed tokens, logit bias, and presence,
+frequency and repetition penalties from the tokens it has so far: :mod:`logit_adjustments`);
+they then go to whichever path draws. Random rows sample from ``softmax(logits / T)`` exactly,
+each seeded row from its own random stream. A seeded row's randomness depends only on ``(seed,
+output index)``, so the same request gives the same tokens whatever it was batched with, and
+after a preemption. On CPU that is the exponential race in log space (``argmax(logits / T -
+log E)``, ``E = -log U ~ Exp(1)`` from torch's generator's uniforms). On CUDA :mod:`kvscope.kernels.triton_sampling` samples every
 batch in one read of the logits, inverting each row's CDF at one counter-based uniform (rows
 with min-p, top-k or top-p on logits masked outside their set; log-probs come from a
 ``log_softmax`` beside it). A temperature under ``GREEDY_BELOW`` is greedy.
@@ -26,12 +26,13 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 
 from kvscope.kernels.fused import sampling_kernels
+from kvscope.runner.logit_adjustments import Adjustments, HistoryOf
 from kvscope.sampling_params import SamplingParams
 
 
@@ -161,18 +162,6 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """vLLM's penalties on float32 ``logits`` (a new tensor): ``repetition[i]`` divides the
-    positive logits of row ``i``'s tokens in its prompt (``prompt_mask``) or output
-    (``output_counts`` > 0) and multiplies the negative ones; then ``frequency[i]`` times each
-    token's output count and ``presence[i]`` for each token generated at all are subtracted."""
-    generated = output_counts > 0
-    factor = torch.where(prompt_mask | generated, repetition.unsqueeze(1), torch.ones_like(logits))
-    logits = torch.where(logits > 0, logits / factor, logits * factor)
-    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * generated
-
-
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Mask with -inf the logits whose probability is under ``min_p[i]`` times their row's
     largest (vLLM's and transformers' min-p); ``min_p[i] == 0`` keeps every token of row ``i``.
@@ -195,10 +184,6 @@ def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> to
     gen.manual_seed((seed * 1_000_003 + index) & ((1 << 63) - 1))
     return exponential_(torch.empty(vocab, device=device), gen)
 
-
-# A row's tokens for its penalties: its prompt, its outputs on the host, and an output still
-# on the device (a one-element tensor: the step in flight sampled it) or None.
-HistoryOf = Callable[[int], tuple[Sequence[int], Sequence[int], "torch.Tensor | None"]]
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS): 1 / T would overflow
 
@@ -274,8 +259,8 @@ class Sampler:
 
         A row short of its ``min_tokens`` never draws one of ``stop_token_ids_of(row)`` (as with
         vLLM's min-tokens logits processor); its log-probs stay those of the model, as they do
-        under penalties, which read each penalized row's tokens from ``history_of(row)`` (see
-        :data:`HistoryOf`; without it, a row has none yet)."""
+        for an adjusted row, whose penalties read its tokens from ``history_of(row)`` (see
+        :data:`~kvscope.runner.logit_adjustments.HistoryOf`; without it, a row has none yet)."""
         tokens, logprob_parts = self._draw(logits, params, output_index, stop_token_ids_of, history_of)
         return DeviceSample(tokens, params, logprob_parts, self.readback)
 
@@ -330,10 +315,10 @@ class Sampler:
         want_lp = rows.want_logprobs
         # float32 logits, cast once for whichever of log-probs, masks, penalties and the torch
         # path needs them.
-        as_float = logits.float() if self.kernels is None or want_lp >= 0 or rows.masked or rows.penalized else None
+        as_float = logits.float() if self.kernels is None or want_lp >= 0 or rows.masked or rows.adjusted else None
         raw_logprobs = as_float.log_softmax(dim=-1) if want_lp >= 0 else None
-        if rows.penalized:  # (the kernels then draw from these float32 logits, every row's the same)
-            logits = as_float = self._penalized(as_float, rows, history_of)
+        if rows.adjusted:  # (the kernels then draw from these float32 logits, every row's the same)
+            logits = as_float = self._adjusted(as_float, rows, history_of)
         held = self._held_back(rows, output_index, stop_token_ids_of)
         if held is not None:
             logits = logits.index_put(held, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
@@ -368,9 +353,10 @@ class Sampler:
         """Sample these rows by ``replay`` (a decode graph ending in :meth:`draw_captured`;
         returns its tokens), as :meth:`sample` would; ``None``, having changed nothing, for rows
         that need what only :meth:`sample` does: log-probs, min-p / top-k / top-p masks,
-        penalties, seeds, rows short of their ``min_tokens``."""
+        adjusted logits (penalties, bias, allowed tokens), seeds, rows short of their
+        ``min_tokens``."""
         rows = self._rows_of(params, output_index)
-        if (rows.want_logprobs >= 0 or rows.masked or rows.penalized or rows.seeded
+        if (rows.want_logprobs >= 0 or rows.masked or rows.adjusted or rows.seeded
                 or self._short_rows(rows, output_index)):
             return None
         c = self._captured
@@ -422,43 +408,18 @@ class Sampler:
             params, output_index, temps=temps, want_logprobs=max(asked) if asked else -1,
             masked=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in settings),
             seeded=any(p.seed is not None for p in settings),
-            penalized=any(p.penalizes for p in settings),
+            adjusted=any(p.adjusts_logits for p in settings),
             min_tokens=max(p.min_tokens for p in settings),
         )
         return rows
 
-    def _penalized(self, logits: torch.Tensor, rows: "_Rows", history_of: HistoryOf | None) -> torch.Tensor:
-        """float32 ``logits`` with each penalized row's penalties applied (a new tensor). Each
-        row's prompt mask and output counts are built from its history this step; an output
-        still on the device is counted there."""
-        if rows.penalties is None:
-            which = [i for i, p in enumerate(rows.params) if p.penalizes]
-            rows.penalties = (which, self._tensor(which, torch.int64), *(
-                self._tensor([float(getattr(rows.params[i], name)) for i in which], torch.float32)
-                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")))
-        which, index, repetition, frequency, presence = rows.penalties
-        vocab, device = logits.shape[1], logits.device
-        prompt_mask = torch.zeros(len(which), vocab, dtype=torch.bool, device=device)
-        counts = torch.zeros(len(which), vocab, dtype=torch.float32, device=device)
-        if history_of is not None:
-            prompt_at, output_at, pending_rows, pending = ([], []), ([], []), [], []
-            for k, i in enumerate(which):
-                prompt, outputs, in_flight = history_of(i)
-                prompt_at[0].extend([k] * len(prompt))
-                prompt_at[1].extend(prompt)
-                output_at[0].extend([k] * len(outputs))
-                output_at[1].extend(outputs)
-                if in_flight is not None:
-                    pending_rows.append(k)
-                    pending.append(in_flight.reshape(1))
-            prompt_mask[self._tensor(prompt_at[0], torch.int64), self._tensor(prompt_at[1], torch.int64)] = True
-            one = torch.ones((), device=device)
-            counts.index_put_((self._tensor(output_at[0], torch.int64), self._tensor(output_at[1], torch.int64)),
-                              one, accumulate=True)
-            if pending:
-                counts.index_put_((self._tensor(pending_rows, torch.int64), torch.cat(pending)), one, accumulate=True)
-        penalized = apply_penalties(logits[index], prompt_mask, counts, repetition, frequency, presence)
-        return logits.index_put((index,), penalized)
+    def _adjusted(self, logits: torch.Tensor, rows: "_Rows", history_of: HistoryOf | None) -> torch.Tensor:
+        """float32 ``logits`` with the adjusted rows' allowed tokens, logit bias and penalties
+        applied (:mod:`kvscope.runner.logit_adjustments`); their settings go to the device once
+        per ``_Rows``."""
+        if rows.adjustments is None:
+            rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self._tensor)
+        return rows.adjustments.apply(logits, history_of, self._tensor)
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked
@@ -542,15 +503,13 @@ class _Rows:
     want_logprobs: int  # the most log-probs a row asks for, -1 for none
     masked: bool  # some row asks for top-k, top-p or min-p
     seeded: bool  # some row has a seed
-    penalized: bool  # some row has a penalty
+    adjusted: bool  # some row has a penalty, a logit bias or allowed tokens
     min_tokens: int  # the largest min_tokens of a row (0: no row holds back its stop tokens)
     scale: float | torch.Tensor | None = None  # the kernels' scale, once computed
     divisor: torch.Tensor | None = None  # float32 [rows, 1]: each row's temperature (1 for greedy)
     # per-row min-p (None when no row has one), top-k and top-p, when masked
     masks: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
-    # the penalized rows (a list and on the device) and their repetition, frequency and presence
-    # penalties, when penalized
-    penalties: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    adjustments: Adjustments | None = None  # the adjusted rows' settings on the device, when adjusted
 
     @functools.cached_property
     def one_temp(self) -> bool:
