@@ -14,6 +14,7 @@ import kvscope  # noqa: E402
 from kvscope.attach import MIN_METRICS_INTERVAL  # noqa: E402
 from kvscope.attach.wire import removed, stored  # noqa: E402
 from kvscope.widgets.attach_view import AttachDashboard, AttachView  # noqa: E402
+from kvscope.widgets.attach_snapshot import forest_state  # noqa: E402
 
 
 @pytest.fixture
@@ -85,6 +86,22 @@ def test_branching_forest_and_live_updates():
                 wait_for(lambda: dash.cache.forest["instances"][0]["nodes"] == [])
             finally:
                 dash.detach()
+        finally:
+            att.close()
+
+
+def test_the_forest_draws_every_block_of_a_parent_loop():
+    """Blocks that are each other's parent (a malformed stream) and a child of theirs are all
+    drawn, each once: the forest's height is the number of blocks held."""
+    with publisher() as pub:
+        att = attach_to(pub)
+        try:
+            pub.publish([stored([1], 2, [1, 1], 2), stored([2], 1, [2, 2], 2), stored([3], 1, [3, 3], 2),
+                         stored([4], 4, [4, 4], 2)])
+            wait_for(applied(att, "p0", 0))
+            forest = forest_state(att)["instances"][0]
+            drawn = sorted(n[0] for n in forest["nodes"])
+            assert drawn == ["1", "2", "3", "4"] and forest["height"] == forest["num_blocks"] == 4
         finally:
             att.close()
 

@@ -53,8 +53,11 @@ def _icicle(rows: pd.DataFrame, holders: dict, decode: Callable | None, max_node
     held = set(hashes)
     tokens_of = dict(zip(hashes, rows.token_ids))
     children: dict[Any, list[Any]] = {}
-    for h, parent in zip(hashes, rows.parent_block_hash):
-        is_root = parent is None or parent not in held or parent == h  # an evicted parent: a root here
+    for h, parent, depth in zip(hashes, rows.parent_block_hash, rows.depth):
+        # An evicted parent makes a root here, and so does the block the blocks table gave
+        # depth 0 in a loop of parents (a malformed stream), which would otherwise hang from
+        # nothing drawn.
+        is_root = parent is None or parent not in held or depth == 0
         children.setdefault(None if is_root else parent, []).append(h)
     order: list[tuple[Any, int, Any]] = []  # preorder (hash, depth, parent), iteratively: chains run deep
     stack = [(h, 0, None) for h in reversed(children.get(None, []))]
