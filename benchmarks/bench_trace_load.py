@@ -10,6 +10,7 @@ the median of each phase (reading the tables, ``check_frames``, ``records_from_f
 
     git archive f5f03d1 kvscope | tar -x -C /tmp/s40old
     python benchmarks/bench_trace_load.py /tmp/fzD/big --old /tmp/s40old --rounds 7
+    python benchmarks/bench_trace_load.py /tmp/fzD/big --old /tmp/s40old --new /tmp/s40new  # both exported
 """
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace", type=Path, help="a directory Trace.save wrote")
     ap.add_argument("--old", type=Path, required=True, help="a tree holding the old version's kvscope/")
+    ap.add_argument("--new", type=Path, default=REPO, help="a tree holding the new version's kvscope/ (default: this one)")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
 
-    trees = {"old": import_tree(args.old), "new": import_tree(REPO)}
+    trees = {"old": import_tree(args.old), "new": import_tree(args.new)}
     current = {v: dict.fromkeys(PHASES, 0.0) for v in trees}
     for version, modules in trees.items():
         timed(modules["kvscope.trace.trace"], current[version])
