@@ -20,12 +20,15 @@ class SamplingParams:
     ``prompt_logprobs=k`` those of every prompt token after the first (vLLM's: such a request
     computes its whole prompt, the prefix cache left unread).
 
+    ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
+    ``max_model_len``), as vLLM's does.
+
     ``allowed_token_ids`` limits the draw to those tokens and ``logit_bias`` adds its value to
     its tokens' logits. These and the penalties are vLLM's, applied in this order to the logits
-    before everything else (greedy rows too):
-    ``presence_penalty`` is subtracted from every token generated so far, and
-    ``frequency_penalty`` once per time it was generated; ``repetition_penalty`` divides the
-    positive logits of the tokens in the prompt or the output and multiplies the negative ones.
+    before everything else (greedy rows too): ``presence_penalty`` is subtracted from every
+    token generated so far, and ``frequency_penalty`` once per time it was generated;
+    ``repetition_penalty`` divides the positive logits of the tokens in the prompt or the output
+    and multiplies the negative ones.
     """
 
     n: int = 1
@@ -49,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +94,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not is_int(tpt) or not (tpt >= 1 or tpt == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 (keep the prompt's last k tokens) "
+                             f"or -1 (its last max_model_len), got {tpt!r}")
         self._check_logit_bias()
         if self.allowed_token_ids is not None:
             ids = _as_list("allowed_token_ids", self.allowed_token_ids, int)
@@ -108,7 +116,8 @@ class SamplingParams:
     def _from_numpy(self) -> None:
         """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p",
-                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs"):
+                     "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if isinstance(value, (np.integer, np.floating)):
                 setattr(self, name, value.item())

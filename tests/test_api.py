@@ -62,6 +62,17 @@ def test_a_text_prompt_is_tokenized_with_the_special_tokens_its_tokenizer_adds(t
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
+    """vLLM's left truncation: the same tokens as the truncated prompt given whole."""
+    prompt = list(range(5, 45))
+    for keep in (1, 7, 40, 100):
+        out = llm.generate([prompt], greedy(4, truncate_prompt_tokens=keep), use_tqdm=False)[0]
+        whole = llm.generate([prompt[-keep:]], greedy(4), use_tqdm=False)[0]
+        assert out.prompt_token_ids == prompt[-keep:] and out.outputs[0].token_ids == whole.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt length \(256\) \+ max_tokens \(4\)"):  # (-1: max_model_len)
+        llm.add_request(list(range(5, 300)), greedy(4, truncate_prompt_tokens=-1))
+
+
 def test_per_prompt_sampling_params_and_lengths(llm):
     outs = llm.generate([[5, 6, 7]] * 3, [greedy(1), greedy(4), greedy(9)], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [1, 4, 9]
@@ -260,6 +271,9 @@ BAD_PARAMS = [
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.5), "min_p"),
     (dict(min_p=float("nan")), "min_p"),

@@ -166,6 +166,9 @@ class LLMEngine:
                      arrival_time: float | None, final_only: bool) -> Request:
         """A validated request under a free id, not queued yet."""
         text, token_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # (vLLM's left truncation: the prompt's last tokens)
+            token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
