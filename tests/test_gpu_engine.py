@@ -389,3 +389,34 @@ def test_parallel_sampling_children_equal_requests_of_their_own_on_gpu(checkpoin
                                 for _ in prompts for i in range(3)])
     assert [c.token_ids for o in outs for c in o.outputs] == singles
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_adjusted_rows_and_prompt_logprobs_match_transformers_on_gpu(checkpoint, async_scheduling):
+    """Penalties, allowed tokens, a logit bias and prompt log-probs through CUDA graphs, the
+    kernels' float32 path and (async) the newest token still on the device, against
+    transformers on the GPU (test_logit_adjustments.py's and test_prompt_logprobs.py's truths)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_logit_adjustments import reference_tokens
+
+    prompts = _prompts(4)
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(repetition_penalty=1.8, **greedy),
+              SamplingParams(allowed_token_ids=list(range(3, 512, 5)), logit_bias={8: 2.0}, frequency_penalty=0.7,
+                             **greedy),
+              SamplingParams(prompt_logprobs=3, **greedy), SamplingParams(presence_penalty=1.5, **greedy)]
+    llm = LLM(checkpoint, device="cuda", attention_backend="triton", dtype="float32",
+              async_scheduling=async_scheduling, gpu_memory_utilization=0.3, max_num_batched_tokens=64)
+    llm.llm_engine.validate_every_step = True
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
+    for out, prompt, p in zip(outs, prompts, params):
+        assert out.outputs[0].token_ids == reference_tokens(hf, prompt, p, max_new=24)
+    with torch.no_grad():
+        lp = hf(torch.tensor([prompts[2]], device="cuda")).logits[0].float().log_softmax(-1)
+    got = outs[2].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompts[2])
+    for i in range(1, len(prompts[2])):
+        assert got[i][prompts[2][i]] == pytest.approx(lp[i - 1, prompts[2][i]].item(), abs=1e-3)

@@ -56,14 +56,16 @@ def test_repetition_penalty_is_transformers_processor_and_the_others_the_formula
                                                torch.zeros(3)), logits)
 
 
-def _hf_reference(model, prompt: list[int], params: SamplingParams, bias: dict[int, float] = {}) -> list[int]:
-    """Greedy tokens with the penalties applied to transformers' logits (plus ``bias``) one
-    step at a time."""
+def reference_tokens(model, prompt: list[int], params: SamplingParams, bias: dict[int, float] = {},
+                     max_new: int = MAX_NEW) -> list[int]:
+    """Greedy tokens with ``params``' allowed tokens, logit bias and penalties applied to
+    transformers' logits (plus ``bias``, part of the model here) one step at a time, on the
+    model's device."""
     ids = list(prompt)
     out: list[int] = []
     with torch.no_grad():
-        for _ in range(MAX_NEW):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
             for token, b in bias.items():
                 logits[token] += b
             if params.allowed_token_ids is not None:
@@ -74,7 +76,8 @@ def _hf_reference(model, prompt: list[int], params: SamplingParams, bias: dict[i
             seen[ids] = True
             logits = torch.where(seen, torch.where(logits > 0, logits / params.repetition_penalty,
                                                    logits * params.repetition_penalty), logits)
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long, device=model.device),
+                                    minlength=logits.numel()).float()
             logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
             out.append(int(logits.argmax()))
             ids.append(out[-1])
@@ -104,7 +107,7 @@ def test_greedy_with_frequency_and_presence_penalties_matches_a_torch_reference(
     rows = [greedy(MAX_NEW, frequency_penalty=1.5), greedy(MAX_NEW, presence_penalty=2.0),
             greedy(MAX_NEW, frequency_penalty=-0.5, presence_penalty=1.0, repetition_penalty=1.2), greedy(MAX_NEW)]
     ours = token_ids(llm.generate(prompts, rows, use_tqdm=False))
-    assert ours == [_hf_reference(model, p, r) for p, r in zip(prompts, rows)]
+    assert ours == [reference_tokens(model, p, r) for p, r in zip(prompts, rows)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["sync", "async", "chunked", "preempting"])
@@ -121,7 +124,7 @@ def test_penalties_count_the_newest_token_and_the_prompt(config):
                                                                               frequency_penalty=0.3)]
     ours = token_ids(llm.generate(prompts, rows, use_tqdm=False))
     model = load_hf_model(tiny_checkpoint("qwen3"))
-    assert ours == [_hf_reference(model, p, r, bias) for p, r in zip(prompts, rows)]
+    assert ours == [reference_tokens(model, p, r, bias) for p, r in zip(prompts, rows)]
     assert all(t.count(5) > 1 for t in ours[::2])  # (it did repeat before stopping)
 
 
@@ -167,7 +170,7 @@ def test_allowed_tokens_and_logit_bias_match_a_torch_reference(config):
             greedy(MAX_NEW, allowed_token_ids=[9, 77, 150], logit_bias={150: 1.0}, repetition_penalty=1.9),
             greedy(MAX_NEW)]
     ours = token_ids(llm.generate(prompts, rows, use_tqdm=False))
-    assert ours == [_hf_reference(model, p, r) for p, r in zip(prompts, rows)]
+    assert ours == [reference_tokens(model, p, r) for p, r in zip(prompts, rows)]
     assert ours[3] == plain[3] and ours[0] != plain[0] and set(ours[1]) <= {9, 77, 150, 301}
 
 
