@@ -17,6 +17,7 @@ CONFIGS = {
     "async": dict(async_scheduling=True),
     "chunked": dict(max_num_batched_tokens=8),
     "preempting": dict(num_kv_blocks=14, max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=True),
+    "sliced": dict(max_num_seqs=2),  # (the LM head takes a prompt's positions two rows at a time)
 }
 
 
@@ -98,7 +99,7 @@ def test_each_output_of_a_parallel_sampled_request_has_them(truth):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_they_match_single_rank_at_tensor_parallel_2(async_scheduling):
-    config = dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=8)
+    config = dict(block_size=4, num_kv_blocks=32, max_num_batched_tokens=8, max_num_seqs=3)  # (slices of 3)
     prompts = _prompts()
     params = [greedy(5, prompt_logprobs=2), greedy(5), greedy(5, prompt_logprobs=0), greedy(5)]
     single = make_llm(**config).generate(prompts, params, use_tqdm=False)

@@ -524,8 +524,9 @@ class ModelRunner:
         with self._threads():
             # None on tensor-parallel ranks != 0: the logits were gathered to rank 0, which samples.
             # (Every rank computes the prompt positions' logits too: the LM head is a collective.)
-            prompt_logits = None if prompt_rows is None else self.model.compute_logits(prompt_rows)
-            prompt = None if prompt_logits is None else PromptLogprobs.of(prompt_logits, out.requests, which)
+            prompt = None if prompt_rows is None else PromptLogprobs.of(
+                (self.model.compute_logits(prompt_rows[i:i + self.max_rows])
+                 for i in range(0, prompt_rows.shape[0], self.max_rows)), out.requests, which)
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them

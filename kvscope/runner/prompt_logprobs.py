@@ -3,13 +3,15 @@ prompt token after the first given the tokens before it, and the top-k at its po
 
 A row owed them has ``num_prompt_logits`` leading positions whose logits predict the prompt
 token after each. The runner gathers those positions' hidden states, every tensor-parallel rank
-runs the LM head on them (it is a collective), and rank 0 turns its logits into log-probs on
-the device; they reach the host when the step's result is read.
+runs the LM head on them in slices of at most the rows a step samples (the head is a
+collective, and the slices keep a long prompt's logits within the memory start-up measured for
+sampling), and rank 0 turns each slice's logits into log-probs on the device; they reach the
+host when the step's result is read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -38,19 +40,33 @@ class PromptLogprobs:
     targets: list[int]  # the next prompt token of each position
 
     @classmethod
-    def of(cls, logits: torch.Tensor, rows: Sequence[ScheduledRequest], which: np.ndarray) -> "PromptLogprobs":
-        """From the logits of :func:`prompt_positions`' positions: the targets are each row's
-        own next tokens, the last one's the prompt token after the row (from its history)."""
+    def of(cls, logits: Iterable[torch.Tensor | None], rows: Sequence[ScheduledRequest],
+           which: np.ndarray) -> "PromptLogprobs | None":
+        """From the logits of :func:`prompt_positions`' positions, slice after slice (each is
+        reduced before the next is computed, so a long prompt never holds all its logits at
+        once); None on a worker rank, which only takes every slice (each is a collective).
+        The targets are each row's own next tokens, the last one's the prompt token after the
+        row (from its history)."""
         picked = [rows[i] for i in which.tolist()]
+        if picked[0].history is None:  # a worker rank: it takes part in the slices' collectives only
+            for _ in logits:
+                pass
+            return None
         targets: list[int] = []
         for r in picked:
             targets += r.history.token_ids[r.start + 1:r.start + 1 + r.num_prompt_logits]
         ks = [r.history.prompt_logprobs for r in picked]
-        logprobs = logits.float().log_softmax(dim=-1)
-        index = torch.tensor(targets, dtype=torch.int64).to(logits.device, non_blocking=True)
-        top = logprobs.topk(max(max(ks), 1), dim=-1)
-        return cls([r.seq_id for r in picked], [r.num_prompt_logits for r in picked], ks,
-                   logprobs.gather(1, index.unsqueeze(1)).squeeze(1), top.values, top.indices, targets)
+        k = max(max(ks), 1)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        at = 0
+        for chunk in logits:
+            logprobs = chunk.float().log_softmax(dim=-1)
+            index = torch.tensor(targets[at:at + chunk.shape[0]], dtype=torch.int64).to(chunk.device)
+            top = logprobs.topk(k, dim=-1)
+            parts.append((logprobs.gather(1, index.unsqueeze(1)).squeeze(1), top.values, top.indices))
+            at += chunk.shape[0]
+        chosen, values, ids = (torch.cat(p) for p in zip(*parts))
+        return cls([r.seq_id for r in picked], [r.num_prompt_logits for r in picked], ks, chosen, values, ids, targets)
 
     def to_host(self) -> dict[int, list[dict[int, float]]]:
         """seq id -> one dict per position, ``{next token: log-prob}`` plus the top-k, as the
