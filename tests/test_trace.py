@@ -27,6 +27,7 @@ import kvscope.trace.trace as trace_module
 from kvscope import LLM, RequestOutput, Trace
 from kvscope.trace import Recorder
 from kvscope.engine.hooks import BLOCK_EVENTS, HOOK_POINTS
+from kvscope.trace.record import PHASES
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.scheduler_output import PLACEHOLDER
 
@@ -761,6 +762,8 @@ _NAMED_EDITS = [
     _named("block_events.parquet", lambda df: _freed_by(df, "nobody"), "the events of step [0-9]+ do not replay"),
     _named("block_events.parquet", lambda df: _renamed(df, "event", "block.allocated", "block.bogus"),
            f"an event other than {', '.join(BLOCK_EVENTS)}"),
+    _named("block_events.parquet", lambda df: _renamed(df, "phase", df["phase"].iloc[0], "bogus"),
+           f"a phase other than {', '.join(PHASES)}"),
     _named("steps.parquet", lambda df: _set(_set(df, "num_used_blocks", lambda n: n + 1, row=len(df) // 2),
                                             "num_free_blocks", lambda n: n - 1, row=len(df) // 2),
            _REPLAYED, named=""),

@@ -22,7 +22,7 @@ import pandas as pd
 from kvscope.engine.hooks import BLOCK_EVENTS
 from kvscope.trace.event_log import joined_column
 from kvscope.trace.pool import CACHED, NO_HASH, USED, PoolState, after_each_event, block_states, last_fills
-from kvscope.trace.record import StepRecord
+from kvscope.trace.record import PHASES, StepRecord
 from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.tables import QUEUES
 
@@ -102,6 +102,8 @@ def check_frames(path: Path, frames: dict[str, pd.DataFrame], num_blocks: int) -
     events = frames["block_events"]
     if events["event"].isna().any():  # (read_frame leaves a name BLOCK_EVENTS lacks missing)
         _refuse(path / "block_events.parquet", f"an event other than {', '.join(BLOCK_EVENTS)}")
+    if events["phase"].isna().any():  # (the same for a phase name PHASES lacks)
+        _refuse(path / "block_events.parquet", f"a phase other than {', '.join(PHASES)}")
     if (events["ref_count"] < 0).any():
         _refuse(path / "block_events.parquet", "a reference count below 0")
     in_record = events.groupby("step").size().reindex(launches["step"], fill_value=0).to_numpy()
