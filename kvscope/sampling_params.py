@@ -7,6 +7,7 @@ import numpy as np
 
 from kvscope.arg_checks import check_int, check_seed, is_finite_number, is_int
 
+MASKED, SEEDED, ADJUSTED = 1, 2, 4  # SamplingParams.sampling_flags: top-k/top-p/min-p, a seed, adjusted logits
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
 
 
@@ -54,6 +55,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    # What the sampler must do for such a row (MASKED | SEEDED | ADJUSTED), derived once when
+    # built: a batch reads it per row whenever its rows change. (The engine copies and checks
+    # each request's params when it is added, so a later change to the caller's object is seen.)
+    sampling_flags: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._from_numpy()
@@ -112,6 +117,9 @@ class SamplingParams:
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        self.sampling_flags = ((MASKED if self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 else 0)
+                               | (SEEDED if self.seed is not None else 0)
+                               | (ADJUSTED if self.adjusts_logits else 0))
 
     def _from_numpy(self) -> None:
         """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""

@@ -24,6 +24,7 @@ only for those copies (so a next step can already be running).
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -33,7 +34,7 @@ import torch
 
 from kvscope.kernels.fused import sampling_kernels
 from kvscope.runner.logit_adjustments import Adjustments, HistoryOf
-from kvscope.sampling_params import SamplingParams
+from kvscope.sampling_params import ADJUSTED, MASKED, SEEDED, SamplingParams
 
 
 @dataclass
@@ -404,11 +405,10 @@ class Sampler:
         temps = [first.temperature] if shared else [p.temperature for p in params]
         if min(temps) < GREEDY_BELOW:
             temps = [t if t >= GREEDY_BELOW else 0.0 for t in temps]
+        flags = functools.reduce(operator.or_, [p.sampling_flags for p in settings])
         rows = self._last_rows = _Rows(
             params, output_index, temps=temps, want_logprobs=max(asked) if asked else -1,
-            masked=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in settings),
-            seeded=any(p.seed is not None for p in settings),
-            adjusted=any(p.adjusts_logits for p in settings),
+            masked=bool(flags & MASKED), seeded=bool(flags & SEEDED), adjusted=bool(flags & ADJUSTED),
             min_tokens=max(p.min_tokens for p in settings),
         )
         return rows
