@@ -32,8 +32,8 @@ from kvscope.runner import cuda_graphs
 from kvscope.runner.cuda_graphs import DecodeGraphs
 from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
-from kvscope.runner.sampler import DeviceSample, Sampler
 from kvscope.runner.prompt_logprobs import PromptLogprobs, prompt_positions
+from kvscope.runner.sampler import DeviceSample, Sampler
 from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
