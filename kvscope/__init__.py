@@ -4,10 +4,10 @@
 """
 from kvscope.config import EngineConfig
 from kvscope.llm import LLM
-from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvscope.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvscope.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "EngineConfig", "Trace"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "EngineConfig", "Trace"]
 __version__ = "0.1.0"
 
 

@@ -29,6 +29,30 @@ class RequestMetrics:
         return self.finished_time - self.arrival_time
 
 
+class Logprob(float):
+    """One token's log-probability, as vLLM's ``Logprob``: ``.logprob`` (the value), ``.rank``
+    (1 for the likeliest token; ties share the best rank) and ``.decoded_token`` (its text, None
+    without a tokenizer). It is the float itself too, so code that reads the value as a number
+    keeps working."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -36,7 +60,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     error: str | None = None  # why a request that failed alone inside a step ended ("abort")
 
@@ -53,5 +77,5 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    # vLLM's: one entry per prompt token, None for the first, {token: log-prob} plus the top-k
-    prompt_logprobs: list[dict[int, float] | None] | None = field(default=None)
+    # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)

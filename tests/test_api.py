@@ -267,6 +267,30 @@ def test_logprobs_are_log_softmax_of_the_model(llm):
         assert v == pytest.approx(ref[t].item(), abs=1e-4)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_logprobs_are_vllm_logprob_objects_with_rank_and_decoded_token(async_scheduling):
+    """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 + the tokens strictly likelier, counted on
+    transformers' log-softmax) and ``.decoded_token`` (the tokenizer's text of the token alone),
+    for a drawn token outside the top-k too, and for prompt log-probs."""
+    llm = make_llm(block_size=4, async_scheduling=async_scheduling)
+    prompt = [20, 21, 22, 40]
+    params = SamplingParams(temperature=1.5, seed=3, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=2)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    hf = __import__("tiny_models").load_hf_model(tiny_checkpoint("qwen3"))
+    ids = prompt + out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    tok = llm.get_tokenizer()
+    positions = [(i - 1, ids[i], out.prompt_logprobs[i]) for i in range(1, len(prompt))]
+    positions += [(len(prompt) - 1 + j, t, out.outputs[0].logprobs[j]) for j, t in enumerate(out.outputs[0].token_ids)]
+    assert any(lp[t].rank > 1 for _, t, lp in positions)  # (a token drawn or prompted off the top)
+    for at, token, row in positions:
+        for t, lp in row.items():
+            assert lp.logprob == float(lp) == pytest.approx(ref[at, t].item(), abs=1e-4)
+            assert lp.rank == 1 + int((ref[at] > ref[at, t] + 1e-5).sum()), (at, t)
+            assert lp.decoded_token == tok.decode([t])
+
+
 BAD_PARAMS = [
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=0.0), "top_p"),

@@ -510,6 +510,23 @@ class LLMEngine:
         with self._transition():
             self.scheduler.rollback(*outs, forget_prefix_cache=True)
 
+    def _name_logprob_tokens(self, progressed: list[Request], result: StepResult) -> None:
+        """Give the log-probs this step added their ``decoded_token`` (each token decoded alone,
+        as vLLM's are): each progressed request's newest, and a prompt's once all are in."""
+        if self.config.skip_tokenizer_init:
+            return
+        rows = [r.output_logprobs[-1] for r in progressed if r.output_logprobs]
+        live = self.scheduler.requests
+        for seq_id in result.prompt_logprobs:
+            req = live.get(seq_id)
+            if req is not None and len(req.prompt_logprobs) == req.num_prompt_tokens > 1 \
+                    and next(iter(req.prompt_logprobs[1].values())).decoded_token is None:
+                rows += req.prompt_logprobs[1:]
+        decode = self.tokenizer.decode
+        for row in rows:
+            for token, logprob in row.items():
+                logprob.decoded_token = decode([token])
+
     def _step_request_ids(self, out: SchedulerOutput, finished_ids: dict[int, str] | None = None
                           ) -> dict[int, str] | None:
         """seq_id -> request_id of the step's rows and preemptions (only when a ``step.end`` or
@@ -552,6 +569,7 @@ class LLMEngine:
             request_ids = self._step_request_ids(out, finished_ids)
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
+            self._name_logprob_tokens(progressed, result)
             for req in progressed:
                 if not req.stop_strings or req.error:
                     continue

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from kvscope.engine.scheduler_output import ScheduledRequest
+from kvscope.outputs import Logprob
+from kvscope.runner.sampler import chosen_and_top, logprob_row
 
 
 def prompt_positions(cu_seqlens_q: np.ndarray, rows: Sequence[ScheduledRequest], which: np.ndarray) -> np.ndarray:
@@ -37,6 +39,7 @@ class PromptLogprobs:
     chosen: torch.Tensor  # float32 [M]: each position's next prompt token's log-prob
     top_values: torch.Tensor  # float32 [M, K]
     top_ids: torch.Tensor  # int64 [M, K]
+    ranks: torch.Tensor  # int64 [M]: each next prompt token's rank
     targets: list[int]  # the next prompt token of each position
 
     @classmethod
@@ -56,30 +59,24 @@ class PromptLogprobs:
         for r in picked:
             targets += r.history.token_ids[r.start + 1:r.start + 1 + r.num_prompt_logits]
         ks = [r.history.prompt_logprobs for r in picked]
-        k = max(max(ks), 1)
-        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        parts: list[tuple[torch.Tensor, ...]] = []
         at = 0
         for chunk in logits:
-            logprobs = chunk.float().log_softmax(dim=-1)
             index = torch.tensor(targets[at:at + chunk.shape[0]], dtype=torch.int64).to(chunk.device)
-            top = logprobs.topk(k, dim=-1)
-            parts.append((logprobs.gather(1, index.unsqueeze(1)).squeeze(1), top.values, top.indices))
+            parts.append(chosen_and_top(chunk.float().log_softmax(dim=-1), index, max(ks)))
             at += chunk.shape[0]
-        chosen, values, ids = (torch.cat(p) for p in zip(*parts))
-        return cls([r.seq_id for r in picked], [r.num_prompt_logits for r in picked], ks, chosen, values, ids, targets)
+        chosen, values, ids, ranks = (torch.cat(p) for p in zip(*parts))
+        return cls([r.seq_id for r in picked], [r.num_prompt_logits for r in picked], ks, chosen, values, ids,
+                   ranks, targets)
 
-    def to_host(self) -> dict[int, list[dict[int, float]]]:
-        """seq id -> one dict per position, ``{next token: log-prob}`` plus the top-k, as the
+    def to_host(self) -> dict[int, list[dict[int, Logprob]]]:
+        """seq id -> one dict per position, the next token's log-prob and the top-k, as the
         generated tokens' ``logprobs`` are."""
-        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
-        out: dict[int, list[dict[int, float]]] = {}
+        chosen, values, ids, ranks = (t.tolist() for t in (self.chosen, self.top_values, self.top_ids, self.ranks))
+        out: dict[int, list[dict[int, Logprob]]] = {}
         at = 0
         for seq_id, count, k in zip(self.seq_ids, self.counts, self.ks):
-            dicts = []
-            for p in range(at, at + count):
-                d = dict(zip(ids[p][:k], values[p][:k]))
-                d[self.targets[p]] = chosen[p]
-                dicts.append(d)
-            out[seq_id] = dicts
+            out[seq_id] = [logprob_row(self.targets[p], chosen[p], ranks[p], values[p], ids[p], k)
+                           for p in range(at, at + count)]
             at += count
         return out

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from kvscope.kernels.fused import sampling_kernels
+from kvscope.outputs import Logprob
 from kvscope.runner.logit_adjustments import Adjustments, HistoryOf
 from kvscope.sampling_params import ADJUSTED, MASKED, SEEDED, SamplingParams
 
@@ -40,7 +41,7 @@ from kvscope.sampling_params import ADJUSTED, MASKED, SEEDED, SamplingParams
 @dataclass
 class SampleOutput:
     tokens: list[int]
-    logprobs: list[dict[int, float]] | None  # per row, when any row asked for logprobs
+    logprobs: list[dict[int, Logprob]] | None  # per row, when any row asked for logprobs
 
 
 class HostReadback:
@@ -131,16 +132,19 @@ class DeviceSample:
             self._slot.release()
         if logprobs is None:
             return SampleOutput(tokens, None)
-        chosen, *top = logprobs
-        rows: list[dict[int, float]] = []
-        for i, p in enumerate(self._params):
-            row: dict[int, float] = {}
-            if p.logprobs:
-                row = dict(zip(top[1][i][: p.logprobs], top[0][i][: p.logprobs]))
-            if p.logprobs is not None:
-                row[tokens[i]] = chosen[i]
-            rows.append(row)
+        chosen, values, ids, ranks = logprobs
+        rows = [logprob_row(tokens[i], chosen[i], ranks[i], values[i], ids[i], p.logprobs)
+                if p.logprobs is not None else {} for i, p in enumerate(self._params)]
         return SampleOutput(tokens, rows)
+
+
+def logprob_row(token: int, logprob: float, rank: int, top_values: list[float], top_ids: list[int],
+                k: int) -> dict[int, Logprob]:
+    """One position's log-probs as vLLM gives them: the top ``k`` (ranked 1..k), then ``token``'s
+    own (its rank counted over the vocabulary)."""
+    row = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), start=1)}
+    row[token] = Logprob(logprob, rank)
+    return row
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -161,6 +165,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def chosen_and_top(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logprobs``: the ``chosen`` token's log-prob, the top ``max(k, 1)`` values and
+    ids, and the chosen token's rank (1 + the tokens strictly likelier, as vLLM counts it)."""
+    value = logprobs.gather(1, chosen.unsqueeze(1))
+    top = logprobs.topk(max(k, 1), dim=-1)
+    return value.squeeze(1), top.values, top.indices, (logprobs > value).sum(dim=-1) + 1
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -293,16 +306,17 @@ class Sampler:
         width = max(widths)
 
         def part(j: int, parts: tuple[torch.Tensor, ...] | None, dtype: torch.dtype) -> torch.Tensor:
-            """Row's log-prob part ``j`` (0: the chosen token's, 1 and 2: the top values and ids),
-            zeros past what the row asked for (``DeviceSample`` reads no further)."""
-            shape = (1,) if j == 0 else (1, width)
+            """Row's log-prob part ``j`` (0: the chosen token's, 1 and 2: the top values and ids,
+            3: the chosen token's rank), zeros past what the row asked for (``DeviceSample`` reads
+            no further)."""
+            shape = (1,) if j in (0, 3) else (1, width)
             out = torch.zeros(shape, dtype=dtype, device=tokens.device)
             if parts is not None:
                 out[..., : parts[j].shape[-1]] = parts[j]
             return out
 
         joined = tuple(torch.cat([part(j, parts, dtype) for _, parts in drawn])
-                       for j, dtype in enumerate((torch.float32, torch.float32, torch.int64)))
+                       for j, dtype in enumerate((torch.float32, torch.float32, torch.int64, torch.int64)))
         return DeviceSample(tokens, params, joined, self.readback), failed
 
     def _draw(
@@ -331,8 +345,8 @@ class Sampler:
             tokens = self._sample_by_torch(as_float, rows)
         if raw_logprobs is None:
             return tokens, None
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, (chosen, *raw_logprobs.topk(max(want_lp, 1), dim=-1))
+        chosen, *top, rank = chosen_and_top(raw_logprobs, tokens, want_lp)
+        return tokens, (chosen, *top, rank)
 
     def enable_captured_draws(self, max_rows: int) -> None:
         """Make the device state a CUDA graph's draw reads (:meth:`draw_captured`): the rows'
