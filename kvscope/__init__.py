@@ -7,7 +7,8 @@ from kvscope.llm import LLM
 from kvscope.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvscope.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "EngineConfig", "Trace"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "EngineConfig",
+           "Trace"]
 __version__ = "0.1.0"
 
 
