@@ -569,7 +569,8 @@ class LLMEngine:
             request_ids = self._step_request_ids(out, finished_ids)
         with self._transition():
             progressed, finished = self.scheduler.update_from_output(out, result, t2)
-            self._name_logprob_tokens(progressed, result)
+            if result.logprobs or result.prompt_logprobs:
+                self._name_logprob_tokens(progressed, result)
             for req in progressed:
                 if not req.stop_strings or req.error:
                     continue
