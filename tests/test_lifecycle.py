@@ -1,13 +1,25 @@
 """``Trace.lifecycle``: each request's states across steps, checked against the engine's own
-request metrics and against the recording's step coverage."""
+request metrics and against the recording's step coverage; and, as a live trace's table follows
+its ring buffer, after every step against the reference read of the retained steps from scratch
+(tests/lifecycle_reference.py)."""
 from __future__ import annotations
 
+import itertools
+import random
+import types
+
+import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("pandas")
 
 from engine_helpers import greedy, make_llm  # noqa: E402
+from lifecycle_reference import ReferenceBuilder, reference_table  # noqa: E402
+from pandas.testing import assert_frame_equal  # noqa: E402
 
+from kvscope import SamplingParams  # noqa: E402
 from kvscope.trace import Trace  # noqa: E402
 from kvscope.trace.lifecycle import LifecycleBuilder  # noqa: E402
 
@@ -79,25 +91,138 @@ def test_lifecycle_read_live_extends_to_the_same_table_as_a_loaded_trace(tmp_pat
     assert aborted["start_step"].item() == 5  # aborted after step 4: gone from the queues of step 5
 
 
+def drive(seed: int, async_scheduling: bool, policy: str = "unified", max_steps: int = 6,
+          read_every: int = 1, num_steps: int = 120):
+    """A random live run on a pool small enough to preempt, its ring buffer wrapping: requests
+    arrive (some n=2, some of one token, some taking a finished request's id) and are aborted;
+    every ``read_every`` steps ``trace.lifecycle`` is read and checked against the reference
+    read of the retained records from scratch."""
+    rng = random.Random(seed)
+    llm = make_llm(scheduling_policy=policy, async_scheduling=async_scheduling, num_kv_blocks=12, block_size=4,
+                   max_num_batched_tokens=24, max_num_seqs=4)
+    shared = [rng.randrange(3, 200) for _ in range(8)]
+    finished: list[str] = []
+    reads = 0
+    with llm.record(max_steps=max_steps) as trace:
+        for k in range(num_steps):
+            for _ in range(rng.choice([0, 0, 1, 2])):
+                prompt = shared[:rng.choice([0, 4, 8])] + [rng.randrange(3, 200) for _ in range(rng.randrange(2, 14))]
+                reuse = finished and rng.random() < 0.5  # the newest finished id, or any
+                rid = finished.pop(rng.choice([-1, rng.randrange(len(finished))])) if reuse else None
+                llm.add_request(prompt, greedy(rng.choice([1, 2, 5, 9, 14]), n=rng.choice([1, 1, 1, 2])), rid)
+            unfinished = list(llm.llm_engine.requests)
+            if unfinished and rng.random() < 0.1:
+                llm.abort_request(rng.choice(unfinished).split("#")[0])  # (an n=2 child's parent)
+            finished += [o.request_id for o in llm.step() if o.finished]
+            if k % read_every == 0 and trace.step_ids:
+                assert_frame_equal(trace.lifecycle, reference_table(trace._records()))
+                reads += 1
+    assert reads and len(trace.step_ids) == max_steps
+    return trace
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_steady_decode_steps_extend_the_rows_as_the_general_path_does(monkeypatch, async_scheduling):
-    """Steps where every open row just goes on take a shortcut; over a run with waiting
-    requests and long decodes it must give the general path's rows exactly, and be taken."""
-    llm = make_llm(async_scheduling=async_scheduling, num_kv_blocks=64, block_size=8,
-                   max_num_batched_tokens=64, max_num_seqs=3)
-    with llm.record() as trace:
-        llm.generate(PROMPTS, greedy(24), use_tqdm=False)
-    records = trace._records()
-    steady = LifecycleBuilder._extend_steady
-    taken = []
-    monkeypatch.setattr(LifecycleBuilder, "_extend_steady", lambda self, rec: taken.append(steady(self, rec)) or taken[-1])
-    fast = LifecycleBuilder()
-    for rec in records:
-        fast.add(rec)
-    monkeypatch.setattr(LifecycleBuilder, "_extend_steady", lambda self, rec: False)
-    general = LifecycleBuilder()
-    for rec in records:
-        general.add(rec)
-    assert fast.rows() == general.rows()
-    assert sum(taken) > len(records) // 2, f"the shortcut ran in {sum(taken)} of {len(records)} steps"
-    assert any(r[1] == "waiting" and r[4] > 1 for r in fast.rows()), "requests should wait while others decode"
+@pytest.mark.parametrize("seed", range(3))
+def test_a_live_table_that_follows_the_ring_buffer_is_the_retained_steps_read_from_scratch(seed, async_scheduling):
+    drive(seed, async_scheduling)
+
+
+@pytest.mark.parametrize("read_every", [3, 7], ids=["drops-between-reads", "ring-buffer-passed-between-reads"])
+def test_reads_several_drops_apart_give_the_same_table(read_every):
+    drive(10 + read_every, True, max_steps=5, read_every=read_every)
+
+
+def test_prefill_first_idle_rows_follow_the_ring_buffer():
+    drive(20, False, policy="prefill_first")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_id_taken_again_right_after_its_request_ended(monkeypatch, async_scheduling):
+    """One id taken by request after request, each as soon as the last ended (some of one
+    token, done in the step that admits them), beside others: a reading that begins after an
+    end knows nothing of it, so the rows it hid (a scheduled row of the new request) show."""
+    revealed = []
+    reveal = LifecycleBuilder._reveal
+    monkeypatch.setattr(LifecycleBuilder, "_reveal", lambda self, rid, j: revealed.append(j) or reveal(self, rid, j))
+    rng = random.Random(async_scheduling)
+    llm = make_llm(async_scheduling=async_scheduling, num_kv_blocks=64, block_size=4, max_num_batched_tokens=32,
+                   max_num_seqs=4)
+    with llm.record(max_steps=3) as trace:
+        llm.add_request(PROMPTS[0], greedy(3), "x")
+        for k in range(60):
+            if k % 9 == 0:
+                llm.add_request(PROMPTS[3], greedy(rng.choice([1, 4])))
+            if any(o.finished and o.request_id == "x" for o in llm.step()):  # (a stop no step foresaw)
+                params = SamplingParams(temperature=1.0, seed=k, max_tokens=rng.choice([1, 1, 8]),
+                                        stop_token_ids=list(range(3, 320, 4)))
+                llm.add_request(PROMPTS[k % 2 + 3], params, "x")
+            assert_frame_equal(trace.lifecycle, reference_table(trace._records()))
+    assert revealed, "the run should hide a row behind an end that is then dropped"
+
+
+IDS = "abcd"
+
+
+def step_record(step: int, running=(), waiting=(), rows=(), preempted=(), finished=(), ahead=False,
+                duration_s=0.1) -> types.SimpleNamespace:
+    """What the lifecycle reads of a record; ``rows``: (request, is_prefill, start, tokens, cached)."""
+    ids, prefill, start, n, cached = (list(c) for c in zip(*rows)) if rows else ([], [], [], [], [])
+    return types.SimpleNamespace(
+        step=step, time_s=step * 0.5, duration_s=duration_s, running=list(running), waiting=waiting,
+        preempted=list(preempted), finished=list(finished),
+        launches=[types.SimpleNamespace(step=step + 1)] if ahead else [],
+        scheduled=types.SimpleNamespace(request_ids=ids, is_prefill=np.array(prefill, bool),
+                                        start=np.array(start, np.int64), num_new_tokens=np.array(n, np.int64),
+                                        num_cached_tokens=np.array(cached, np.int64)))
+
+
+@st.composite
+def records(draw) -> list:
+    """Steps over a few request ids with any queues, rows, preemptions, ends and launches ahead
+    (beyond what the engine does: the reference reads them all the same)."""
+    recs, step, waiting = [], 0, []
+    for _ in range(draw(st.integers(1, 24))):
+        step += draw(st.sampled_from([1, 1, 1, 2]))
+        ids = draw(st.permutations(IDS))
+        cut = sorted(draw(st.lists(st.integers(0, len(IDS)), min_size=2, max_size=2)))
+        new_waiting = list(ids[cut[0]:cut[1]])
+        waiting = waiting if new_waiting == waiting else new_waiting  # (a recording shares an unchanged queue)
+        rows = [(rid, draw(st.booleans()), start, draw(st.integers(1, 4)), draw(st.sampled_from([0, start])))
+                for rid, start in zip(draw(st.lists(st.sampled_from(IDS), unique=True, max_size=4)),
+                                      draw(st.lists(st.integers(0, 3), min_size=4, max_size=4)))]
+        recs.append(step_record(
+            step, ids[:cut[0]], waiting, rows, draw(st.lists(st.sampled_from(IDS), unique=True, max_size=2)),
+            draw(st.lists(st.sampled_from(IDS), unique=True, max_size=2)), draw(st.booleans()),
+            draw(st.sampled_from([0.1, 0.25]))))
+    return recs
+
+
+FINISHED_AHEAD = step_record(1, rows=[("a", False, 5, 1, 0)], finished=["a"], ahead=True)  # a row of step 2 launched
+QUEUED_AGAIN = step_record(2, waiting=["a"], rows=[("a", False, 6, 1, 0)])  # that row: the old request's
+
+
+@example([FINISHED_AHEAD, QUEUED_AGAIN], 1, [1])
+@example([FINISHED_AHEAD, QUEUED_AGAIN, step_record(3, waiting=["a"])], 2, [1])
+@example([FINISHED_AHEAD, QUEUED_AGAIN, step_record(3, ["a"], rows=[("a", False, 1, 1, 0)])], 2, [1])
+@example([step_record(1, waiting=["a"]), step_record(2, ahead=True),  # aborted, then taken again
+          step_record(3, waiting=["a"], rows=[("a", False, 6, 1, 0)]), step_record(4)], 2, [1])
+@example([step_record(1, waiting=["a"], preempted=["a"]), step_record(2, waiting=["a"]),
+          step_record(3, waiting=["a"], preempted=["a"]), step_record(4, waiting=["a"])], 3, [1])
+@settings(max_examples=400, deadline=None)
+@given(records(), st.integers(1, 5), st.lists(st.integers(1, 7), min_size=1))
+def test_a_builder_following_any_ring_buffer_gives_the_rows_read_from_scratch(recs, size, gaps):
+    """Windows of ``size`` records slide over ``recs``, read ``gaps`` steps apart (cycled): the
+    builder that follows them gives, at each read, what the reference reads from scratch."""
+    builder, k = LifecycleBuilder(), 0
+    for gap in itertools.cycle(gaps):
+        k += gap
+        window = recs[max(0, min(k, len(recs)) - size):k]
+        if not builder.follows(window):
+            builder = LifecycleBuilder()
+        builder.follow(window)
+        reference = ReferenceBuilder()
+        for rec in window:
+            reference.add(rec)
+        assert builder.rows() == reference.rows()
+        if k >= len(recs):
+            break

@@ -145,13 +145,11 @@ class Trace:
         closing each life; see docs/TRACE_API.md."""
         self._need_blocks("lifecycle")
         recs = self._records()
-        with self._lock:  # grows with new steps; rebuilt when the ring buffer dropped one
-            b = self._lifecycle
-            if b is None or not recs or b.first_step != recs[0].step or (b.last_step or -1) > recs[-1].step:
-                b = self._lifecycle = LifecycleBuilder()
-            for rec in recs[bisect.bisect_right(recs, b.last_step, key=_STEP) if b.last_step is not None else 0:]:
-                b.add(rec)
-            return frame("lifecycle", b.rows())
+        with self._lock:  # follows the ring buffer: new steps added, dropped ones dropped
+            if self._lifecycle is None or not self._lifecycle.follows(recs):
+                self._lifecycle = LifecycleBuilder()
+            self._lifecycle.follow(recs)
+            return frame("lifecycle", self._lifecycle.rows())
 
     def scheduled(self, step: int | None = None) -> pd.DataFrame:
         """Per step and request: ``start``, ``num_new_tokens``, ``num_cached_tokens`` (admissions),
