@@ -18,9 +18,9 @@ import bisect
 from collections import deque
 from itertools import chain
 from operator import attrgetter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-from kvscope.trace.record import StepRecord
+from kvscope.trace.record import Scheduled, StepRecord
 
 # Per step a request is in exactly one of these (the last two close its life: zero-length rows).
 LIFECYCLE_STATES: tuple[str, ...] = (
@@ -60,11 +60,25 @@ class _Zone:
         self.rid, self.start, self.end, self.labels_end = rid, start, None, False
 
 
+class _Held(NamedTuple):
+    """What the table reads of a record: held instead of it, so that a dropped record's block
+    events and pool are not kept alive until the next read."""
+
+    step: int
+    time_s: float
+    duration_s: float
+    scheduled: Scheduled
+    running: list[str]
+    waiting: list[str]
+    preempted: list[str]
+    finished: list[str]
+
+
 class LifecycleBuilder:
     """Follows a trace's retained records, in order, as lifecycle rows (see ``docs/TRACE_API.md``)."""
 
     def __init__(self) -> None:
-        self._recs: deque[StepRecord] = deque()
+        self._recs: deque[_Held] = deque()
         self._base = 0  # the number of the oldest record held (records are numbered as added)
         self._lanes: dict[str, list[_Row]] = {}  # request id -> its rows, by step
         self._open: dict[str, _Row] = {}
@@ -103,7 +117,8 @@ class LifecycleBuilder:
     def add(self, rec: StepRecord) -> None:
         """Take in the next recorded step."""
         seq = self._base + len(self._recs)
-        self._recs.append(rec)
+        self._recs.append(_Held(rec.step, rec.time_s, rec.duration_s, rec.scheduled, rec.running, rec.waiting,
+                                rec.preempted, rec.finished))
         waiting = rec.waiting
         wset = self._waiting[1] if waiting is self._waiting[0] else set(waiting)
         self._waiting = (waiting, wset)
