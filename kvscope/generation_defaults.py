@@ -7,6 +7,7 @@ directory reads them from there instead of the model's.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,15 @@ def read_defaults(generation_config: str, model_dir: str) -> dict[str, Any]:
         if generation_config == "auto":
             return {}
         raise FileNotFoundError(f"generation_config={generation_config!r} has no generation_config.json")
-    set_there = GenerationConfig.from_pretrained(directory).to_diff_dict()
+    try:
+        set_there = GenerationConfig.from_pretrained(directory).to_diff_dict()
+    except (OSError, ValueError) as exc:  # (transformers' error for a file it cannot read)
+        if generation_config != "auto":
+            raise ValueError(f"generation_config={generation_config!r}: {exc}") from exc
+        # The model loaded before this file was read for defaults (as vLLM, which then uses its own).
+        warnings.warn(f"{directory / 'generation_config.json'} could not be read ({exc}); prompts without "
+                      "SamplingParams sample with SamplingParams()", stacklevel=3)
+        return {}
     defaults = {name: set_there[key] for key, name in SAMPLING_KEYS.items() if set_there.get(key) is not None}
     try:
         SamplingParams(**defaults)

@@ -94,3 +94,14 @@ def test_defaults_are_a_fresh_object_a_caller_may_change(tmp_path):
     mine.max_tokens = 1
     assert llm.get_default_sampling_params().max_tokens == 3
     assert [len(t) for t in token_ids(llm.generate(PROMPTS, dataclasses.replace(mine), use_tqdm=False))] == [1, 1]
+
+
+def test_an_unreadable_generation_config_is_named_in_a_warning_and_the_model_still_loads(tmp_path):
+    path = checkpoint_with(tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text("{ not json")
+    with pytest.warns(UserWarning, match="generation_config.json could not be read"):
+        llm = make(path)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    assert len(token_ids(llm.generate(PROMPTS, greedy(2), use_tqdm=False))[0]) == 2
+    with pytest.raises(ValueError, match="generation_config="):
+        make(path, generation_config=str(tmp_path / "m"))
