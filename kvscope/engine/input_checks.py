@@ -77,7 +77,7 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
     if params.min_tokens and params.allowed_token_ids is not None and held.issuperset(params.allowed_token_ids):
         raise ValueError(f"min_tokens={params.min_tokens} holds back stop_token_ids and EOS, which cover every "
                          f"token of allowed_token_ids: no token could be drawn before it")
-    if params.min_tokens and sum(t < vocab_size for t in eos_token_ids.union(params.stop_token_ids)) == vocab_size:
+    if params.min_tokens and sum(t < vocab_size for t in held) == vocab_size:
         raise ValueError(f"min_tokens={params.min_tokens} holds back stop_token_ids and EOS, which cover "
                          f"the whole vocabulary ({vocab_size}): no token could be drawn before it")
     return ids

@@ -519,7 +519,7 @@ class LLMEngine:
         live = self.scheduler.requests
         for seq_id in result.prompt_logprobs:
             req = live.get(seq_id)
-            if req is not None and len(req.prompt_logprobs) == req.num_prompt_tokens > 1 \
+            if req is not None and not req.num_prompt_logits and req.num_prompt_tokens > 1 \
                     and next(iter(req.prompt_logprobs[1].values())).decoded_token is None:
                 rows += req.prompt_logprobs[1:]
         decode = self.tokenizer.decode
@@ -682,7 +682,7 @@ class LLMEngine:
         """The request's prompt log-probs once its whole prompt has them (vLLM's first entry,
         the first token's, is None), else None."""
         kept = req.prompt_logprobs
-        return list(kept) if kept is not None and len(kept) == req.num_prompt_tokens else None
+        return list(kept) if kept is not None and not req.num_prompt_logits else None
 
     def _release(self, req: Request) -> None:
         """Forget a finished request once its last output is out."""
