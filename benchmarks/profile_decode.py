@@ -37,6 +37,8 @@ own time (``--cprofile-sort cumulative``: with the most time including their cal
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 32 --async-scheduling
     python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --tiny --vocab 64 \\
         --device cpu --clock thread --seqs 256 --prompt 128 --steps 60 --async-scheduling --no-profile
+    python benchmarks/profile_decode.py --config benchmarks/configs/qwen3-small-kv --seqs 256 --prompt 1024 \\
+        --async-scheduling --no-profile --repetition-penalty 1.05
 """
 from __future__ import annotations
 
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=900)
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
     ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="every row's repetition_penalty: the penalties' token counts, kept per sequence")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="one thin layer: the forward costs next to nothing")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size with --tiny")
@@ -200,7 +204,8 @@ def main() -> None:
                   num_kv_blocks=None if cuda else args.seqs * -(-max_len // 16) + 64)
         prompts = [[rng.randrange(10000) % llm.hf_config.vocab_size for _ in range(args.prompt)]
                    for _ in range(args.seqs)]
-        params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=decode_steps + 32)
+        params = SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=decode_steps + 32,
+                                repetition_penalty=args.repetition_penalty)
         engine = llm.llm_engine
         prefill(engine, prompts, params)
         clock = time.perf_counter if args.clock == "wall" else time.thread_time

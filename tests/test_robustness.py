@@ -9,7 +9,7 @@ import contextlib
 import signal
 import threading
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -27,13 +27,15 @@ PREFIX = [3, 4, 5, 6]
 PROMPTS = [PREFIX + [7, 8], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21], PREFIX + [9], PREFIX + [30, 31, 32, 33]]
 CONFIG = dict(block_size=4, num_kv_blocks=8, max_num_batched_tokens=12, max_num_seqs=3)
 _FRESH: dict[str, list[list[int]]] = {}
+PENALIZED = dict(frequency_penalty=2.0, presence_penalty=-1.5, repetition_penalty=1.9)
 
 
-def fresh_tokens(prompts: list[list[int]], n: int = 6) -> list[list[int]]:
-    """Greedy tokens from an engine nothing happened to (greedy tokens do not depend on batching)."""
-    key = repr((prompts, n))
+def fresh_tokens(prompts: list[list[int]], n: int = 6, **params: Any) -> list[list[int]]:
+    """Greedy tokens (with ``params``) from an engine nothing happened to (greedy tokens do not
+    depend on batching)."""
+    key = repr((prompts, n, params))
     if key not in _FRESH:
-        _FRESH[key] = token_ids(make_llm(**CONFIG).generate(prompts, greedy(n), use_tqdm=False))
+        _FRESH[key] = token_ids(make_llm(**CONFIG).generate(prompts, greedy(n, **params), use_tqdm=False))
     return _FRESH[key]
 
 
@@ -455,13 +457,16 @@ class _FailingReadBack:
         raise RuntimeError("injected device error")
 
 
+@pytest.mark.parametrize("params", [{}, PENALIZED], ids=["plain", "penalized"])
 @pytest.mark.parametrize("where", ["forward", "read-back"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_a_device_error_at_any_step_costs_no_request_its_tokens(async_scheduling: bool, where: str) -> None:
+def test_a_device_error_at_any_step_costs_no_request_its_tokens(async_scheduling: bool, where: str,
+                                                                 params: dict[str, float]) -> None:
     """A device error in the k-th step's forward pass, or at its read-back after a launch that
     went through, for every k of a run with chunked prefill: that step raises and is rolled
-    back, and every request still ends with a fresh engine's tokens."""
-    want = fresh_tokens(PROMPTS)
+    back, and every request still ends with a fresh engine's tokens. Penalized rows count no
+    token the rolled-back steps sampled (their counts stay on the device between steps)."""
+    want = fresh_tokens(PROMPTS, **params)
     for k in range(1, 16):
         llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
         runner = llm.llm_engine.executor
@@ -486,7 +491,7 @@ def test_a_device_error_at_any_step_costs_no_request_its_tokens(async_scheduling
 
             runner.execute_async = reads_back_an_error_once
             runner.execute = lambda out, launch=reads_back_an_error_once: launch(out).result()
-        ids = [llm.add_request(p, greedy(6)) for p in PROMPTS]
+        ids = [llm.add_request(p, greedy(6, **params)) for p in PROMPTS]
         final, failed = {}, 0
         for _ in range(200):
             if not llm.has_unfinished_requests():

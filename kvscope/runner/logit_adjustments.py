@@ -2,8 +2,8 @@
 ``logit_bias`` and presence, frequency and repetition penalties, applied in vLLM's order.
 
 The settings of a batch's adjusted rows become device tensors once per batch
-(:class:`Adjustments`); the penalties' token counts are built at every step from each row's
-tokens (:data:`HistoryOf`), the newest of which may still be on the device.
+(:class:`Adjustments`); the penalties read each row's prompt tokens and output counts from
+:class:`~kvscope.runner.token_counts.TokenCounts`, which keeps them on the device between steps.
 """
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvscope.runner.token_counts import Upload
 from kvscope.sampling_params import SamplingParams
 
-# A row's tokens for its penalties: its prompt, its outputs on the host, and an output still
-# on the device (a one-element tensor: the step in flight sampled it) or None.
-HistoryOf = Callable[[int], tuple[Sequence[int], Sequence[int], "torch.Tensor | None"]]
-Upload = Callable[[list, torch.dtype], torch.Tensor]  # a host list as a device tensor
+Seen = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # batch rows -> prompt masks, output counts
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
@@ -38,10 +36,11 @@ class Adjustments:
 
     which: list[int]  # the rows, in batch order
     index: torch.Tensor  # int64 [m]: the same rows
-    penalized: list[int]  # those of them with penalties, by position in ``which``
+    penalized: list[int]  # the rows with penalties, in batch order
+    penalized_at: torch.Tensor  # int64 [p]: their positions in ``which``
     allowed: torch.Tensor | None  # bool [m, vocab]: the tokens each may draw (None: no row limits them)
     bias: torch.Tensor | None  # float32 [m, vocab] (None: no row has a logit bias)
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, frequency, presence [m]
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, frequency, presence [p]
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device, upload: Upload) -> "Adjustments":
@@ -57,50 +56,27 @@ class Adjustments:
             rows, tokens = _pairs([list(p.logit_bias or ()) for p in mine])
             values = [float(v) for p in mine for v in (p.logit_bias or {}).values()]
             bias[upload(rows, torch.int64), upload(tokens, torch.int64)] = upload(values, torch.float32)
-        if any(p.penalizes for p in mine):
-            penalties = tuple(upload([float(getattr(p, name)) for p in mine], torch.float32)
+        at = [k for k, p in enumerate(mine) if p.penalizes]
+        if at:
+            penalties = tuple(upload([float(getattr(mine[k], name)) for k in at], torch.float32)
                               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
-        penalized = [k for k, p in enumerate(mine) if p.penalizes]
-        return cls(which, upload(which, torch.int64), penalized, allowed, bias, penalties)
+        return cls(which, upload(which, torch.int64), [which[k] for k in at], upload(at, torch.int64),
+                   allowed, bias, penalties)
 
-    def apply(self, logits: torch.Tensor, history_of: HistoryOf | None, upload: Upload) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
         """float32 ``logits`` with these rows adjusted (a new tensor): tokens outside their
-        allowed set at -inf, then the bias added, then the penalties (vLLM's order). Without
-        ``history_of``, a row has no tokens yet."""
+        allowed set at -inf, then the bias added, then the penalties on the tokens ``seen``
+        gives for the penalized rows (vLLM's order). Without ``seen``, a row has no tokens yet
+        and its penalties change nothing."""
         rows = logits[self.index]
         if self.allowed is not None:
             rows = rows.masked_fill(~self.allowed, float("-inf"))
         if self.bias is not None:
             rows = rows + self.bias
-        if self.penalties is not None:
-            rows = apply_penalties(rows, *self._seen(rows.shape, history_of, upload), *self.penalties)
+        if self.penalties is not None and seen is not None:
+            at = self.penalized_at
+            rows = rows.index_put((at,), apply_penalties(rows[at], *seen(self.penalized), *self.penalties))
         return logits.index_put((self.index,), rows)
-
-    def _seen(self, shape: torch.Size, history_of: HistoryOf | None, upload: Upload
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's prompt tokens (a mask) and output tokens (counts), the one still on the
-        device included."""
-        device = self.index.device
-        prompt_mask = torch.zeros(shape, dtype=torch.bool, device=device)
-        counts = torch.zeros(shape, dtype=torch.float32, device=device)
-        if history_of is None:
-            return prompt_mask, counts
-        prompts: list[Sequence[int]] = [()] * len(self.which)
-        outputs: list[Sequence[int]] = [()] * len(self.which)
-        pending_rows, pending = [], []
-        for k in self.penalized:
-            prompts[k], outputs[k], in_flight = history_of(self.which[k])
-            if in_flight is not None:
-                pending_rows.append(k)
-                pending.append(in_flight.reshape(1))
-        rows, tokens = _pairs(prompts)
-        prompt_mask[upload(rows, torch.int64), upload(tokens, torch.int64)] = True
-        one = torch.ones((), device=device)
-        rows, tokens = _pairs(outputs)
-        counts.index_put_((upload(rows, torch.int64), upload(tokens, torch.int64)), one, accumulate=True)
-        if pending:
-            counts.index_put_((upload(pending_rows, torch.int64), torch.cat(pending)), one, accumulate=True)
-        return prompt_mask, counts
 
 
 def _pairs(per_row: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

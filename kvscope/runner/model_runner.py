@@ -19,7 +19,9 @@ import torch.distributed as dist
 from kvscope.config import EngineConfig
 from kvscope.distributed.parallel_state import tp_all_reduce, tp_broadcast_from_rank0
 from kvscope.engine.executor import DoneStep, StepHandle, StepResult
-from kvscope.engine.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
+from kvscope.engine.scheduler_output import (
+    PLACEHOLDER, DecodeRows, ScheduledRequest, SchedulerOutput, TokenHistory,
+)
 from kvscope.forward_context import forward_context
 from kvscope.kernels.base import AttentionMetadata
 from kvscope.kernels.select import select_backend
@@ -34,6 +36,7 @@ from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
 from kvscope.runner.prompt_logprobs import PromptLogprobs, prompt_positions
 from kvscope.runner.sampler import DeviceSample, Sampler
+from kvscope.runner.token_counts import Histories
 from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -232,16 +235,22 @@ class ModelRunner:
     def _dummy_sampling(self) -> None:
         """Penalties, min-p, top-k, top-p and 20 log-probs (vLLM's default cap,
         ``max_logprobs``) on every row a step can sample: float32 copies, masks, a softmax and a
-        sort of ``[rows, vocab]``. A sampler of its own draws, so the engine's random streams are
-        untouched."""
+        sort of ``[rows, vocab]``, and the penalties' token counts of as many sequences. A
+        sampler of its own draws, so the engine's random streams are untouched."""
         rows = self.max_rows
         hidden = self._dummy_hidden()
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(20, self.vocab_size),
                                 presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
+        one_token = TokenHistory([0], 1)
+
+        def history_of(which: list[int]) -> Histories:
+            return Histories(which, [one_token] * len(which), [], None)
+
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden)
             if logits is not None:  # (tensor parallelism: rank 0 samples)
-                Sampler(self.config.seed, self.device).sample(logits, [params] * rows, list(range(rows)))
+                Sampler(self.config.seed, self.device).sample(logits, [params] * rows, list(range(rows)),
+                                                              history_of=history_of)
 
     def _compile_step_kinds(self) -> None:
         """A short and the longest fresh prefill (the kernels pick tiles by prompt length) and a
@@ -422,6 +431,7 @@ class ModelRunner:
         those tokens, as they stand. A steady step right after a graph step is not packed at
         all: the graph's inputs move on by one on the device (:meth:`_advance`)."""
         table_rows = self.block_tables.update(out)
+        self.sampler.token_counts.forget(out.finished_seq_ids)
         step = self._advance(out, table_rows)
         if step is None:
             step = self._pack(out, table_rows)
@@ -573,15 +583,21 @@ class ModelRunner:
         def stop_token_ids_of(i: int) -> frozenset[int]:
             return rows[i].all_stop_token_ids
 
-        def history_of(i: int) -> tuple[list[int], list[int], torch.Tensor | None]:
-            """A penalized row's tokens; its output in flight (async scheduling) is its
-            placeholder input, which the last step sampled on the device."""
-            row, history = rows[i], rows[i].history
-            in_flight = None
-            if row.token_ids[-1] == PLACEHOLDER:
-                j = int(self._sample_row[table_rows[i]])
-                in_flight = self._last_sample[j:j + 1]
-            return history.prompt, history.outputs, in_flight
+        # (A steady step's rows are made only when read; its requests carry the same histories.)
+        source = rows.reqs if type(rows) is DecodeRows else rows
+
+        def history_of(which: list[int]) -> Histories:
+            """Penalized rows' tokens. A row whose output index is past its known outputs has
+            that output in flight (async scheduling): the last step sampled it on the device."""
+            picked = [source[i] for i in which]
+            histories = [r.history for r in picked]
+            flying = [k for k, (i, h) in enumerate(zip(which, histories))
+                      if index[i] > len(h.token_ids) - h.num_prompt_tokens]
+            tokens = None
+            if flying:
+                at = self._sample_row[table_rows[[which[k] for k in flying]]]
+                tokens = self._last_sample[torch.from_numpy(at).to(self._last_sample.device)]
+            return Histories([r.seq_id for r in picked], histories, flying, tokens)
 
         try:
             return self.sampler.sample(logits, params, index, stop_token_ids_of, history_of), {}

@@ -34,7 +34,8 @@ import torch
 
 from kvscope.kernels.fused import sampling_kernels
 from kvscope.outputs import Logprob
-from kvscope.runner.logit_adjustments import Adjustments, HistoryOf
+from kvscope.runner.logit_adjustments import Adjustments
+from kvscope.runner.token_counts import HistoryOf, TokenCounts
 from kvscope.sampling_params import ADJUSTED, MASKED, SEEDED, SamplingParams
 
 
@@ -223,6 +224,9 @@ class Sampler:
         self._captured: _CapturedDraws | None = None  # made by enable_captured_draws
         # On CUDA the tokens come back through reused pinned memory; on CPU they are already there.
         self.readback = HostReadback(pin=True) if device.type == "cuda" else None
+        # The penalized sequences' prompt masks and output counts, kept between steps; the
+        # runner forgets each sequence once it finishes.
+        self.token_counts = TokenCounts(device, self._tensor)
 
     def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
         """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
@@ -273,8 +277,8 @@ class Sampler:
 
         A row short of its ``min_tokens`` never draws one of ``stop_token_ids_of(row)`` (as with
         vLLM's min-tokens logits processor); its log-probs stay those of the model, as they do
-        for an adjusted row, whose penalties read its tokens from ``history_of(row)`` (see
-        :data:`~kvscope.runner.logit_adjustments.HistoryOf`; without it, a row has none yet)."""
+        for an adjusted row, whose penalties read its tokens from ``history_of(rows)`` (see
+        :data:`~kvscope.runner.token_counts.HistoryOf`; without it, a row has none yet)."""
         tokens, logprob_parts = self._draw(logits, params, output_index, stop_token_ids_of, history_of)
         return DeviceSample(tokens, params, logprob_parts, self.readback)
 
@@ -295,7 +299,7 @@ class Sampler:
             row = logits[i:i + 1]
             try:
                 drawn.append(self._draw(row, [params[i]], [output_index[i]], lambda _, i=i: stop_token_ids_of(i),
-                                        None if history_of is None else lambda _, i=i: history_of(i)))
+                                        None if history_of is None else lambda _, i=i: history_of([i])))
             except Exception as exc:
                 failed[i], params[i] = exc, fallback
                 drawn.append(self._draw(row, [fallback], [output_index[i]]))
@@ -430,10 +434,12 @@ class Sampler:
     def _adjusted(self, logits: torch.Tensor, rows: "_Rows", history_of: HistoryOf | None) -> torch.Tensor:
         """float32 ``logits`` with the adjusted rows' allowed tokens, logit bias and penalties
         applied (:mod:`kvscope.runner.logit_adjustments`); their settings go to the device once
-        per ``_Rows``."""
+        per ``_Rows``, the penalized rows' tokens come from :attr:`token_counts`."""
+        vocab = logits.shape[1]
         if rows.adjustments is None:
-            rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self._tensor)
-        return rows.adjustments.apply(logits, history_of, self._tensor)
+            rows.adjustments = Adjustments.of(rows.params, vocab, logits.device, self._tensor)
+        seen = None if history_of is None else (lambda which: self.token_counts.read(history_of(which), vocab))
+        return rows.adjustments.apply(logits, seen)
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked

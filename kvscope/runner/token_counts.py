@@ -1,0 +1,131 @@
+"""What the penalties read of each penalized sequence, kept on the device from step to step:
+a mask of its prompt's tokens and a count of each output token.
+
+A step adds only the outputs its rows gained since they were last read, so its host work
+grows with its rows, not with their histories (vLLM V1's sampler rebuilds both from token
+lists every step). A sequence's row is made on its first read, from its whole history, and
+kept until the runner forgets the finished sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+Upload = Callable[[list, torch.dtype], torch.Tensor]  # a host list as a device tensor
+
+
+class History(Protocol):
+    """A sequence's tokens as the host knows them: its prompt, then its outputs."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Histories:
+    """Some rows of a batch, as :class:`TokenCounts` reads them."""
+
+    keys: Sequence[int]  # each row's sequence (``seq_id``)
+    histories: Sequence[History]
+    in_flight: Sequence[int]  # the rows (positions here) with one more output, still on the device
+    in_flight_tokens: torch.Tensor | None  # int64 [len(in_flight)]: those outputs (None: no row has one)
+
+
+HistoryOf = Callable[[list[int]], Histories]  # a batch's row numbers -> those rows' tokens
+
+GROWTH = 64  # rows added at a time: the pool is copied whenever it grows
+
+
+class TokenCounts:
+    """Per sequence, a row of the prompt mask (bool) and of the output counts (float32), each
+    ``[rows, vocab]`` on the device. The rows count the outputs the host has
+    (``counted[row]`` of them); an output still in flight is added to the copy a read returns
+    only, so an output lost with a rolled-back step was never counted."""
+
+    def __init__(self, device: torch.device, upload: Upload) -> None:
+        self.device = device
+        self._upload = upload
+        self._mask = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self._counts = torch.zeros(0, 0, dtype=torch.float32, device=device)
+        self._row: dict[int, int] = {}  # sequence -> its row
+        self._counted: list[int] = []  # by row
+        self._free: list[int] = []
+
+    def __len__(self) -> int:
+        """How many sequences have a row."""
+        return len(self._row)
+
+    def read(self, batch: Histories, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``batch``, in its order: their prompt masks and output counts (new
+        tensors), each row updated first with the outputs the host gained since its last read."""
+        if self._mask.shape[1] != vocab:
+            self._resize(0, vocab)
+        rows: list[int] = []
+        fresh: list[int] = []  # rows made now: set from their prompts
+        prompt_rows: list[int] = []
+        prompt_tokens: list[int] = []
+        add_rows: list[int] = []  # outputs not counted yet
+        add_tokens: list[int] = []
+        counted = self._counted
+        for key, h in zip(batch.keys, batch.histories):
+            ids, p = h.token_ids, h.num_prompt_tokens
+            row = self._row.get(key)
+            if row is None:
+                row = self._take(key)
+                fresh.append(row)
+                prompt_rows += [row] * p
+                prompt_tokens += ids[:p]
+                counted[row] = 0
+            n, known = counted[row], len(ids) - p
+            if n < known:
+                add_rows += [row] * (known - n)
+                add_tokens += ids[p + n:]
+                counted[row] = known
+            rows.append(row)
+        up = self._upload
+        if fresh:
+            at = up(fresh, torch.int64)
+            self._mask[at] = False
+            self._counts[at] = 0.0
+            self._mask[up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64)] = True
+        one = torch.ones((), device=self.device)
+        if add_rows:
+            self._counts.index_put_((up(add_rows, torch.int64), up(add_tokens, torch.int64)), one, accumulate=True)
+        at = up(rows, torch.int64)
+        mask, counts = self._mask[at], self._counts[at]
+        if batch.in_flight:
+            counts.index_put_((up(list(batch.in_flight), torch.int64), batch.in_flight_tokens), one, accumulate=True)
+        return mask, counts
+
+    def forget(self, keys: Sequence[int]) -> None:
+        """Free the rows of these sequences (finished ones); unknown keys are ignored."""
+        for key in keys:
+            row = self._row.pop(key, None)
+            if row is not None:
+                self._free.append(row)
+
+    def _take(self, key: int) -> int:
+        """A free row for ``key``, growing the pool when none is left."""
+        if not self._free:
+            self._resize(self._mask.shape[0] + GROWTH, self._mask.shape[1])
+        row = self._row[key] = self._free.pop()
+        return row
+
+    def _resize(self, rows: int, vocab: int) -> None:
+        """Make the pool ``rows`` × ``vocab``, keeping its rows when ``vocab`` is the same (a
+        new vocabulary forgets every row). ``_counted`` changes in place: ``read`` holds it."""
+        mask = torch.zeros(rows, vocab, dtype=torch.bool, device=self.device)
+        counts = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+        if vocab == self._mask.shape[1]:
+            kept = self._mask.shape[0]
+            mask[:kept] = self._mask
+            counts[:kept] = self._counts
+            self._counted += [0] * (rows - kept)
+        else:
+            self._row.clear()
+            self._counted[:] = [0] * rows
+        self._mask, self._counts = mask, counts
+        taken = set(self._row.values())
+        self._free = [r for r in range(rows - 1, -1, -1) if r not in taken]
