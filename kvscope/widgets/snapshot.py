@@ -27,24 +27,47 @@ STEP_FIELDS = (
 )
 
 
-class StepSeries:
-    """Per-step summary columns (``STEP_FIELDS`` of ``trace.steps``) as growing lists.
+# The timeline's per-step columns, in the order ``StepSeries`` keeps their bins.
+TIMELINE_COLUMNS = (
+    "step", "prefill_tokens", "decode_tokens", "kv_usage_pct", "prefix_hit_pct", "preemptions", "latency_ms",
+)
 
-    Read from ``trace.steps`` once; a live dashboard then feeds it each record its trace
-    listener receives (:meth:`add`: one append in the engine's thread), so an update costs
-    the new steps only instead of a rebuild of ``trace.steps``.
+
+class StepSeries:
+    """Per-step summary of a trace at a cost that does not grow with the run.
+
+    Two parts, both fed from ``trace.steps`` once and then by each record a live dashboard's
+    trace listener receives (:meth:`add`: one append in the engine's thread; :meth:`sync`
+    takes them in), so an update costs the new steps only:
+
+    * the rows (``STEP_FIELDS``) of the newest ``max_rows`` steps (default: the recording's
+      ``max_steps``, the most steps its ring buffer holds, so every step a view can show);
+    * the timeline's columns (``TIMELINE_COLUMNS``) over every step seen, as sums over bins of
+      ``width`` consecutive steps from the first, ``width`` the smallest power of two that
+      needs at most ``max_points`` bins. When the bins are full, neighbours merge in pairs, so
+      a long live run keeps at most ``max_points`` bins and every bin still covers whole,
+      aligned steps (what :func:`kvscope.widgets.views.timeline_frame` averages).
     """
 
-    def __init__(self, trace: Any) -> None:
+    def __init__(self, trace: Any, max_points: int = 1500, max_rows: int | None = None) -> None:
         self.trace = trace
+        self.max_points = int(max_points)
+        self.max_rows = max_rows if max_rows is not None else trace.meta.get("max_steps")
         self._columns: dict[str, list] | None = None
         self._pending: deque = deque()
+        self._sums = np.zeros((self.max_points, len(TIMELINE_COLUMNS)))
+        self._counts = np.zeros(self.max_points, np.int64)
+        self._num_bins, self.width = 0, 1
+        self._queries = self._hits = 0  # prefix-cache totals so far (the hit rate is cumulative)
 
     @property
     def columns(self) -> dict[str, list]:
+        """The held rows' ``STEP_FIELDS``, oldest first."""
         if self._columns is None:  # read late, so records added before are not missed
             steps = self.trace.steps
             self._columns = {c: steps[c].tolist() for c in STEP_FIELDS}
+            self._bin_all(steps)
+            self._trim()
         return self._columns
 
     def add(self, record: Any) -> None:
@@ -52,23 +75,87 @@ class StepSeries:
         self._pending.append(record)
 
     def sync(self) -> None:
-        steps = self.columns["step"]
+        columns = self.columns
+        steps, new = columns["step"], []
         while self._pending:
             rec = self._pending.popleft()
             if not steps or rec.step > steps[-1]:  # skip steps read from trace.steps already
                 for c in STEP_FIELDS:
-                    self.columns[c].append(getattr(rec, c))
+                    columns[c].append(getattr(rec, c))
+                new.append(rec)
+        if new:
+            for values in self._values({c: np.array([getattr(r, c) for r in new]) for c in STEP_FIELDS}):
+                self._bin_one(values)
+        self._trim()
 
     @property
     def last_step(self) -> int | None:
         return self.columns["step"][-1] if self.columns["step"] else None
 
     def row(self, step: int) -> dict[str, Any]:
-        i = bisect.bisect_left(self.columns["step"], step)
-        return {c: v[i] for c, v in self.columns.items()}
+        """The ``STEP_FIELDS`` of ``step``; a step older than the held rows is read from ``trace.steps``."""
+        steps = self.columns["step"]
+        i = bisect.bisect_left(steps, step)
+        if i < len(steps) and steps[i] == step:
+            return {c: v[i] for c, v in self.columns.items()}
+        df = self.trace.steps
+        return {c: v.item() if hasattr(v, "item") else v for c, v in df.loc[df["step"] == step, list(STEP_FIELDS)].iloc[0].items()}
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {c: np.asarray(v, dtype=float) for c, v in self.columns.items()}
+    def bins(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(sums, counts)``: per bin (oldest first), the sums of ``TIMELINE_COLUMNS`` over its steps, and how many."""
+        self.columns  # (the bins are built with the rows)
+        n = self._num_bins
+        return self._sums[:n].copy(), self._counts[:n].copy()
+
+    def _values(self, fields: dict[str, np.ndarray]) -> np.ndarray:
+        """``TIMELINE_COLUMNS`` of consecutive steps after those seen, one row per step."""
+        queries = self._queries + np.cumsum(fields["prefix_cache_queries"], dtype=np.int64)
+        hits = self._hits + np.cumsum(fields["prefix_cache_hits"], dtype=np.int64)
+        if len(queries):
+            self._queries, self._hits = int(queries[-1]), int(hits[-1])
+        queries, hits = queries.astype(float), hits.astype(float)
+        return np.stack([
+            np.asarray(fields["step"], float), np.asarray(fields["num_prefill_tokens"], float),
+            np.asarray(fields["num_decode_tokens"], float), 100 * np.asarray(fields["kv_cache_usage_perc"], float),
+            np.divide(100 * hits, queries, out=np.full_like(hits, np.nan), where=queries > 0),
+            np.asarray(fields["num_preemptions"], float), 1000 * np.asarray(fields["duration_s"], float),
+        ], axis=1)
+
+    def _bin_all(self, steps: pd.DataFrame) -> None:
+        """Bin every step of ``trace.steps`` at once (a replay's whole run)."""
+        n = len(steps)
+        if not n:
+            return
+        values = self._values({c: steps[c].to_numpy() for c in STEP_FIELDS})
+        while -(-n // self.width) > self.max_points:
+            self.width *= 2
+        starts = np.arange(0, n, self.width)
+        self._num_bins = len(starts)
+        self._sums[:len(starts)] = np.add.reduceat(values, starts, axis=0)
+        self._counts[:len(starts)] = np.diff(np.append(starts, n))
+
+    def _bin_one(self, values: np.ndarray) -> None:
+        """Add one step's values to the newest bin, or open a new one (merging the bins in pairs when all are full)."""
+        n = self._num_bins
+        if n == 0 or self._counts[n - 1] == self.width:
+            if n == self.max_points:
+                pairs = np.arange(0, n, 2)
+                self._sums[:len(pairs)] = np.add.reduceat(self._sums[:n], pairs, axis=0)
+                self._counts[:len(pairs)] = np.add.reduceat(self._counts[:n], pairs)
+                self._sums[len(pairs):n], self._counts[len(pairs):n] = 0, 0
+                n, self.width = len(pairs), 2 * self.width
+            if n == 0 or self._counts[n - 1] == self.width:  # (an odd bin count leaves the last one half full)
+                n += 1
+            self._num_bins = n
+        self._sums[n - 1] += values
+        self._counts[n - 1] += 1
+
+    def _trim(self) -> None:
+        """Drop the oldest rows past ``max_rows`` (a slice at a time, so a step costs O(1) on average)."""
+        columns = self._columns
+        if self.max_rows is not None and len(columns["step"]) > 2 * self.max_rows:
+            for v in columns.values():
+                del v[:-self.max_rows]
 
 
 class StepData:

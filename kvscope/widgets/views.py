@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 from kvscope.arg_checks import is_index
 from kvscope.widgets import snapshot
 from kvscope.widgets.pool_sync import KEYFRAME, PoolSync, PoolUpdate
-from kvscope.widgets.snapshot import StepData, StepSeries
+from kvscope.widgets.snapshot import TIMELINE_COLUMNS, StepData, StepSeries
 
 STATIC = resources.files("kvscope.widgets") / "static"
 CSS = (STATIC / "style.css").read_text()
@@ -205,24 +205,19 @@ TIMELINE_SERIES = (  # (column of timeline_frame, label, subplot row, secondary 
 
 
 def timeline_frame(series: StepSeries, max_points: int = 1500) -> dict[str, np.ndarray]:
-    """Per-step series of the timeline, averaged into at most ``max_points`` bins."""
-    s = series.arrays()
-    queries, hits = s["prefix_cache_queries"].cumsum(), s["prefix_cache_hits"].cumsum()
-    cols = {
-        "step": s["step"],
-        "prefill_tokens": s["num_prefill_tokens"],
-        "decode_tokens": s["num_decode_tokens"],
-        "kv_usage_pct": 100 * s["kv_cache_usage_perc"],
-        "prefix_hit_pct": np.divide(100 * hits, queries, out=np.full_like(hits, np.nan), where=queries > 0),
-        "preemptions": s["num_preemptions"],
-        "latency_ms": 1000 * s["duration_s"],
-    }
-    n = len(cols["step"])
-    if n > max_points:
-        starts = np.arange(0, n, -(-n // max_points))
-        counts = np.diff(np.append(starts, n))
-        cols = {k: np.add.reduceat(v, starts) / counts for k, v in cols.items()}
-    return cols
+    """The timeline's per-step columns, averaged over bins of consecutive steps: one point per
+    step up to ``max_points`` steps; beyond, bins of a power-of-two width from the first step, the
+    narrowest that needs at most ``max_points`` (at most the series' own ``max_points``: its bins
+    are merged, never split), so a point means the same whether the run is live or replayed."""
+    sums, counts = series.bins()
+    width = 1
+    while -(-len(counts) // width) > max_points:
+        width *= 2
+    if width > 1:
+        starts = np.arange(0, len(counts), width)
+        sums, counts = np.add.reduceat(sums, starts, axis=0), np.add.reduceat(counts, starts)
+    means = sums / counts[:, None] if len(counts) else sums
+    return {c: means[:, i] for i, c in enumerate(TIMELINE_COLUMNS)}
 
 
 def timeline_figure(trace: Any | None = None, height: int = 420) -> go.Figure:
