@@ -80,8 +80,9 @@ def raw_stream(serve: Callable | None = None, **kw) -> Iterator[tuple]:
 @contextlib.contextmanager
 def mute_and_good(replay_timeout: float) -> Iterator[tuple]:
     """Two publishers attached as "bad" and "good": a bare PUB socket whose replay socket takes
-    requests and never answers, and a real publisher. Yields ``(raw, att, good)`` once both
-    subscriptions are live (the good one's batch 0 applied)."""
+    requests and never answers, and a real publisher. Yields ``(raw, att, good, mute)`` once both
+    subscriptions are live (the good one's batch 0 applied); ``mute`` is the bare ROUTER replay
+    socket, where the test can read the requests that go unanswered."""
     import zmq
 
     import kvscope
@@ -97,7 +98,7 @@ def mute_and_good(replay_timeout: float) -> Iterator[tuple]:
         try:
             wait_for(lambda: probed(raw, att), what="subscription")
             wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
-            yield raw, att, good
+            yield raw, att, good, mute
         finally:
             att.close()
             raw.close(linger=0)

@@ -545,12 +545,13 @@ def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
 
 
 def test_a_stream_left_unread_while_another_replays_is_not_probed():
-    """One publisher's gaps wait on a replay socket that never answers, two seconds in all; the
-    other's batches meanwhile wait unread. It lost nothing: no gap, replay or duplicate shows."""
-    with mute_and_good(replay_timeout=0.5) as (raw, att, good):
+    """One publisher's gaps wait on a replay socket that never answers, two seconds in all, while
+    the other publishes. The other lost nothing: no gap, replay or duplicate shows (its batches
+    keep being read; a stream left unread a while, behind a slow listener, is not taken for quiet)."""
+    with mute_and_good(replay_timeout=0.5) as (raw, att, good, _):
         for seq in (2, 4, 6, 8):  # four gaps, half a second each
             raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
-        time.sleep(0.2)  # the thread is in the first of those replays, so what follows waits unread
+        time.sleep(0.2)  # the first of those replays waits
         for i in range(1, 21):
             last = good.publish([stored([i], None, [1, 2], 2)])
             time.sleep(0.05)
@@ -562,9 +563,8 @@ def test_a_stream_left_unread_while_another_replays_is_not_probed():
 
 def test_a_stream_whose_replays_time_out_does_not_starve_the_others():
     """Twenty gaps queue up on one publisher whose replay socket never answers (ten seconds of
-    waiting in all); a batch the other publisher sends meanwhile applies within about one of those
-    waits, not after all of them."""
-    with mute_and_good(replay_timeout=0.5) as (raw, att, good):
+    waiting in all); a batch the other publisher sends meanwhile applies at once, not after them."""
+    with mute_and_good(replay_timeout=0.5) as (raw, att, good, _):
         gaps = 20
         for seq in range(2, 2 * gaps + 2, 2):
             raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [], 0)])
@@ -574,6 +574,34 @@ def test_a_stream_whose_replays_time_out_does_not_starve_the_others():
                  what="the good publisher's batch")
         assert time.monotonic() - start < 2.0
         assert att.block_hashes("good") == {0, 1} and att.streams[0].faults["gaps"] < gaps
+
+
+@pytest.mark.parametrize("ask", ["idle probe", "gap"])
+def test_a_replay_that_gets_no_answer_holds_up_no_other_stream(ask):
+    """A replay socket that takes requests and never answers, under a replay timeout of 30 s:
+    while the request waits, the other publisher's batches apply at once; the stream that asked
+    waits for its answer only to fill a gap (an idle probe gives way to its next live batch); and
+    close() ends the subscriber thread promptly, the answer still pending."""
+    with mute_and_good(replay_timeout=30.0) as (raw, att, good, mute):
+        if ask == "gap":
+            raw.send_multipart([b"kv-events", seq_bytes(2), Codec().encode(1.0, [], 0)])  # 1 is missing
+        assert mute.poll(5000), f"the {ask}'s replay request"
+        assert mute.recv_multipart()[2] == seq_bytes(1)
+        start = time.monotonic()
+        wait_for(applied(att, "good", good.publish([stored([1], None, [1, 2], 2)])), timeout=10,
+                 what="the good publisher's batch")
+        assert time.monotonic() - start < 2.0, "the good publisher's batch waited for the other's replay"
+        if ask == "idle probe":
+            raw.send_multipart([b"kv-events", seq_bytes(1), Codec().encode(1.0, [stored([7], None, [1], 1)], 0)])
+            wait_for(applied(att, "bad", 1), timeout=10, what="the probed stream's next batch")
+            assert time.monotonic() - start < 4.0, "the probed stream's batch waited for the probe's answer"
+            assert att.block_hashes("bad") == {7}
+            f = att.streams[0].faults
+            assert (f["gaps"], f["missed_batches"], f["lost_batches"]) == (0, 0, 0)
+        assert att.block_hashes("good") == {0, 1}
+        closing = time.monotonic()
+        att.close()
+        assert time.monotonic() - closing < 2.0 and not att._subscriber._thread.is_alive()
 
 
 def test_gap_without_replay_socket_is_counted_lost():

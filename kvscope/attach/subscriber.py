@@ -25,16 +25,26 @@ is checked against the next one expected from that publisher:
   meanwhile come back through replay like any gap (without a replay socket they are lost). A replay answer cut short the same way is asked
   for again, past the batch that cannot come through.
 
+A replay never blocks the thread: it runs as a task of its stream (a generator resumed when its
+replay socket has something or its deadline passes), so a replay socket that is dead, mute or
+drops requests delays only the stream that asked it, by at most ``replay_timeout`` per replay. A
+gap's replay holds back that stream's later live batches until it ends (they must apply after
+it); an idle probe gives way to the stream's next live batch, whose own numbers then show any gap.
+The other streams keep being read meanwhile, and ``close()`` ends the thread within one poll
+(:data:`_POLL_MS`), plus what a listener running at that moment takes (waited for
+:data:`_CLOSE_WAIT_S` at most).
+
 Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
 """
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 from kvscope.attach._deps import require
 from kvscope.attach.wire import END_SEQ, Batch, Codec, WireError, seq_bytes, split_frames
@@ -54,7 +64,7 @@ FAULTS: tuple[str, ...] = (
     "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
 )
 
-_POLL_MS = 100  # the longest the thread waits on a socket before it checks for close()
+_POLL_MS = 100  # the longest the thread waits on its sockets before it checks for close()
 _CLOSE_WAIT_S = 2.0  # how long close() waits for a listener to return (the thread then closes its sockets itself)
 _RETRY_WAIT_MS = 50  # ZMQ reports its retry right after any drop it will reconnect from
 _DROP_GRACE_MS = 20  # replies read before a drop reach the socket just after ZMQ reports the drop
@@ -78,6 +88,11 @@ class Stream:
     ahead: deque[int | None] = field(default_factory=deque)
     disconnected: bool = False
     heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
+    # the replay in progress, as a task (see Subscriber._start); while it runs the live socket waits,
+    # unless the task is an idle probe, which a live batch cancels
+    task: Generator[float, None, Any] | None = None
+    wake: float = math.inf  # when the task's deadline passes: it is resumed then if nothing came before
+    probing: bool = False
     sub: Any = None
     replay: Any = None
     monitor: Any = None
@@ -86,6 +101,9 @@ class Stream:
 
 ApplyFn = Callable[[Stream, int, Batch], None]
 ResetFn = Callable[[Stream], None]
+# A replay in progress: a generator that yields the time.monotonic() by which it must be resumed
+# (if its replay socket brings nothing before), and returns what the replay returns.
+Task = Generator[float, None, Any]
 
 
 class Subscriber:
@@ -129,6 +147,7 @@ class Subscriber:
             s.replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             s.replay.connect(s.replay_endpoint)
             s.replay_monitor = s.replay.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._by_socket[s.replay] = s  # polled only while a task of the stream waits on it
         for sock in (s.sub, s.monitor, s.replay_monitor):
             if sock is not None:
                 self._poller.register(sock, zmq.POLLIN)
@@ -137,9 +156,10 @@ class Subscriber:
     def close(self) -> None:
         """Stop the thread, which closes the sockets itself (ZMQ sockets are not thread-safe).
 
-        Waits for it (a pending replay gives up at once; a listener still running, a bounded
-        while), except from the thread itself (a listener): the sockets close once the listener
-        returns. Closing twice is harmless."""
+        Waits for it (a pending replay gives up at once: the thread never waits on one longer than
+        :data:`_POLL_MS`; a listener still running, :data:`_CLOSE_WAIT_S` at most), except from the
+        thread itself (a listener): the sockets close once the listener returns. Closing twice is
+        harmless."""
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=_CLOSE_WAIT_S)
@@ -165,21 +185,34 @@ class Subscriber:
         zmq = self._zmq
         while not self._stop.is_set():
             now = time.monotonic()
+            wait = _POLL_MS
             for s in self.streams:
-                if s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
+                if s.task is not None:
+                    if now >= s.wake:
+                        self._resume(s)
+                    if s.task is not None:
+                        wait = min(wait, math.ceil((s.wake - now) * 1000))
+                elif s.replay is not None and s.next_seq is not None and now - s.heard > self.idle_probe:
                     s.heard = now
-                    if not s.sub.poll(0):  # batches waiting: not quiet, only unread while another stream replayed
-                        self._probe_tail(s)
-            for sock, _ in self._poller.poll(_POLL_MS):
+                    if not s.sub.poll(0):  # batches waiting: not quiet, only unread for a while (a listener)
+                        self._start(s, self._probe_tail(s), probing=True)
+            for sock, _ in self._poller.poll(max(wait, 0)):
                 s = self._by_socket[sock]
                 if sock is s.monitor:
                     self._on_sub_events(s)
                     continue
-                if sock is s.replay_monitor:
-                    self._replay_dropped(s)
-                    continue
-                # drain in bursts bounded in count and time (a gap may wait out a replay timeout), so
-                # one busy or stuck publisher cannot starve the others
+                if sock is s.replay or sock is s.replay_monitor:
+                    if s.task is not None:
+                        self._resume(s)
+                    elif sock is s.replay_monitor:
+                        self._replay_dropped(s)
+                    continue  # (the replay socket of a task that ended in this round: nothing to read)
+                if s.task is not None:
+                    if not s.probing:  # (a gap's replay began in this round)
+                        continue
+                    self._cancel(s)  # the stream speaks again: its live numbers show any gap
+                # drain in bursts bounded in count and time (a listener may be slow), so one busy
+                # publisher cannot starve the others
                 burst_end = time.monotonic() + _POLL_MS / 1000
                 for _ in range(1000):
                     if self._stop.is_set():
@@ -188,10 +221,42 @@ class Subscriber:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                     except zmq.Again:
                         break
-                    self._on_message(s, frames)
+                    task = self._on_message(s, frames)
                     s.heard = time.monotonic()
-                    if s.heard > burst_end:
+                    if (task is not None and self._start(s, task)) or s.heard > burst_end:
                         break
+
+    # ------------------------------------------------------- replay tasks
+    def _start(self, s: Stream, task: Task, probing: bool = False) -> bool:
+        """Run ``task`` until it first waits; True if it waits (it is then the stream's task, resumed
+        by the loop when its replay socket has something or its deadline passes)."""
+        try:
+            s.wake = next(task)
+        except StopIteration:
+            return False
+        s.task, s.probing = task, probing
+        self._poller.register(s.replay, self._zmq.POLLIN)
+        if not probing:  # a gap's replay: the live batches after it wait until it ends
+            self._poller.unregister(s.sub)
+        return True
+
+    def _resume(self, s: Stream) -> None:
+        try:
+            s.wake = s.task.send(None)
+        except StopIteration:
+            self._end_task(s)
+
+    def _end_task(self, s: Stream) -> None:
+        self._poller.unregister(s.replay)
+        if not s.probing:
+            self._poller.register(s.sub, self._zmq.POLLIN)
+        s.task, s.wake, s.probing = None, math.inf, False
+
+    def _cancel(self, s: Stream) -> None:
+        """Give up the stream's task; its answer, still to come, goes to the old connection."""
+        s.task.close()
+        self._end_task(s)
+        self._reconnect(s.replay, s.replay_endpoint)
 
     def _events(self, monitor: Any) -> list[int]:
         """The events a socket monitor holds now."""
@@ -244,14 +309,15 @@ class Subscriber:
             pass
         sock.connect(endpoint)
 
-    def _on_message(self, s: Stream, frames: list[bytes]) -> None:
+    def _on_message(self, s: Stream, frames: list[bytes]) -> Task | None:
+        """Handle one live message; a task, not yet started, if it needs a replay first."""
         try:
             topic, seq, payload = split_frames(frames)
         except WireError as exc:
             s.faults[exc.kind] += 1
-            return
+            return None
         if topic != self.topic:  # ZMQ subscribes by prefix: "kv-events-b" is another stream, with its own numbers
-            return
+            return None
         restarted = s.last_live is not None and seq <= s.last_live
         mismatched = not (restarted or s.disconnected) and self._contradicts_replay(s, seq, payload)
         if restarted or s.disconnected or mismatched:
@@ -265,20 +331,26 @@ class Subscriber:
         s.last_live = seq
         if s.next_seq is None:
             if seq > 0 and s.replay is not None:
-                self._replay(s, 0, seq)  # joined late: what the publisher still buffers
-            if s.next_seq is not None:  # from the first batch replay returned on, what it left out was lost
-                s.faults["lost_batches"] += seq - s.next_seq
-            s.next_seq = seq
+                return self._replay_then_apply(s, 0, seq, payload)  # joined late: what the publisher still buffers
         elif seq < s.next_seq:
             s.faults["duplicate_batches"] += 1
-            return
+            return None
         elif seq > s.next_seq:
             s.faults["gaps"] += 1
             s.faults["missed_batches"] += seq - s.next_seq
-            self._replay(s, s.next_seq, seq)
-            s.faults["lost_batches"] += seq - s.next_seq
-            s.next_seq = seq
+            return self._replay_then_apply(s, s.next_seq, seq, payload)
         self._apply(s, seq, payload)
+        return None
+
+    def _replay_then_apply(self, s: Stream, start: int, seq: int, payload: bytes) -> Task:
+        """The task of a live batch ``seq`` that follows a gap (or a late join, from 0): replay the
+        batches before it, then apply it. From the first batch replay returned on, what it left out
+        was lost."""
+        yield from self._replay(s, start, seq)
+        if s.next_seq is not None:
+            s.faults["lost_batches"] += seq - s.next_seq
+        self._apply(s, seq, payload)
+        s.heard = time.monotonic()
 
     def _contradicts_replay(self, s: Stream, seq: int, payload: bytes) -> bool:
         """Whether live batch ``seq`` is one the idle probe's replay gave (or skipped) differently: the
@@ -306,18 +378,21 @@ class Subscriber:
             return False
         return True
 
-    def _probe_tail(self, s: Stream) -> None:
-        """Ask replay for batches after the last one applied; any that come back were dropped live."""
+    def _probe_tail(self, s: Stream) -> Task:
+        """The idle probe's task: ask replay for batches after the last one applied; any that come
+        back were dropped live (counted so even if a live batch cancels the task midway)."""
         before = s.next_seq
-        if not self._replay(s, before, sys.maxsize, contiguous=True):
-            s.heard = float("inf")  # no full answer (the publisher is gone?): probe again only after it speaks
-        if s.next_seq > before:
-            s.faults["gaps"] += 1
-            s.faults["missed_batches"] += s.next_seq - before
+        try:
+            if not (yield from self._replay(s, before, sys.maxsize, contiguous=True)):
+                s.heard = math.inf  # no full answer (the publisher is gone?): probe again only after it speaks
+        finally:
+            if s.next_seq > before:
+                s.faults["gaps"] += 1
+                s.faults["missed_batches"] += s.next_seq - before
 
-    def _replay(self, s: Stream, start: int, end: int, contiguous: bool = False) -> bool:
-        """Apply the batches ``start <= seq < end`` that the publisher's replay socket returns;
-        False if it did not finish its answer within ``replay_timeout``.
+    def _replay(self, s: Stream, start: int, end: int, contiguous: bool = False) -> Generator[float, None, bool]:
+        """(A task's part.) Apply the batches ``start <= seq < end`` that the publisher's replay socket
+        returns; False if it did not finish its answer within ``replay_timeout``.
 
         A batch the answer skips (past the publisher's buffer, or dropped by its high-water mark)
         is counted lost, except before the first one returned to a stream that is joining.
@@ -342,15 +417,18 @@ class Subscriber:
         if not self._ask(s, owed):
             return False
         deadline = time.monotonic() + self.replay_timeout
-        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-            if not sock.poll(min(int(left * 1000) + 1, _POLL_MS)):  # in slices, so close() need not wait
+        while deadline > time.monotonic():
+            if not sock.poll(0):
                 # asked only when no reply waits: the replies read before a drop reach us after ZMQ reports it
+                if not (s.replay_monitor.poll(0) and not sock.poll(_DROP_GRACE_MS)):
+                    yield deadline
+                    continue
                 if self._replay_dropped(s):  # the rest of the answer went with the connection: ask again
                     if owed >= end:  # all that was asked for came; what broke the connection lies past it
                         return True
                     if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
                         if not known:  # the answer's first batch, whose number it never showed
-                            owed = self._bisect_stuck(s, owed, end, deadline)
+                            owed = yield from self._bisect_stuck(s, owed, end, deadline)
                         # lost, if a later batch comes: counted as any hole is
                         owed, stuck, known, skipped = owed + 1, None, True, skipped + 1
                     else:
@@ -381,7 +459,7 @@ class Subscriber:
         self._reconnect(sock, s.replay_endpoint)
         return False
 
-    def _bisect_stuck(self, s: Stream, lo: int, hi: int, deadline: float) -> int:
+    def _bisect_stuck(self, s: Stream, lo: int, hi: int, deadline: float) -> Generator[float, None, int]:
         """The number of the batch over the size limit that an answer from ``lo`` drops at before
         any reply (the first one the publisher still buffers: a join asks from 0).
 
@@ -390,27 +468,23 @@ class Subscriber:
         per number (a join would walk from 0 to the publisher's buffer, and time out)."""
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            drops = self._drops_first(s, mid, deadline)
+            drops = yield from self._drops_first(s, mid, deadline)
             if drops is None:
                 break
             lo, hi = (mid, hi) if drops else (lo, mid)
         return lo
 
-    def _drops_first(self, s: Stream, start: int, deadline: float) -> bool | None:
+    def _drops_first(self, s: Stream, start: int, deadline: float) -> Generator[float, None, bool | None]:
         """Whether the answer from ``start`` drops the connection before its first reply; None if
         it cannot be asked or says nothing in time. The answer is left unread either way: the
         connection is made again, which discards what ZMQ still holds of it."""
-        zmq = self._zmq
         if not self._ask(s, start):
             return None
-        poller = zmq.Poller()
-        for sock in (s.replay, s.replay_monitor):
-            poller.register(sock, zmq.POLLIN)
-        while not self._stop.is_set() and (left := deadline - time.monotonic()) > 0:
-            ready = dict(poller.poll(min(int(left * 1000) + 1, _POLL_MS)))
-            replied = s.replay in ready
-            if replied or (s.replay_monitor in ready and self._drop_reported(s)):
+        while deadline > time.monotonic():
+            replied = bool(s.replay.poll(0))
+            if replied or self._drop_reported(s):
                 replied = replied or bool(s.replay.poll(_DROP_GRACE_MS))
                 self._reconnect(s.replay, s.replay_endpoint)
                 return not replied
+            yield deadline
         return None
