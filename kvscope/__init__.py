@@ -5,9 +5,9 @@
 from kvscope.config import EngineConfig
 from kvscope.llm import LLM
 from kvscope.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvscope.sampling_params import SamplingParams
+from kvscope.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "EngineConfig",
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics", "Logprob", "EngineConfig",
            "Trace"]
 __version__ = "0.1.0"
 

@@ -79,3 +79,29 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """vLLM's: merge the request's next output into this one, which nobody has read yet.
+
+        ``aggregate`` (``RequestOutputKind.DELTA`` outputs) appends each completion's new text,
+        tokens and log-probs to this one's of the same ``index``, so nothing is lost; otherwise
+        the newer completion replaces it. A completion of an index not here yet is added."""
+        self.finished |= next_output.finished
+        if self.prompt_logprobs is None:  # (a delta carries them once, in the first output)
+            self.prompt_logprobs = next_output.prompt_logprobs
+        for new in next_output.outputs:
+            for i, old in enumerate(self.outputs):
+                if old.index != new.index:
+                    continue
+                if aggregate:
+                    old.text += new.text
+                    old.token_ids = old.token_ids + new.token_ids
+                    if new.logprobs:
+                        old.logprobs = old.logprobs + new.logprobs
+                    old.cumulative_logprob = new.cumulative_logprob
+                    old.finish_reason, old.stop_reason, old.error = new.finish_reason, new.stop_reason, new.error
+                else:
+                    self.outputs[i] = new
+                break
+            else:
+                self.outputs.append(new)

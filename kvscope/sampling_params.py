@@ -1,6 +1,7 @@
 """vLLM-compatible sampling parameters, validated when constructed."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,6 +10,14 @@ from kvscope.arg_checks import check_int, check_seed, is_finite_number, is_int
 
 MASKED, SEEDED, ADJUSTED = 1, 2, 4  # SamplingParams.sampling_flags: top-k/top-p/min-p, a seed, adjusted logits
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed output of a request carries (vLLM's enum, same names and values)."""
+
+    CUMULATIVE = 0  # everything so far, in every output
+    DELTA = 1  # only what is new since the request's last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -23,6 +32,12 @@ class SamplingParams:
 
     ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
     ``max_model_len``), as vLLM's does.
+
+    ``output_kind`` (vLLM's :class:`RequestOutputKind`) says what ``LLM.step()`` reports of the
+    request: everything so far (``CUMULATIVE``), what is new since its last output (``DELTA``;
+    the outputs concatenated are the cumulative final one), or only its final output
+    (``FINAL_ONLY``). ``LLM.generate`` returns final cumulative outputs whatever it says.
+    ``detokenize=False`` leaves the text out (``""``): token ids only, no stop strings.
 
     ``allowed_token_ids`` limits the draw to those tokens and ``logit_bias`` adds its value to
     its tokens' logits. These and the penalties are vLLM's, applied in this order to the logits
@@ -54,11 +69,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # What the sampler must do for such a row (MASKED | SEEDED | ADJUSTED), derived once when
     # built: a batch reads it per row whenever its rows change. (The engine copies and checks
     # each request's params when it is added, so a later change to the caller's object is seen.)
     sampling_flags: int = field(default=0, init=False, repr=False, compare=False)
+    # vLLM's: how many characters of a streamed text to hold back while the request runs, so
+    # that no text a stop string may yet cut off is ever reported.
+    output_text_buffer_length: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._from_numpy()
@@ -96,7 +116,7 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (not is_int(k) or k < 0):
                 raise ValueError(f"{name} must be an integer >= 0 or None, got {k!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         tpt = self.truncate_prompt_tokens
@@ -110,9 +130,17 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of non-negative token ids, "
                                  f"got {self.allowed_token_ids!r}")
             self.allowed_token_ids = ids
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY; "
+                             f"from kvscope import RequestOutputKind), got {self.output_kind!r}")
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self._stop_list and not self.detokenize:  # (vLLM refuses it too)
+            raise ValueError(f"stop strings need the text, which detokenize=False leaves out: pass "
+                             f"detokenize=True to use stop={self.stop!r}, or stop on stop_token_ids")
+        if self._stop_list and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(map(len, self._stop_list)) - 1
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

@@ -37,7 +37,7 @@ from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.engine.step_info import StepInfo
 from kvscope.engine.validator import check_invariants
 from kvscope.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvscope.sampling_params import SamplingParams
+from kvscope.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -64,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}  # every request whose last output is not delivered yet
         self._num_streaming = 0  # of those, the ones step() reports while they run
+        self._sent: dict[Request, _Sent] = {}  # what the outputs of each DELTA request carried so far
         # n > 1: each parent by its id, and each child's (parent, index) by the child's id
         self._parents: dict[str, ParentRequest] = {}
         self._children: dict[str, tuple[ParentRequest, int]] = {}
@@ -104,9 +105,9 @@ class LLMEngine:
     ) -> str:
         """Validate and queue one request; bad input raises here, never inside a step.
 
-        ``final_only`` (vLLM's ``RequestOutputKind.FINAL_ONLY``, what ``LLM.generate`` uses):
-        :meth:`step` reports the request only when it finishes, so it is never detokenized
-        incrementally.
+        ``params.output_kind`` says what :meth:`step` reports of it; ``final_only=True`` makes it
+        ``RequestOutputKind.FINAL_ONLY`` whatever ``params`` say (``LLM.generate``'s requests):
+        reported only when it finishes, it is never detokenized incrementally.
 
         With ``params.n > 1`` the engine runs ``n`` child requests (see
         :mod:`kvscope.engine.parallel_sampling`) and returns the parent's id.
@@ -116,20 +117,21 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # The request's own copy, checked again: a SamplingParams may be changed after it was
         # built (and after this request was added), as vLLM's requests clone theirs.
-        params = dataclasses.replace(params)
+        params = (dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) if final_only
+                  else dataclasses.replace(params))
         if params.stop_strings and self.config.skip_tokenizer_init:
             raise ValueError("stop strings need text, which skip_tokenizer_init=True leaves out; "
                              "stop on token ids with stop_token_ids instead")
         if params.n == 1:
-            request_id = self._add(prompt, params, request_id, arrival_time, final_only)
+            request_id = self._add(prompt, params, request_id, arrival_time)
         else:
-            request_id = self._add_parent(prompt, params, request_id, arrival_time, final_only)
+            request_id = self._add_parent(prompt, params, request_id, arrival_time)
         if interrupt_pending():  # Ctrl-C while adding: the caller never gets the id, so undo it
             self.abort_request(request_id, report=False)
         return request_id
 
     def _add_parent(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
-                    arrival_time: float | None, final_only: bool) -> str:
+                    arrival_time: float | None) -> str:
         """Add the ``params.n`` children of one request; all of them or none."""
         pool = self.block_manager.num_blocks
         if params.n > pool:  # (and a huge n would make a child list that never ends)
@@ -137,14 +139,14 @@ class LLMEngine:
                              f"child requests needs a KV block of its own")
         if request_id is None:
             request_id = self._new_request_id(params.n)
-        parent = ParentRequest(request_id, params.n, final_only)
+        parent = ParentRequest(request_id, params.n, params.output_kind)
         taken = [i for i in [request_id, *parent.child_ids] if self._id_in_use(i)]
         if taken:
             raise ValueError(f"request_id {taken[0]!r} is already in use (a request with n={params.n} "
                              f"takes its id and its children's ids)")
         text, token_ids = self._tokenize(prompt)  # (once for all children)
         prompt = {"prompt": text, "prompt_token_ids": token_ids}
-        children = [self._new_request(prompt, child_params(params, index), child_id, arrival_time, final_only)
+        children = [self._new_request(prompt, child_params(params, index), child_id, arrival_time)
                     for index, child_id in enumerate(parent.child_ids)]
         # Every child is valid, and every id taken, before the first request.added hook runs.
         self._parents[request_id] = parent
@@ -157,13 +159,13 @@ class LLMEngine:
         return request_id
 
     def _add(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
-             arrival_time: float | None, final_only: bool) -> str:
-        req = self._new_request(prompt, params, request_id, arrival_time, final_only)
+             arrival_time: float | None) -> str:
+        req = self._new_request(prompt, params, request_id, arrival_time)
         self._queue(req)
         return req.request_id
 
     def _new_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None,
-                     arrival_time: float | None, final_only: bool) -> Request:
+                     arrival_time: float | None) -> Request:
         """A validated request under a free id, not queued yet."""
         text, token_ids = self._tokenize(prompt)
         keep = params.truncate_prompt_tokens
@@ -202,12 +204,14 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time),
             eos_token_ids=eos,
             max_total_tokens=n + max_tokens,
-            final_only=final_only,
+            final_only=params.output_kind is RequestOutputKind.FINAL_ONLY,
         )
 
     def _queue(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self._num_streaming += not req.final_only
+        if req.params.output_kind is RequestOutputKind.DELTA:
+            self._sent[req] = _Sent()
         with self._transition():
             self.scheduler.add_request(req)
             if self.hooks.active("request.added"):
@@ -269,6 +273,8 @@ class LLMEngine:
             self._held = [o for o in self._held if o.request_id != request_id]
             self._aborted = [r for r in self._aborted if r.request_id != request_id]
             self.held_outputs.pop(request_id, None)
+            if self._sent:  # (no output of its will take the rest)
+                self._sent = {r: sent for r, sent in self._sent.items() if r.request_id != request_id}
         parent = self._parents.get(request_id)
         if parent is not None:
             aborted = [self.abort_request(child_id, report) for child_id in parent.child_ids]
@@ -354,8 +360,9 @@ class LLMEngine:
     @atomic
     def step(self) -> list[RequestOutput]:
         """Run one step; return a RequestOutput for every request that progressed or finished
-        (a ``final_only`` request only when it finished; a request a hook aborted during the
-        step, too).
+        (a ``FINAL_ONLY`` request only when it finished; a request a hook aborted during the
+        step, too). A ``DELTA`` request's output carries only what is new since its last one;
+        two of its outputs in one list (a Ctrl-C kept the first) follow each other in order.
 
         Finished requests are forgotten once reported, as in vLLM, so each is reported finished
         once, also when a ``step.end`` hook steps the engine again. Ctrl-C is held until the
@@ -422,7 +429,10 @@ class LLMEngine:
             parent, index = child
             parent_out = parent.merge(index, out)
             if parent_out is not None:
-                merged.pop(parent.request_id, None)
+                earlier = merged.pop(parent.request_id, None)
+                if earlier is not None and parent.output_kind is RequestOutputKind.DELTA:
+                    earlier.add(parent_out, aggregate=True)  # (another child's delta of this step)
+                    parent_out = earlier
                 merged[parent.request_id] = parent_out
             if parent.finished:
                 self._forget_parent(parent)
@@ -515,12 +525,12 @@ class LLMEngine:
         as vLLM's are): each progressed request's newest, and a prompt's once all are in."""
         if self.config.skip_tokenizer_init:
             return
-        rows = [r.output_logprobs[-1] for r in progressed if r.output_logprobs]
+        rows = [r.output_logprobs[-1] for r in progressed if r.output_logprobs and r.params.detokenize]
         live = self.scheduler.requests
         for seq_id in result.prompt_logprobs:
             req = live.get(seq_id)
-            if req is not None and not req.num_prompt_logits and req.num_prompt_tokens > 1 \
-                    and next(iter(req.prompt_logprobs[1].values())).decoded_token is None:
+            if req is not None and req.params.detokenize and not req.num_prompt_logits \
+                    and req.num_prompt_tokens > 1 and next(iter(req.prompt_logprobs[1].values())).decoded_token is None:
                 rows += req.prompt_logprobs[1:]
         decode = self.tokenizer.decode
         for row in rows:
@@ -635,7 +645,7 @@ class LLMEngine:
 
     def _finished(self, req: Request) -> None:
         """The scheduler finished ``req``: its final text, and the ``request.finished`` hook."""
-        if not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
+        if req.params.detokenize and not (req.finish_reason == "stop" and isinstance(req.stop_reason, str)):
             # As in vLLM, the token that stopped the request (EOS or one of stop_token_ids) stays
             # out of the text unless include_stop_str_in_output.
             by_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
@@ -655,15 +665,23 @@ class LLMEngine:
 
     # -------------------------------------------------------------- outputs
     def _output(self, req: Request) -> RequestOutput:
-        text = req.text if req.is_finished else self._stream_text(req)
+        token_ids, text, logprobs = req.output_token_ids, self._text(req), req.output_logprobs
+        prompt_logprobs = self._prompt_logprobs(req)
+        sent = self._sent.get(req) if self._sent else None
+        if sent is not None:  # DELTA: what is new since the last output
+            token_ids, text, logprobs, prompt_logprobs = sent.take(token_ids, text, logprobs, prompt_logprobs)
+            if req.is_finished:
+                del self._sent[req]
+        elif logprobs is not None:
+            logprobs = list(logprobs)
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(req.output_token_ids),
+            token_ids=token_ids,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
-            logprobs=None if req.output_logprobs is None else list(req.output_logprobs),
-            cumulative_logprob=None if req.output_logprobs is None else req.cumulative_logprob,
+            logprobs=logprobs,
+            cumulative_logprob=None if logprobs is None else req.cumulative_logprob,
             error=req.error,
         )
         return RequestOutput(
@@ -674,8 +692,20 @@ class LLMEngine:
             finished=req.is_finished,
             metrics=req.metrics,
             num_cached_tokens=req.metrics.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs(req),
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _text(self, req: Request) -> str:
+        """The text an output of ``req`` carries: the final text once it finished; while it runs,
+        the text so far less vLLM's hold-back for stop strings (a stop string found later may
+        cut the text back no further); none with ``detokenize=False``."""
+        if not req.params.detokenize:
+            return ""
+        if req.is_finished:
+            return req.text
+        text = self._stream_text(req)
+        held = req.params.output_text_buffer_length
+        return text[:max(0, len(text) - held)] if held else text
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
@@ -693,6 +723,26 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         check_invariants(self.scheduler)
+
+
+@dataclass(slots=True)
+class _Sent:
+    """How much of a ``DELTA`` request its outputs carried so far: its next output carries the rest."""
+
+    num_tokens: int = 0
+    text_len: int = 0
+    prompt_logprobs: bool = False
+
+    def take(self, token_ids: list[int], text: str, logprobs: list | None, prompt_logprobs: list | None
+             ) -> tuple[list[int], str, list | None, list | None]:
+        """The part of a cumulative output not sent yet; then it counts as sent. Prompt
+        log-probs go with the first output that has them, as in vLLM."""
+        new = (token_ids[self.num_tokens:], text[self.text_len:],
+               None if logprobs is None else logprobs[self.num_tokens:],
+               None if self.prompt_logprobs else prompt_logprobs)
+        self.num_tokens, self.text_len = len(token_ids), len(text)
+        self.prompt_logprobs |= prompt_logprobs is not None
+        return new
 
 
 @dataclass(slots=True)
