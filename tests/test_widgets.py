@@ -19,10 +19,10 @@ from engine_helpers import Cycle, greedy, make_llm, token_ids, watch_launches  #
 from pool_reference import bucket_summary  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
-from kvscope.widgets import BlockPoolView, Dashboard, export_html  # noqa: E402
+from kvscope.widgets import BlockPoolView, BlockTablesView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
-from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
+from kvscope.widgets.snapshot import StepData, block_details, decode_tables  # noqa: E402
 from kvscope.widgets.views import STATIC, VIEW_CLASSES  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
@@ -47,7 +47,7 @@ class BrowserPool:
 
     def __init__(self, view: BlockPoolView) -> None:
         self.view, self.version = view, None
-        self.model = view.get_state(["delta", "delta_base", "version"])  # what a browser opened now gets
+        self.model = view.get_state(["delta", "delta_base", "version", "table_ids", "tables"])  # what a browser opened now gets
         self.state = self.ref_count = None
         self.sizes: list[int] = []  # bytes of each pool update on the wire
         self.keyframes = 0
@@ -69,7 +69,9 @@ class BrowserPool:
         if "version" not in state:
             return
         m = self.model
-        self.sizes.append(len(json.dumps({k: v for k, v in state.items() if k != "delta"})) + len(state.get("delta", b"")))
+        binary = {path[0] for path in paths}
+        self.sizes.append(len(json.dumps({k: v for k, v in state.items() if k not in binary}))
+                          + sum(len(state[k]) for k in binary))
         update = PoolUpdate(m["delta"], m["delta_base"], m["version"])
         if update.base == KEYFRAME:
             self.keyframes += 1
@@ -95,10 +97,13 @@ def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
     assert pool.step == step and pool.num_blocks == trace.num_blocks
     assert (browser.state == arrays["state"]).all()
     assert (browser.ref_count == arrays["ref_count"]).all()
-    assert pool.tables == tables_of(trace, step)
-    assert {r["id"]: r["blocks"] for r in v["tables"].rows} == tables_of(trace, step)
-    for row in v["tables"].rows:
+    # the block tables go once, with the pool's update, for the pool and the block-tables views
+    rows = decode_tables(browser.model["table_ids"], browser.model["tables"])
+    assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
+    for row in rows:
         assert row["refs"] == arrays["ref_count"][row["blocks"]].tolist()
+        assert row["num_tokens"] == int(arrays["num_tokens"][row["blocks"]].sum())
+    assert v["tables"].pool is pool and v["tables"].rows == [] and v["tables"].step == step
     slots = trace.slot_mapping(step)
     shown = [t for g in v["slots"].groups for t in g["tokens"]]
     assert [t[3] for t in shown] == slots["slot"].tolist()
@@ -167,7 +172,7 @@ def test_replay_of_a_loaded_trace_shows_the_same_steps(tmp_path):
         for name in ("pool", "tables", "slots", "queues"):
             a, b = live.views[name], replay.views[name]
             keys = [k for k in a.keys if not k.startswith("_")
-                    and k not in ("layout", "tabbable", "tooltip", "delta", "delta_base", "version")]
+                    and k not in ("layout", "tabbable", "tooltip", "delta", "delta_base", "version", "pool")]
             assert a.get_state(keys) == b.get_state(keys)
     # the play button's ticks move the slider and the views (linked in the kernel)
     replay.play.value = trace.step_ids[1]
@@ -306,6 +311,11 @@ def test_a_view_is_usable_alone():
         llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     pool = BlockPoolView(trace, step=2)
     assert pool.step == 2 and (BrowserPool(pool).state == trace.pool_arrays(2)["state"]).all()
+    tables = BlockTablesView(trace, step=2)  # alone, it sends its own rows
+    arrays = trace.pool_arrays(2)
+    assert tables.pool is None and {r["id"]: r["blocks"] for r in tables.rows} == tables_of(trace, 2)
+    assert all(r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
+               and r["num_tokens"] == arrays["num_tokens"][r["blocks"]].sum() for r in tables.rows)
     sent = []
     pool.send = lambda content, buffers=None: sent.append(content)
     b = int(np.flatnonzero(trace.pool_arrays(2)["num_tokens"])[0])
@@ -610,7 +620,9 @@ def test_html_export_contains_the_pool(tmp_path):
         apply_update(state, refs, PoolUpdate(base64.b64decode(pool["delta"]), pool["delta_base"], pool["version"]))
         assert (state == trace.pool_arrays(step)["state"]).all() and (refs == trace.pool_arrays(step)["ref_count"]).all()
     last = trace.step_ids[-1]
-    assert pool["tables"] == tables_of(trace, last)
+    rows = decode_tables(pool["table_ids"], base64.b64decode(pool["tables"]))
+    assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, last)
+    assert all(t == {"step": s} for t, s in zip(payload["views"]["tables"], payload["steps"]))  # read from the pool
     facts = {}  # each step lists the blocks whose hover facts it changed
     for changed in payload["details"]:
         facts.update(changed)
@@ -654,6 +666,64 @@ def test_queues_view_shows_each_ranks_kv_shard():
     view = QueuesView(trace)
     assert view.queues["kv_shards"] == shards
     assert [(s["kv_head_start"], s["kv_head_end"]) for s in shards] == [(0, 1), (1, 2)]
+
+
+def wire_log(view) -> list[tuple[dict, list]]:
+    """Every update message ``view`` sends to the browser: (state, buffer paths)."""
+    log, send = [], view._send
+
+    def wire(msg, buffers=None):
+        send(msg, buffers)
+        if msg.get("method") == "update":
+            log.append((msg["state"], msg["buffer_paths"]))
+
+    view._send = wire
+    return log
+
+
+def test_a_live_dashboard_sends_the_block_tables_once_per_update_as_one_binary_buffer():
+    """The pool view's update carries the block tables as a binary buffer; the block-tables
+    view, linked to it, sends only its step (it sent the same tables again, as JSON lists)."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    pool_log, tables_log = wire_log(dash.views["pool"]), wire_log(dash.views["tables"])
+    llm.generate(PROMPTS, greedy(8), use_tqdm=False)
+    dash.detach()
+    assert sum(["tables"] in paths for _, paths in pool_log) > 3  # the tables went as a binary buffer ...
+    assert all("tables" not in state for state, _ in pool_log)  # ... never as JSON
+    assert all(not state.get("rows") for state, _ in tables_log)
+    assert {k for state, _ in tables_log for k in state} <= {"step", "rows"}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")
+def test_block_tables_decoded_in_javascript_equal_the_trace():
+    """common.js's kvsDecodeTables, run by node on the bytes the pool view sent at every step
+    of a run (shared prefixes, preemptions), gives each request's blocks, refcounts and tokens
+    as the trace has them."""
+    llm = make_llm(**ENGINE)
+    with llm.record() as trace:
+        llm.generate(PROMPTS, greedy(8), use_tqdm=False)
+    view = BlockPoolView(trace, step=trace.step_ids[0])
+    sent = []
+    for step in trace.step_ids:
+        view.update_from(trace, step)
+        sent.append([view.table_ids, base64.b64encode(view.tables).decode()])
+    script = (STATIC / "common.js").read_text() + """
+const input = JSON.parse(require("fs").readFileSync(0, "utf8"));
+console.log(JSON.stringify(input.map(([ids, b64]) => kvsDecodeTables(ids, Uint8Array.from(Buffer.from(b64, "base64")))
+  .map((r) => ({ id: r.id, blocks: Array.from(r.blocks), refs: Array.from(r.refs), num_tokens: r.num_tokens })))));
+"""
+    run = subprocess.run(["node", "--input-type=commonjs", "-e", script], input=json.dumps(sent),
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    decoded = json.loads(run.stdout)
+    assert any(len(rows) > 1 for rows in decoded) and any(max(r["refs"]) > 1 for rows in decoded for r in rows)
+    for step, rows in zip(trace.step_ids, decoded):
+        arrays = trace.pool_arrays(step)
+        assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
+        for r in rows:
+            assert r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
+            assert r["num_tokens"] == int(arrays["num_tokens"][r["blocks"]].sum())
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")

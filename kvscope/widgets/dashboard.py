@@ -127,6 +127,8 @@ class Dashboard:
         if self.llm is not None:
             self._listener = self.trace.add_listener(self._on_step, block_events=False)
         self.views = {name: VIEW_CLASSES[name]() for name in views}
+        if "pool" in self.views and "tables" in self.views:  # the block tables go once, with the pool
+            self.views["tables"].pool = self.views["pool"]
         self._lock = threading.RLock()  # one thread at a time touches the widgets
         self._shown: int | None = None
         self._run: Future | None = None

@@ -32,8 +32,9 @@ EXPORTED_VIEWS = {  # view name -> snapshot function
     "slots": snapshot.slots_state,
     "lifecycle": snapshot.lifecycle_state,
 }
-BINARY = {"pool": ("delta",), "lifecycle": ("intervals",)}  # traits sent as base64
+BINARY = {"pool": ("delta", "tables"), "lifecycle": ("intervals",)}  # traits sent as base64
 ACROSS_STEPS = ("lifecycle",)  # views of all steps at once: exported once, with the step per slider position
+LINKED = {"tables": "pool"}  # views that read their data from another's model, as in the dashboard: the step alone
 
 
 def exported_steps(step_ids: Any, max_steps: int) -> list[int]:
@@ -58,13 +59,14 @@ def export_payload(trace: Any, steps: list[int]) -> dict[str, Any]:
     for step in steps:
         data = StepData(trace, step)
         for name, fn in EXPORTED_VIEWS.items():
-            views[name].append({"step": step} if name in ACROSS_STEPS else fn(data))
+            views[name].append({"step": step} if name in ACROSS_STEPS or name in LINKED else fn(data))
         update = sync.update(*snapshot.pool_arrays(data))
         views["pool"][-1].update(delta=update.delta, delta_base=update.base, version=update.version)
         # hover facts change only where the state or refcount did, or tokens were written
         touched = np.union1d(decode_blocks(update.delta)[0], data.slot_mapping["block_id"].to_numpy())
         details.append(snapshot.block_details(data, touched.tolist()))
     fixed = {name: EXPORTED_VIEWS[name](StepData(trace, steps[-1])) for name in ACROSS_STEPS}
+    fixed.update({name: {"pool": f"IPY_MODEL_{source}"} for name, source in LINKED.items()})
     for name, keys in BINARY.items():
         for state in views[name] + [fixed.get(name, {})]:
             for key in keys:

@@ -179,14 +179,14 @@ class StepData:
         return self.trace.pool_arrays(self.step)
 
     @cached_property
-    def tables(self) -> dict[str, list[int]]:
-        """``{request_id: [physical block of logical block 0, 1, ...]}`` of the step's forward pass."""
+    def table_arrays(self) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """The block tables of the step's forward pass: request ids, each table's length (int32),
+        and every table's physical blocks in logical order, one table after another (int32)."""
         df = self.trace.block_tables(self.step)
         codes, request_ids = pd.factorize(df["request_id"], sort=False)
         order = np.lexsort((df["logical_block"].to_numpy(), codes))
-        blocks = df["physical_block"].to_numpy(np.int64)[order]
-        splits = np.flatnonzero(np.diff(codes[order])) + 1
-        return {str(r): chunk.tolist() for r, chunk in zip(request_ids, np.split(blocks, splits))}
+        return ([str(r) for r in request_ids], np.bincount(codes, minlength=len(request_ids)).astype(np.int32),
+                df["physical_block"].to_numpy(np.int32)[order])
 
     @cached_property
     def slot_mapping(self) -> pd.DataFrame:
@@ -198,14 +198,41 @@ class StepData:
         return self.series.row(self.step)
 
 
+def encode_tables(d: StepData) -> tuple[list[str], bytes]:
+    """The step's block tables in the form the browser gets them, once for the pool and the
+    block-tables views: the request ids, and one int32 buffer ``lengths | tokens held |
+    physical blocks | their refcounts`` (a value per request, then per block of every table in
+    logical order, one table after another). Binary, so ipywidgets need not walk a JSON list
+    per block, and the pool's refcounts are read where the block tables show them."""
+    ids, lengths, blocks = d.table_arrays
+    owner = np.repeat(np.arange(len(ids)), lengths)
+    tokens = np.bincount(owner, weights=d.arrays["num_tokens"][blocks], minlength=len(ids))
+    parts = (lengths, tokens, blocks, d.arrays["ref_count"][blocks])
+    return ids, np.concatenate([np.asarray(a, dtype=np.int32) for a in parts]).tobytes()
+
+
+def decode_tables(ids: list[str], data: bytes) -> list[dict[str, Any]]:
+    """The rows of :func:`encode_tables`' form (``id, blocks, refs, num_tokens``), as the browser reads them."""
+    values = np.frombuffer(data, dtype=np.int32)
+    n = len(ids)
+    lengths, tokens = values[:n], values[n:2 * n]
+    blocks, refs = np.split(values[2 * n:], 2)
+    cuts = np.cumsum(lengths)[:-1]
+    return [{"id": rid, "blocks": b.tolist(), "refs": r.tolist(), "num_tokens": int(t)}
+            for rid, b, r, t in zip(ids, np.split(blocks, cuts), np.split(refs, cuts), tokens)]
+
+
 def pool_state(d: StepData) -> dict[str, Any]:
     """Traits of ``BlockPoolView`` besides the pool itself, which goes as block deltas
-    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables."""
+    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables
+    (:func:`encode_tables`)."""
+    table_ids, tables = encode_tables(d)
     return {
         "step": d.step,
         "block_size": int(d.trace.block_size),
         "num_blocks": int(d.trace.num_blocks),
-        "tables": d.tables,
+        "table_ids": table_ids,
+        "tables": tables,
     }
 
 
@@ -215,13 +242,8 @@ def pool_arrays(d: StepData) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tables_state(d: StepData) -> dict[str, Any]:
-    """Traits of ``BlockTablesView``: per request its blocks, their refcounts, its tokens."""
-    refs, fill = d.arrays["ref_count"], d.arrays["num_tokens"]
-    rows = [
-        {"id": rid, "blocks": blocks, "refs": refs[blocks].tolist(), "num_tokens": int(fill[blocks].sum())}
-        for rid, blocks in d.tables.items()
-    ]
-    return {"step": d.step, "rows": rows}
+    """Traits of a ``BlockTablesView`` shown alone: per request its blocks, their refcounts, its tokens."""
+    return {"step": d.step, "rows": decode_tables(*encode_tables(d))}
 
 
 def slots_state(d: StepData) -> dict[str, Any]:

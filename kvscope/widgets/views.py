@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Any, Callable
 
 import anywidget
+import ipywidgets as W
 import numpy as np
 import plotly.graph_objects as go
 import traitlets
@@ -99,7 +100,8 @@ class BlockPoolView(_StepView):
     delta = traitlets.Bytes(b"").tag(sync=True)   # the blocks changed since version ``delta_base``
     delta_base = traitlets.Int(KEYFRAME).tag(sync=True)
     version = traitlets.Int(0).tag(sync=True)     # the version the browser holds after ``delta``
-    tables = traitlets.Dict().tag(sync=True)
+    table_ids = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    tables = traitlets.Bytes(b"").tag(sync=True)  # the block tables (snapshot.encode_tables), also the tables view's
     selected_block = traitlets.Int(-1).tag(sync=True)
     max_height = traitlets.Int(360).tag(sync=True)
 
@@ -141,11 +143,26 @@ class BlockPoolView(_StepView):
 
 
 class BlockTablesView(_StepView):
-    """Per request, logical block -> physical block, with shared blocks (ref > 1) marked."""
+    """Per request, logical block -> physical block, with shared blocks (ref > 1) marked.
+
+    Alone, the view sends its ``rows``. Given a ``pool`` view (the dashboard gives it its own),
+    the browser reads the tables from the pool's update of the same step instead, so the block
+    tables go to the browser once: such a view shows a step together with its pool view.
+    """
 
     _esm = traitlets.Unicode(esm_source("tables")).tag(sync=True)
     snapshot_fn = staticmethod(snapshot.tables_state)
     rows = traitlets.List().tag(sync=True)
+    pool = traitlets.Instance(BlockPoolView, allow_none=True).tag(sync=True, **W.widget_serialization)
+
+    def show(self, data: StepData) -> None:
+        """Show one step: the rows when alone, only the step when the pool view carries the tables."""
+        if self.pool is None:
+            super().show(data)
+            return
+        self.trace = data.trace
+        with self.hold_sync():
+            self.rows, self.step = [], data.step
 
 
 class SlotMappingView(_StepView):

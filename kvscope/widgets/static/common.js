@@ -96,3 +96,15 @@ function kvsEncodeDelta(blocks) {
   ids.forEach((b, i) => { d.ids[i] = b; [d.states[i], d.refs[i]] = blocks.get(b); });
   return d.ids.buffer;
 }
+
+/** Block tables (kvscope/widgets/snapshot.py `encode_tables`): `ids`, the request ids, and one
+ * int32 buffer `lengths | tokens held | physical blocks | their refcounts`. Rows as the block
+ * tables view draws them: [{id, blocks, refs, num_tokens}], `blocks` and `refs` views of the buffer. */
+function kvsDecodeTables(ids, buf) {
+  const a = new Int32Array(kvsBuffer(buf)), n = (ids || []).length, m = (a.length - 2 * n) / 2;
+  const rows = [];
+  for (let i = 0, at = 2 * n; i < n; at += a[i], i++) {
+    rows.push({ id: ids[i], blocks: a.subarray(at, at + a[i]), refs: a.subarray(at + m, at + m + a[i]), num_tokens: a[n + i] });
+  }
+  return rows;
+}

@@ -58,6 +58,7 @@ async function main() {
     const url = URL.createObjectURL(new Blob([src], { type: "text/javascript" }));
     const mod = (await import(url)).default;
     const model = new StaticModel(hub, { selected_request: meta.selected_request, selected_block: -1 });
+    model.widget_manager = { get_model: async (id) => models[id] }; // a linked view reads another's model by name
     hub.models.push(model);
     models[name] = model;
     if (name === "pool") model.onsend = (msg) => { if (msg.type === "resync") hub.update(model, poolKeyframe(data, shown)); };
@@ -88,9 +89,15 @@ async function main() {
 /** One view's state at exported step `i`, coming from step `prev`; binary arrays arrive base64-encoded. */
 function stateOf(name, data, i, prev) {
   if (name === "pool" && i !== prev + 1) return poolKeyframe(data, i);
+  const s = decoded(name, data, i);
+  if (name === "pool") s.details = detailsAt(data, i);
+  return s;
+}
+
+/** View `name`'s exported state at step `i`, its binary traits decoded. */
+function decoded(name, data, i) {
   const s = { ...(data.fixed[name] || {}), ...data.views[name][i] };
   for (const key of data.binary[name] || []) if (typeof s[key] === "string") s[key] = b64bytes(s[key]).buffer;
-  if (name === "pool") s.details = detailsAt(data, i);
   return s;
 }
 
@@ -101,7 +108,7 @@ function poolKeyframe(data, i) {
     const d = kvsDecodeDelta(b64bytes(data.views.pool[j].delta).buffer);
     for (let k = 0; k < d.ids.length; k++) blocks.set(d.ids[k], [d.states[k], d.refs[k]]);
   }
-  return { ...data.views.pool[i], delta: kvsEncodeDelta(blocks), delta_base: -1, details: detailsAt(data, i) };
+  return { ...decoded("pool", data, i), delta: kvsEncodeDelta(blocks), delta_base: -1, details: detailsAt(data, i) };
 }
 
 /** Hover facts at exported step `i`: each step lists the blocks whose facts it changed. */

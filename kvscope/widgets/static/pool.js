@@ -4,9 +4,10 @@
 // block in a bucket shows. Drag to zoom into a range (a click on an overview cell zooms to
 // single blocks around it); "live only" shows just the used and cached blocks, compacted.
 // Synced state: `num_blocks`, `block_size`, `delta` / `delta_base` / `version` (the blocks
-// changed since version `delta_base`, see kvscope/widgets/pool_sync.py), `tables` ({request_id:
-// [physical block ids]}), `selected_request`, `selected_block`, `step`, `max_height`, `details`
-// (block id -> hover facts, static export only); live hover facts come through an "inspect" message.
+// changed since version `delta_base`, see kvscope/widgets/pool_sync.py), `table_ids` / `tables` (the
+// block tables, `kvsDecodeTables`; a linked block-tables view reads them here too), `selected_request`,
+// `selected_block`, `step`, `max_height`, `details` (block id -> hover facts, static export only);
+// live hover facts come through an "inspect" message.
 
 function kvsRgba(hex) {
   const n = parseInt(hex.slice(1), 16);
@@ -143,7 +144,7 @@ function render({ model, el }) {
   const ctx = canvas.getContext("2d");
   const fetched = new Map(); // `${step}:${block}` -> details from the kernel
   const dropped = new Set(); // steps the kernel's trace no longer holds (a live ring buffer dropped them)
-  let owners = new Map(), geo = null, view = null; // view: positions [lo, hi) shown, of a pool of n blocks
+  let owners = new Map(), tables = new Map(), geo = null, view = null; // view: positions [lo, hi) shown, of a pool of n blocks
   let draws = 0, hoverBlock = -1, inspectTimer = null, lastEvent = null, lastWidth = 0, drag = null;
   let overview = null; // the last bucket summary drawn (tests read it through el.kvsOverview)
 
@@ -161,7 +162,9 @@ function render({ model, el }) {
       }
     }
     owners = new Map();
-    for (const [rid, blocks] of Object.entries(model.get("tables") || {})) {
+    tables = new Map();
+    for (const { id: rid, blocks } of kvsDecodeTables(model.get("table_ids"), model.get("tables"))) {
+      tables.set(rid, blocks);
       for (const b of blocks) {
         if (!owners.has(b)) owners.set(b, []);
         owners.get(b).push(rid);
@@ -189,7 +192,7 @@ function render({ model, el }) {
     canvas.height = Math.max(rows * cell, 1);
     const img = ctx.createImageData(canvas.width, canvas.height);
     const px = new Uint32Array(img.data.buffer);
-    const selBlocks = (model.get("tables") || {})[model.get("selected_request")] || [];
+    const selBlocks = Array.from(tables.get(model.get("selected_request")) || []);
     const sel = new Set(selBlocks);
     const picked = model.get("selected_block");
     const inner = cell - gap;
@@ -412,7 +415,7 @@ function render({ model, el }) {
   el.kvsOverview = () => overview && { ...overview, top: Array.from(overview.top), busy: Array.from(overview.busy) };
   el.kvsZoom = zoomTo;
   model.on("msg:custom", onMsg);
-  const unwatch = kvsWatchBatched(model, ["version", "tables", "selected_request", "selected_block", "step", "max_height"],
+  const unwatch = kvsWatchBatched(model, ["version", "table_ids", "tables", "selected_request", "selected_block", "step", "max_height"],
     () => { load(); draw(); });
   const resize = new ResizeObserver(() => {
     if (el.clientWidth !== lastWidth) { lastWidth = el.clientWidth; draw(); }

@@ -3,7 +3,10 @@
 // folds each run of consecutive physical blocks into one chip, "logical a–b -> physical x–y",
 // as allocation hands out neighbouring blocks. Clicking a row selects the request (the
 // dashboard links `selected_request` with the pool, which then highlights that request's blocks).
-// Synced state: `rows` ([{id, blocks, refs, num_tokens}]), `selected_request`, `step`.
+// Synced state: `rows` ([{id, blocks, refs, num_tokens}]), `selected_request`, `step`; or `pool`, a
+// reference to the pool view's model (the dashboard's), whose `table_ids` / `tables` carry the rows
+// instead (`kvsDecodeTables`), so the block tables reach the browser once. Linked, the view draws
+// a step once the pool holds the same step.
 
 const MAX_CHIPS = 256;
 const FOLD_OVER = 24; // blocks: a longer table folds its runs
@@ -29,13 +32,22 @@ function tableChip([i, b, n, shared], refs) {
   }, h("sub", {}, span(i, i + n - 1)), span(b, b + n - 1));
 }
 
-function render({ model, el }) {
+async function render({ model, el }) {
   el.classList.add("kvs-view", "kvs-tables");
   el.dataset.kvscopeView = "tables";
+  const ref = model.get("pool");
+  const pool = typeof ref === "string" ? await model.widget_manager.get_model(ref.slice("IPY_MODEL_".length)) : ref || null;
+
+  /** The rows to draw; null while the linked pool's update of this step has not come. */
+  function rowsOf() {
+    if (!pool) return model.get("rows") || [];
+    return pool.get("step") === model.get("step") ? kvsDecodeTables(pool.get("table_ids"), pool.get("tables")) : null;
+  }
 
   function draw() {
     const t0 = performance.now();
-    const rows = model.get("rows") || [];
+    const rows = rowsOf();
+    if (!rows) return;
     const selected = model.get("selected_request");
     const body = rows.map((r) => {
       const runs = tableRuns(r.blocks, r.refs, r.blocks.length > FOLD_OVER);
@@ -66,7 +78,10 @@ function render({ model, el }) {
     const top = row.getBoundingClientRect().top - box.getBoundingClientRect().top;
     if (top < 0 || top + row.offsetHeight > box.clientHeight) box.scrollTop += top - 20;
   }
-  return kvsWatchView(model, el, ["rows", "step"], draw, select);
+  const unwatch = kvsWatchView(model, el, ["rows", "step"], draw, select);
+  if (!pool) return unwatch;
+  const unwatchPool = kvsWatchBatched(pool, ["step", "table_ids", "tables"], draw);
+  return () => { unwatch(); unwatchPool(); };
 }
 
 export default { render };
