@@ -10,7 +10,9 @@ engine, scheduler, block manager and recorder are the real ones; the model is a
 scheduling depends on lengths and budgets only.
 
 Reported: the CPU time of the first update after ``--warmup`` steps (it replays those steps
-into the views), then the median over ``--updates`` updates each after ``--every`` more steps.
+into the views), then the median over ``--updates`` updates each after ``--every`` more steps,
+and the bytes each view put on the wire per timed update (mean): every message's JSON plus its
+binary buffers, as ipywidgets hands them to the comm (headless, nothing is sent).
 
     python benchmarks/bench_dashboard_update.py [--warmup 500] [--every 5] [--updates 20]
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import time
 from typing import Iterator
@@ -64,6 +67,13 @@ def main() -> None:
     for prompt, n in zip(prompts, outs):
         engine.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n), final_only=True)
 
+    sent = {name: 0 for name in dash.views}
+    for name, view in dash.views.items():
+        def wire(msg: dict, buffers: list | None = None, name: str = name, send=view._send) -> None:
+            sent[name] += len(json.dumps(msg, default=repr)) + sum(memoryview(b).nbytes for b in buffers or [])
+            send(msg, buffers)
+        view._send = wire
+
     def update() -> float:
         t = time.thread_time()
         dash._refresh(follow=True)
@@ -73,6 +83,7 @@ def main() -> None:
         engine.step()
     first = update()
     times = []
+    sent.update(dict.fromkeys(sent, 0))
     for _ in range(args.updates):
         for _ in range(args.every):
             engine.step()
@@ -81,6 +92,8 @@ def main() -> None:
     print(f"{args.requests} requests, {args.num_kv_blocks:,} blocks: first update after {args.warmup} steps "
           f"{first * 1e3:.1f} ms CPU; then one every {args.every} steps: median {statistics.median(times) * 1e3:.1f} ms "
           f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}) over {len(times)}")
+    print("bytes per update (mean): " + ", ".join(f"{name} {n / len(times) / 1024:.1f} KiB" for name, n in sent.items())
+          + f"; all {sum(sent.values()) / len(times) / 1024:.1f} KiB")
 
 
 if __name__ == "__main__":
