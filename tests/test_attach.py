@@ -1056,6 +1056,80 @@ def test_a_host_that_resolves_slowly_is_held_to_the_scrape_deadline(monkeypatch)
             scraper.close()
 
 
+def _resolver_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvscope-metrics-resolve"]
+
+
+def test_lookups_that_hang_hold_one_thread_per_host_and_url_not_per_scrape(monkeypatch):
+    """A resolver that never answers for ``*.invalid`` (a stand-in for a hung DNS server): two URLs
+    of one such host on two ports share one lookup, and a URL that redirects every scrape to a new
+    such host holds one lookup at a time, so dozens of failed scrapes leave two resolver threads,
+    not one per port and per scrape. close() returns at once; the threads left are daemons, and end
+    when the resolver answers."""
+    from kvscope.attach.metrics import MetricsScraper
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def resolve(host, *args, **kwargs):
+        if str(host).endswith(".invalid"):
+            release.wait(30.0)
+            raise socket.gaierror(socket.EAI_NONAME, "hung")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    redirects = iter(range(1_000_000))
+
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(302)
+            self.send_header("Location", f"http://r{next(redirects)}.invalid:9/metrics")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    before = len(_resolver_threads())
+    scraper = MetricsScraper({"a": "http://hung.invalid:8000/metrics", "b": "http://hung.invalid:8001/metrics",
+                              "moving": f"http://127.0.0.1:{server.server_address[1]}/metrics"}, 0.1, lambda rows: None,
+                             timeout=0.2)
+    try:
+        wait_for(lambda: min(scraper.errors.values()) >= 8, timeout=20, what="eight failed scrapes of each URL")
+        assert len(_resolver_threads()) - before <= 2, [t.name for t in _resolver_threads()]
+        start = time.monotonic()
+        scraper.close()
+        assert time.monotonic() - start < 2.0 and not scraper._thread.is_alive()
+        assert all(t.daemon for t in _resolver_threads())
+    finally:
+        release.set()
+        scraper.close()
+        server.shutdown()
+        server.server_close()
+    wait_for(lambda: len(_resolver_threads()) <= before, timeout=10, what="the lookups to end once answered")
+
+
+def test_a_lookup_that_never_returns_does_not_hold_up_the_interpreters_exit(tmp_path):
+    """A process whose scraper met a resolver that never answers exits once it closes the scraper:
+    the lookup's thread is a daemon."""
+    import subprocess
+
+    script = tmp_path / "hung.py"
+    script.write_text(
+        "import socket, threading, time\n"
+        "from kvscope.attach.metrics import MetricsScraper\n"
+        "socket.getaddrinfo = lambda *a, **k: threading.Event().wait()\n"
+        "s = MetricsScraper({'a': 'http://hung.invalid:8000/metrics'}, 0.1, lambda rows: None, timeout=0.2)\n"
+        "while s.errors['a'] < 2:\n"
+        "    time.sleep(0.05)\n"
+        "s.close()\n"
+        "print('closed', flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.strip() == "closed", done.stderr
+
+
 # ----------------------------------------------------------------------------- API boundary
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="endpoints"):

@@ -74,12 +74,19 @@ class MetricsScraper:
     no answer, one that is not HTTP, or a page that takes longer than ``timeout`` or is larger
     than :data:`MAX_PAGE_BYTES` (a server that never stops sending would otherwise hold the
     thread and fill memory).
+
+    Host names are resolved in daemon threads (see :func:`_resolve`): a lookup that hangs outlives
+    the scrape that started it, and ``close()``, until the resolver answers. There is at most one
+    per host at a time, and each URL (with the hosts it redirects to) starts a new one only once
+    its last has returned, so a hung resolver holds at most one thread per URL, however many
+    scrapes fail meanwhile; being daemons, they never hold up the interpreter's exit.
     """
 
     def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
                  timeout: float = 2.0) -> None:
         self.urls, self.interval, self.timeout, self.sink = urls, float(interval), timeout, sink
         self.errors = {instance: 0 for instance in urls}
+        self._started: dict[str, list[_Lookup | None]] = {instance: [None] for instance in urls}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvscope-metrics", daemon=True)
         self._thread.start()
@@ -89,16 +96,17 @@ class MetricsScraper:
             if self._stop.is_set():
                 return
             try:
-                text = self._fetch(url)
+                text = self._fetch(url, self._started[instance])
             except (OSError, ValueError, http.client.HTTPException):
                 self.errors[instance] += 1
                 continue
             self.sink(parse_metrics(text, instance, time.time()))
 
-    def _fetch(self, url: str) -> str:
-        """The page at ``url``, read in chunks against one deadline for the whole answer, headers included."""
+    def _fetch(self, url: str, started: list[_Lookup | None]) -> str:
+        """The page at ``url``, read in chunks against one deadline for the whole answer, headers
+        included; ``started`` holds the last lookup that fetches of this URL started."""
         chunks, size = [], 0
-        with _Deadline(self.timeout) as deadline, deadline.open(url) as resp:
+        with _Deadline(self.timeout, started) as deadline, deadline.open(url) as resp:
             while chunk := resp.read1(1 << 16):
                 size += len(chunk)
                 if size > MAX_PAGE_BYTES:
@@ -116,6 +124,7 @@ class MetricsScraper:
             self._stop.wait(self.interval)
 
     def close(self) -> None:
+        """Stop scraping; waits for a scrape in progress (bounded by its deadline), not for lookups."""
         self._stop.set()
         self._thread.join(timeout=self.timeout + 1.0)
 
@@ -123,10 +132,11 @@ class MetricsScraper:
 class _Deadline:
     """Shuts the connections of one fetch once ``seconds`` pass: http.client's timeout bounds each
     read, not the answer, so a server sending its headers a byte at a time would hold the
-    scraper (and every URL after it) for ever. Resolving the host and connecting count too."""
+    scraper (and every URL after it) for ever. Resolving the host and connecting count too;
+    ``started`` is the URL's slot for the lookup it last started (:func:`_resolve`)."""
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    def __init__(self, seconds: float, started: list[_Lookup | None]) -> None:
+        self.seconds, self.started = seconds, started
         self.passed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._timer = threading.Timer(seconds, self._shut)
@@ -162,7 +172,7 @@ class _Deadline:
         """``socket.create_connection`` within the deadline, the socket recorded for :meth:`_shut`
         (before any TLS handshake)."""
         err: OSError = TimeoutError(f"connecting to {address[0]!r} took longer than {self.seconds} s")
-        for family, kind, proto, _, sockaddr in _resolve(*address, wait=self.left()):
+        for family, kind, proto, _, sockaddr in _resolve(*address, wait=self.left(), started=self.started):
             if self.left() == 0:
                 break
             sock = socket.socket(family, kind, proto)
@@ -181,37 +191,49 @@ class _Deadline:
         raise err
 
 
-_lookups: dict[tuple[str, int], tuple[threading.Event, list]] = {}  # (host, port) -> (done, [answer])
+class _Lookup:
+    """One host's ``getaddrinfo``, running in a daemon thread; its answer is a list or the exception."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.done = threading.Event()
+        self.answer: list[tuple] | Exception = []
+        threading.Thread(target=self._run, name="kvscope-metrics-resolve", daemon=True).start()
+
+    def _run(self) -> None:
+        try:  # port 0: the answer serves every port of the host
+            self.answer = socket.getaddrinfo(self.host, 0, 0, socket.SOCK_STREAM)
+        except Exception as exc:  # noqa: BLE001 - raised in the scraper's thread, by _resolve
+            self.answer = exc
+        with _lookups_lock:
+            if _lookups.get(self.host) is self:
+                del _lookups[self.host]
+        self.done.set()
+
+
+_lookups: dict[str, _Lookup] = {}  # host -> its lookup still running
 _lookups_lock = threading.Lock()
 
 
-def _resolve(host: str, port: int, wait: float) -> list[tuple]:
-    """``getaddrinfo`` in a daemon thread, waited for ``wait`` seconds: a resolver cannot be
-    interrupted, and a slow one would hold the scraper past its deadline (and past ``close()``).
-    A lookup still running is waited for again rather than started anew, so a resolver that hangs
-    holds one thread per host, not one per scrape."""
-    key = (host, port)
+def _resolve(host: str, port: int, wait: float, started: list[_Lookup | None]) -> list[tuple]:
+    """``getaddrinfo(host, port)`` in a daemon thread, waited for ``wait`` seconds: a resolver
+    cannot be interrupted, and a slow one would hold the scraper past its deadline (and past
+    ``close()``). A lookup of the host still running is waited for again rather than started anew
+    (whatever the port), and ``started[0]``, the lookup that this URL's fetches last started, must
+    have returned before they start another (for a host a redirect names): so a resolver that
+    hangs holds one thread per URL at most, not one per scrape."""
     with _lookups_lock:
-        if key not in _lookups:
-            _lookups[key] = (threading.Event(), [])
-            threading.Thread(target=_lookup, args=(key,), name="kvscope-metrics-resolve", daemon=True).start()
-        done, answer = _lookups[key]
-    if not done.wait(wait):
+        lookup = _lookups.get(host)
+        if lookup is None:
+            last = started[0]
+            if last is not None and not last.done.is_set():
+                raise TimeoutError(f"resolving {host!r}: this URL's lookup of {last.host!r} has not returned yet")
+            lookup = _lookups[host] = started[0] = _Lookup(host)
+    if not lookup.done.wait(wait):
         raise TimeoutError(f"resolving {host!r} took longer than the scrape's deadline")
-    if isinstance(answer[0], Exception):
-        raise answer[0]
-    return answer[0]
-
-
-def _lookup(key: tuple[str, int]) -> None:
-    done, answer = _lookups[key]
-    try:
-        answer.append(socket.getaddrinfo(*key, 0, socket.SOCK_STREAM))
-    except Exception as exc:  # noqa: BLE001 - raised in the scraper's thread, by _resolve
-        answer.append(exc)
-    with _lookups_lock:
-        del _lookups[key]
-    done.set()
+    if isinstance(lookup.answer, Exception):
+        raise lookup.answer
+    return [(*info[:4], (info[4][0], port, *info[4][2:])) for info in lookup.answer]
 
 
 class _Bounded:
