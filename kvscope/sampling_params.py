@@ -39,12 +39,13 @@ class SamplingParams:
     (``FINAL_ONLY``). ``LLM.generate`` returns final cumulative outputs whatever it says.
     ``detokenize=False`` leaves the text out (``""``): token ids only, no stop strings.
 
-    ``allowed_token_ids`` limits the draw to those tokens and ``logit_bias`` adds its value to
-    its tokens' logits. These and the penalties are vLLM's, applied in this order to the logits
-    before everything else (greedy rows too): ``presence_penalty`` is subtracted from every
-    token generated so far, and ``frequency_penalty`` once per time it was generated;
-    ``repetition_penalty`` divides the positive logits of the tokens in the prompt or the output
-    and multiplies the negative ones.
+    ``allowed_token_ids`` limits the draw to those tokens, ``bad_words`` bans the token that
+    would complete one of those words after the outputs so far, and ``logit_bias`` adds its
+    value to its tokens' logits. These and the penalties are vLLM's, applied in this order to
+    the logits before everything else (greedy rows too): ``presence_penalty`` is subtracted
+    from every token generated so far, and ``frequency_penalty`` once per time it was
+    generated; ``repetition_penalty`` divides the positive logits of the tokens in the prompt or
+    the output and multiplies the negative ones.
     """
 
     n: int = 1
@@ -71,7 +72,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    bad_words: list[str] | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    # Each bad word's token ids (vLLM's), set by update_from_tokenizer when the request is added.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     # What the sampler must do for such a row (MASKED | SEEDED | ADJUSTED), derived once when
     # built: a batch reads it per row whenever its rows change. (The engine copies and checks
     # each request's params when it is added, so a later change to the caller's object is seen.)
@@ -133,6 +137,11 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY; "
                              f"from kvscope import RequestOutputKind), got {self.output_kind!r}")
+        if self.bad_words is not None:
+            words = _as_list("bad_words", self.bad_words, str)
+            if any(not w.strip() for w in words):
+                raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+            self.bad_words = words
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -189,8 +198,30 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the draw (bias, allowed tokens, penalties)."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None or self.penalizes
+        """Whether the logits change before the draw (bias, allowed tokens, bad words, penalties)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words) or self.penalizes
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """The token ids of each bad word, as ``update_from_tokenizer`` found them."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """vLLM's: each bad word as token ids, both as it starts a text and as it follows a space
+        (the second only where that gives a different first token and as many tokens). A word
+        with no tokens is refused."""
+        if not self.bad_words:
+            return
+        found: list[list[int]] = []
+        for word in self.bad_words:
+            bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+            found.append(bare)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                found.append(spaced)
+        self._bad_words_token_ids = found
 
     @property
     def penalizes(self) -> bool:

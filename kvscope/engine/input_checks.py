@@ -68,8 +68,9 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
         k = getattr(params, name)
         if k is not None and k > vocab_size:
             raise ValueError(f"{name}={k} exceeds the vocabulary size ({vocab_size})")
+    bad_words = [t for word in params.bad_words_token_ids or () for t in word]
     for name, tokens in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                         ("logit_bias", params.logit_bias)):
+                         ("logit_bias", params.logit_bias), ("bad_words", bad_words)):
         bad = [t for t in tokens or () if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} contains {bad[0]}, outside the vocabulary [0, {vocab_size})")

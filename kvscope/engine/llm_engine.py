@@ -122,6 +122,9 @@ class LLMEngine:
         if params.stop_strings and self.config.skip_tokenizer_init:
             raise ValueError("stop strings need text, which skip_tokenizer_init=True leaves out; "
                              "stop on token ids with stop_token_ids instead")
+        if params.bad_words and self.config.skip_tokenizer_init:
+            raise ValueError("bad_words need a tokenizer, which skip_tokenizer_init=True leaves out; "
+                             "ban token ids with logit_bias or allowed_token_ids instead")
         if params.n == 1:
             request_id = self._add(prompt, params, request_id, arrival_time)
         else:
@@ -168,6 +171,7 @@ class LLMEngine:
                      arrival_time: float | None) -> Request:
         """A validated request under a free id, not queued yet."""
         text, token_ids = self._tokenize(prompt)
+        params.update_from_tokenizer(self.tokenizer)  # (each child's copy too: bad words as token ids)
         keep = params.truncate_prompt_tokens
         if keep is not None:  # (vLLM's left truncation: the prompt's last tokens)
             token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]

@@ -71,7 +71,7 @@ class Request:
         k = self.params.prompt_logprobs
         if k is not None:
             self.prompt_logprobs = [None]  # (the first token has none: nothing comes before it)
-        if self.params.penalizes or k is not None:
+        if self.params.penalizes or self.params.bad_words or k is not None:
             self.history = TokenHistory(self.token_ids, self.num_prompt_tokens, k)
 
     @property

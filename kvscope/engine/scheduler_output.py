@@ -24,7 +24,7 @@ _NONE.flags.writeable = False
 @dataclass(slots=True, frozen=True)
 class TokenHistory:
     """The tokens a request has so far, for what reads more than a row's own tokens: the
-    sampler's penalties, and prompt log-probs (of the tokens after each row's last, too). Its
+    sampler's penalties and bad words, and prompt log-probs (of the tokens after each row's last, too). Its
     prompt, then the outputs appended on the host: ``token_ids`` is the request's own list,
     read when the step launches; an output still in flight is its row's ``PLACEHOLDER`` input."""
 
@@ -61,7 +61,7 @@ class ScheduledRequest:
     # EOS (unless ignore_eos) and params.stop_token_ids: what a sampled row may not draw before
     # its min_tokens-th token (vLLM's all_stop_token_ids)
     all_stop_token_ids: frozenset[int] = frozenset()
-    history: TokenHistory | None = None  # set when ``sample`` and the params penalize, or prompt logits
+    history: TokenHistory | None = None  # set when ``sample`` and the params penalize or ban words, or prompt logits
     # leading positions whose logits give prompt log-probs (of the tokens after them), when asked
     num_prompt_logits: int = 0
 

@@ -1,21 +1,22 @@
 """What changes a row's logits before any draw, greedy rows' too: vLLM's ``allowed_token_ids``,
-``logit_bias`` and presence, frequency and repetition penalties, applied in vLLM's order.
+``bad_words``, ``logit_bias`` and presence, frequency and repetition penalties, applied in
+vLLM's order.
 
 The settings of a batch's adjusted rows become device tensors once per batch
 (:class:`Adjustments`); the penalties read each row's prompt tokens and output counts from
-:class:`~kvscope.runner.token_counts.TokenCounts`, which keeps them on the device between steps.
+:class:`~kvscope.runner.token_counts.TokenCounts`, which keeps them on the device between steps,
+and the bad words each row's newest outputs (:mod:`~kvscope.runner.bad_words`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from kvscope.runner.token_counts import Upload
+from kvscope.runner.bad_words import ban_bad_words
+from kvscope.runner.token_counts import HistoryOf, TokenCounts, Upload
 from kvscope.sampling_params import SamplingParams
-
-Seen = Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]  # batch rows -> prompt masks, output counts
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
@@ -38,6 +39,9 @@ class Adjustments:
     index: torch.Tensor  # int64 [m]: the same rows
     penalized: list[int]  # the rows with penalties, in batch order
     penalized_at: torch.Tensor  # int64 [p]: their positions in ``which``
+    worded: list[int]  # the rows with bad words, in batch order
+    worded_at: torch.Tensor  # int64 [w]: their positions in ``which``
+    words: list[list[list[int]]]  # each such row's bad words, as token ids
     allowed: torch.Tensor | None  # bool [m, vocab]: the tokens each may draw (None: no row limits them)
     bias: torch.Tensor | None  # float32 [m, vocab] (None: no row has a logit bias)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, frequency, presence [p]
@@ -60,22 +64,31 @@ class Adjustments:
         if at:
             penalties = tuple(upload([float(getattr(mine[k], name)) for k in at], torch.float32)
                               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        worded = [k for k, p in enumerate(mine) if p.bad_words_token_ids]
         return cls(which, upload(which, torch.int64), [which[k] for k in at], upload(at, torch.int64),
-                   allowed, bias, penalties)
+                   [which[k] for k in worded], upload(worded, torch.int64),
+                   [mine[k].bad_words_token_ids for k in worded], allowed, bias, penalties)
 
-    def apply(self, logits: torch.Tensor, seen: Seen | None) -> torch.Tensor:
-        """float32 ``logits`` with these rows adjusted (a new tensor): tokens outside their
-        allowed set at -inf, then the bias added, then the penalties on the tokens ``seen``
-        gives for the penalized rows (vLLM's order). Without ``seen``, a row has no tokens yet
+    def apply(self, logits: torch.Tensor, history_of: HistoryOf | None, counts: TokenCounts,
+              upload: Upload) -> torch.Tensor:
+        """float32 ``logits`` with these rows adjusted (a new tensor), in vLLM's order: tokens
+        outside their allowed set at -inf, then the bad words' banned tokens, then the bias
+        added, then the penalties on the rows' tokens (``history_of``, through ``counts``).
+        Without ``history_of``, a row has no tokens yet: its bad words of one token are banned,
         and its penalties change nothing."""
         rows = logits[self.index]
         if self.allowed is not None:
             rows = rows.masked_fill(~self.allowed, float("-inf"))
+        if self.worded:
+            at = self.worded_at
+            batch = history_of(self.worded) if history_of is not None else None
+            rows = rows.index_put((at,), ban_bad_words(rows[at], self.words, batch, upload))
         if self.bias is not None:
             rows = rows + self.bias
-        if self.penalties is not None and seen is not None:
+        if self.penalties is not None and history_of is not None:
             at = self.penalized_at
-            rows = rows.index_put((at,), apply_penalties(rows[at], *seen(self.penalized), *self.penalties))
+            seen = counts.read(history_of(self.penalized), rows.shape[1])
+            rows = rows.index_put((at,), apply_penalties(rows[at], *seen, *self.penalties))
         return logits.index_put((self.index,), rows)
 
 

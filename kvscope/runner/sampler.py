@@ -435,11 +435,9 @@ class Sampler:
         """float32 ``logits`` with the adjusted rows' allowed tokens, logit bias and penalties
         applied (:mod:`kvscope.runner.logit_adjustments`); their settings go to the device once
         per ``_Rows``, the penalized rows' tokens come from :attr:`token_counts`."""
-        vocab = logits.shape[1]
         if rows.adjustments is None:
-            rows.adjustments = Adjustments.of(rows.params, vocab, logits.device, self._tensor)
-        seen = None if history_of is None else (lambda which: self.token_counts.read(history_of(which), vocab))
-        return rows.adjustments.apply(logits, seen)
+            rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self._tensor)
+        return rows.adjustments.apply(logits, history_of, self.token_counts, self._tensor)
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked

@@ -1,0 +1,121 @@
+"""vLLM's ``bad_words``: each word as token ids by vLLM's rule, and whole runs against a step-by-step
+torch reference that bans a word's last token after its other tokens, under async scheduling
+(the newest output still on the device), chunked prefill, preemption and parallel sampling."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import bias_logits, greedy, make_llm, token_ids
+from kvscope import SamplingParams
+from tiny_models import load_hf_model, tiny_checkpoint
+
+MAX_NEW = 20
+CONFIGS = [
+    dict(),
+    dict(async_scheduling=True),
+    dict(max_num_batched_tokens=8),  # prompts prefilled in chunks
+    dict(num_kv_blocks=14, max_num_seqs=4, async_scheduling=True),  # preemption by recompute
+]
+
+
+def reference_tokens(model, prompt: list[int], words: list[list[int]], bias: dict[int, float]) -> list[int]:
+    """Greedy tokens of transformers' logits plus ``bias`` (part of the model here), each step's
+    banned tokens at -inf: a word's last token when the outputs so far end with its others."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(MAX_NEW):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            for token, b in bias.items():
+                logits[token] += b
+            for word in words:
+                if len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]:
+                    logits[word[-1]] = float("-inf")
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+    return out
+
+
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_each_word_is_its_token_ids_alone_and_after_a_space_as_vllm_finds_them():
+    """Both forms where the space changes the first token and not the length; only the bare
+    form otherwise; leading spaces of a word are dropped first."""
+    tok = make_llm(block_size=4).get_tokenizer()
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    words = ["ab", "  ab", "hello", "the cat"]
+    params = SamplingParams(bad_words=words)
+    params.update_from_tokenizer(tok)
+    want = []
+    for word in words:
+        bare, spaced = enc(word.lstrip()), enc(" " + word.lstrip())
+        want.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            want.append(spaced)
+    assert params.bad_words_token_ids == want
+    assert [enc("ab"), enc(" ab")] == want[:2] and enc(" hello") not in want  # (both cases occur)
+
+
+def test_a_word_the_space_does_not_change_is_kept_once():
+    """A tokenizer that drops spaces gives both forms the same ids: vLLM keeps one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "ab": 1, "cd": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    params = SamplingParams(bad_words=["ab cd"])
+    params.update_from_tokenizer(PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]"))
+    assert params.bad_words_token_ids == [[1, 2]]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["sync", "async", "chunked", "preempting"])
+def test_bad_words_match_a_torch_reference(config):
+    """A model biased towards bad words' tokens, on one prompt: without the one-token word it
+    draws that word, without it the two-token one, and with both banned it keeps drawing the
+    two-token word's first token, never completing the word: its last token is banned exactly
+    after the first (still on the device under async scheduling)."""
+    llm = make_llm(block_size=4, **config)
+    tok = llm.get_tokenizer()
+    ab, spaced_ab, c = (tok.encode(t, add_special_tokens=False) for t in ("ab", " ab", "c"))
+    bias = {ab[0]: 7.0, ab[1]: 6.5, spaced_ab[0]: 5.0, c[0]: 7.2}
+    bias_logits(llm, bias)
+    prompts = [[30, 31, 32, 33, 34]] * 4  # (what differs between rows is their bans alone)
+    rows = [greedy(MAX_NEW, bad_words="c"), greedy(MAX_NEW, bad_words=["ab", "c"]),
+            greedy(MAX_NEW, bad_words=[" ab", "c"], n=2), greedy(MAX_NEW)]
+    outs = llm.generate(prompts, rows, use_tqdm=False)
+    ours = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    model = load_hf_model(tiny_checkpoint("qwen3"))
+    for prompt, params, got in zip(prompts, rows, ours):
+        words = SamplingParams(bad_words=params.bad_words) if params.bad_words else None
+        if words is not None:
+            words.update_from_tokenizer(tok)
+        want = reference_tokens(model, prompt, words.bad_words_token_ids if words else [], bias)
+        assert got == [want] * params.n
+        for word in words.bad_words_token_ids if words else []:
+            assert not _contains(want, word)
+    assert c[0] in ours[3][0] and _contains(ours[0][0], ab)  # (what each ban takes away, drawn without it)
+    assert ab[0] in ours[1][0]  # (the first token of a banned word still comes)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(bad_words=[""]), "bad_words must be non-blank strings"),
+    (dict(bad_words=["ok", "  "]), "bad_words must be non-blank strings"),
+    (dict(bad_words=5), "bad_words must be one str or a list of them"),
+    (dict(bad_words=[b"ab"]), "bad_words must be one str or a list of them"),
+])
+def test_bad_words_of_the_wrong_kind_are_refused_by_name(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        SamplingParams(**kwargs)
+
+
+def test_bad_words_without_a_tokenizer_are_refused_at_add_request():
+    llm = make_llm(block_size=4, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        llm.add_request([5, 6, 7], greedy(3, bad_words=["ab"]))
+    assert not llm.has_unfinished_requests()
+    assert token_ids(llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False))[0]
