@@ -8,13 +8,21 @@ batch, as vLLM sends one batch per engine step):
 - end to end: a ``KVEventPublisher`` on loopback -> ``kvscope.attach`` (its subscriber thread
   decodes and applies), timed from the first publish to the last batch applied.
 
+``--beside-mute SECONDS`` measures instead how long a publisher's batches take to apply while
+another attached publisher's replay socket takes requests and never answers: that one skips a
+number every half second (a gap, which asks its replay socket), and the good one publishes a
+batch every 20 ms for that many seconds; the latency is the publish to the batch applied.
+
     python benchmarks/bench_attach.py [--events 200000] [--batch 64] [--encoding map|array]
+    python benchmarks/bench_attach.py --beside-mute 10 [--replay-timeout 2.0]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
+import threading
 import time
 
 import msgspec
@@ -47,13 +55,69 @@ def as_array_like(batch_events: list[dict]) -> list[list]:
     return [[e["type"], *list(e.values())[1:]] for e in batch_events]
 
 
+def beside_mute(seconds: float, replay_timeout: float) -> None:
+    """Latency of one publisher's batches while another's gaps ask a replay socket that never answers."""
+    import zmq
+
+    from kvscope.attach.wire import seq_bytes
+
+    ctx = zmq.Context.instance()
+    raw, mute = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    port, mute_port = raw.bind_to_random_port("tcp://127.0.0.1"), mute.bind_to_random_port("tcp://127.0.0.1")
+    codec, applied, lock = Codec(), {}, threading.Lock()
+
+    def on_batch(name: str, seq: int) -> None:
+        if name == "good":
+            with lock:
+                applied[seq] = time.perf_counter()
+
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    with KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="kv-events") as good:
+        with kvscope.attach({"bad": f"tcp://127.0.0.1:{port}", "good": good.endpoint},
+                            replay_endpoints={"bad": f"tcp://127.0.0.1:{mute_port}", "good": good.replay_endpoint},
+                            replay_timeout=replay_timeout) as att:
+            att.add_listener(on_batch)
+            bad = att.streams[0]
+            while bad.next_seq != 1:  # the subscription reaches the bare publisher
+                raw.send_multipart([b"kv-events", seq_bytes(0), codec.encode(0.0, [], 0)])
+                time.sleep(0.05)
+            sent, bad_seq, next_gap = {}, 0, time.perf_counter()
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                now = time.perf_counter()
+                if now >= next_gap:
+                    bad_seq += 2
+                    raw.send_multipart([b"kv-events", seq_bytes(bad_seq), codec.encode(0.0, [], 0)])
+                    next_gap = now + 0.5
+                seq = good.publish([stored([len(sent) + 1], None, [1, 2], 2)])
+                sent[seq] = time.perf_counter()
+                time.sleep(0.02)
+            deadline = time.perf_counter() + replay_timeout + 5
+            while len(applied) < len(sent) and time.perf_counter() < deadline:
+                time.sleep(0.01)
+            gaps = bad.faults["gaps"]
+    with lock:
+        lat = sorted((applied[q] - t) * 1000 for q, t in sent.items() if q in applied)
+    print(f"beside a mute replay socket (replay_timeout {replay_timeout} s, {gaps} gaps asked of it): "
+          f"{len(lat)} of {len(sent)} batches applied; latency ms median {statistics.median(lat):.1f}, "
+          f"p90 {lat[int(0.9 * (len(lat) - 1))]:.1f}, p99 {lat[int(0.99 * (len(lat) - 1))]:.1f}, max {lat[-1]:.1f}; "
+          f"load average after: {os.getloadavg()[0]:.2f}")
+    raw.close(linger=0)
+    mute.close(linger=0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=20_000)
     ap.add_argument("--encoding", choices=("map", "array"), default="map")
+    ap.add_argument("--beside-mute", type=float, default=None, metavar="SECONDS")
+    ap.add_argument("--replay-timeout", type=float, default=2.0)
     args = ap.parse_args()
+    if args.beside_mute is not None:
+        beside_mute(args.beside_mute, args.replay_timeout)
+        return
     events = event_stream(args.events, args.blocks)
     batches = [events[i:i + args.batch] for i in range(0, len(events), args.batch)]
     codec = Codec()
