@@ -525,6 +525,32 @@ def test_an_idle_probe_answered_by_another_publisher_does_not_drop_later_batches
             att.close()
 
 
+def test_a_replay_socket_of_another_data_parallel_rank_feeds_nothing():
+    """The replay endpoint given answers with batches stamped data_parallel_rank 1 (another rank's
+    replay socket: a port offset by the wrong rank), the live ones carry rank 0. Neither the idle
+    probe nor a gap's replay applies any of its blocks: each answer is dropped and counted in
+    replay_mismatches, the gap's batches counted lost, and the live batches apply."""
+    other = {q: Codec().encode(1.0, [stored([100 + q], None, [1, 2], 2)], 1) for q in range(1, 5)}
+
+    def serve(router, stop):  # the other rank's replay socket, which has batches 1..4
+        while not stop.is_set():
+            if router.poll(50):
+                client, _, start = router.recv_multipart()
+                start = int.from_bytes(start, "big", signed=True)
+                for q in sorted(q for q in other if q >= start):
+                    router.send_multipart([client, b"", seq_bytes(q), other[q]])
+                router.send_multipart([client, b"", seq_bytes(-1), b""])
+
+    with raw_stream(serve, replay_timeout=0.5) as (raw, att):
+        name, f = att.instances[0], att.streams[0].faults
+        wait_for(lambda: f["replay_mismatches"] == 1, timeout=5, what="the idle probe's answer, dropped")
+        raw.send_multipart([b"kv-events", seq_bytes(5), Codec().encode(1.0, [stored([5], None, [1, 2], 2)], 0)])
+        wait_for(applied(att, name, 5), timeout=5, what="the live batch after the gap")
+        assert att.block_hashes(name) == {5}
+        assert not any(h >= 100 for hashes in att.events.block_hashes.dropna() for h in hashes)
+        assert (f["replay_mismatches"], f["replayed_batches"], f["gaps"], f["lost_batches"]) == (2, 0, 1, 4)
+
+
 def test_an_idle_probe_whose_replay_connection_keeps_dropping_moves_nothing():
     """A replay endpoint that accepts each connection and closes it: the idle probe gets no batch,
     so it counts none missed or lost and the live batches after it all apply."""

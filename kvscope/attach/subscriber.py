@@ -16,6 +16,11 @@ is checked against the next one expected from that publisher:
   live bounds that answer, so each batch it brings is checked against the live one of the same
   number when that comes: one that differs means the replay socket is not this publisher's (or
   ran ahead of it), and the stream starts over as after a restart;
+- a replayed batch stamped with another ``data_parallel_rank`` than the live batches comes from
+  another rank's replay socket (each rank binds its own, on port + rank): that answer is dropped
+  before it applies anything more, the replay counted a mismatch. Replicas of one deployment all
+  stamp rank 0 (or none), and nothing else in vLLM's batches names the publisher, so a replica's
+  replay socket given for another's shows only through the live batches it contradicts;
 - after the connection dropped (a socket monitor reports it, and that ZMQ reconnects), the
   publisher may be a new process whose numbers happen to continue past ours, so the next message
   starts over: the rebuilt cache is cleared and refilled from what replay still buffers;
@@ -60,7 +65,8 @@ FAULTS: tuple[str, ...] = (
     "lost_batches",       # batches neither received nor replayed
     "duplicate_batches",  # live batches already applied from a replay
     "publisher_restarts", # the sequence went back: the publisher restarted
-    "replay_mismatches",  # a live batch differs from the one the idle probe's replay gave under its number
+    "replay_mismatches",  # a live batch differs from the one the idle probe's replay gave under its number,
+                          # or a replayed batch is stamped with another data-parallel rank than the live ones
     "reconnects",         # the connection dropped and came back: the cache was rebuilt from replay
 )
 
@@ -87,6 +93,7 @@ class Stream:
     # for one it skipped: only replay vouches for them until the live socket brings the same numbers
     ahead: deque[int | None] = field(default_factory=deque)
     disconnected: bool = False
+    live_rank: int | None = None  # the data_parallel_rank the live batches carry
     heard: float = 0.0  # time.monotonic() of the last message (or tail probe)
     # the replay in progress, as a task (see Subscriber._start); while it runs the live socket waits,
     # unless the task is an idle probe, which a live batch cancels
@@ -346,6 +353,8 @@ class Subscriber:
         """The task of a live batch ``seq`` that follows a gap (or a late join, from 0): replay the
         batches before it, then apply it. From the first batch replay returned on, what it left out
         was lost."""
+        if s.replay is not None:  # the rank replayed batches must carry, known before any of them applies
+            self._note_rank(s, payload)
         yield from self._replay(s, start, seq)
         if s.next_seq is not None:
             s.faults["lost_batches"] += seq - s.next_seq
@@ -359,15 +368,36 @@ class Subscriber:
         i = seq - s.last_live - 1 if s.last_live is not None else -1
         return 0 <= i < len(s.ahead) and s.ahead[i] != hash(payload)
 
-    def _apply(self, s: Stream, seq: int, payload: bytes) -> None:
+    def _apply(self, s: Stream, seq: int, payload: bytes, live: bool = True) -> None:
         s.next_seq = seq + 1
         try:
             batch = self.codec.decode(payload)
         except WireError as exc:
             s.faults[exc.kind] += 1
             return
+        if live and batch.data_parallel_rank is not None:
+            s.live_rank = batch.data_parallel_rank
         s.faults["unknown_tag"] += batch.unknown_tags
         self.apply(s, seq, batch)
+
+    def _note_rank(self, s: Stream, payload: bytes) -> None:
+        try:
+            rank = self.codec.decode(payload).data_parallel_rank
+        except WireError:
+            return
+        if rank is not None:
+            s.live_rank = rank
+
+    def _foreign(self, s: Stream, payload: bytes) -> bool:
+        """Whether a replayed batch carries another data-parallel rank than the live batches: the replay
+        socket is another rank's (a port offset by the wrong rank), whose blocks this cache never held."""
+        if s.live_rank is None:
+            return False
+        try:
+            rank = self.codec.decode(payload).data_parallel_rank
+        except WireError:  # counted when applied, as any malformed batch
+            return False
+        return rank is not None and rank != s.live_rank
 
     def _ask(self, s: Stream, start: int) -> bool:
         """Send a replay request from ``start``; False if it cannot go out now (a replay peer that is
@@ -446,13 +476,16 @@ class Subscriber:
             if contiguous and seq != owed:
                 continue
             if (start if joining else s.next_seq) <= seq < end:
+                if self._foreign(s, reply[2]):  # the rest of the answer is that rank's too
+                    s.faults["replay_mismatches"] += 1
+                    break
                 s.faults["lost_batches"] += skipped if joining else seq - s.next_seq
                 if contiguous:
                     s.ahead.extend([None] * (seq - s.next_seq))
                     s.ahead.append(hash(reply[2]))
                 joining = False
                 s.faults["replayed_batches"] += 1
-                self._apply(s, seq, reply[2])
+                self._apply(s, seq, reply[2], live=False)
                 owed, known = seq + 1, True
         # the answer may still come: a new connection leaves it to the old one, so that no reply of it
         # (its end above all) is taken for part of the next answer
