@@ -420,3 +420,37 @@ def test_adjusted_rows_and_prompt_logprobs_match_transformers_on_gpu(checkpoint,
     assert got[0] is None and len(got) == len(prompts[2])
     for i in range(1, len(prompts[2])):  # (Triton's attention multiplies float32 in TF32: ~1e-3 off)
         assert got[i][prompts[2][i]] == pytest.approx(lp[i - 1, prompts[2][i]].item(), abs=1e-2)
+
+
+def test_penalized_and_prompt_logprob_steps_launch_without_waiting_for_the_device(checkpoint):
+    """Under async scheduling a step is launched while the device still runs the last one: a
+    decode step of penalized rows (their newest tokens still on the device) and a prefill step
+    owing prompt log-probs launch in well under the second of device work queued just before
+    them (a copy from pageable host memory would wait it out)."""
+    import time
+
+    llm = LLM(checkpoint, device="cuda", attention_backend="triton", async_scheduling=True,
+              gpu_memory_utilization=0.3)
+    engine, runner = llm.llm_engine, llm.llm_engine.executor
+    for prompt in _prompts(8):
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
+                                                  repetition_penalty=1.3, frequency_penalty=0.5))
+    for _ in range(8):
+        engine.step()
+    launch, took = runner.execute_async, []
+
+    def behind_a_busy_device(out):
+        torch.cuda._sleep(int(2e9))  # (about a second of device work)
+        t0 = time.perf_counter()
+        handle = launch(out)
+        took.append(time.perf_counter() - t0)
+        return handle
+
+    runner.execute_async = behind_a_busy_device
+    engine.step()
+    engine.add_request(_prompts(9)[8], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2))
+    engine.step()
+    runner.execute_async = launch
+    torch.cuda.synchronize()
+    llm.shutdown()
+    assert len(took) == 2 and max(took) < 0.4, took

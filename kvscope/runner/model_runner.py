@@ -488,7 +488,7 @@ class ModelRunner:
         else:
             with forward_context(self._metadata(step.x, d)), self._threads():
                 hidden = self._forward(step.ids, d.positions)
-        prompt = None if prompt_at is None else hidden[torch.from_numpy(prompt_at).to(hidden.device)]
+        prompt = None if prompt_at is None else hidden[self.sampler.upload(prompt_at, torch.int64)]
         if step.num_logits == step.num_tokens:
             return hidden, prompt
         if step.num_logits:
@@ -596,7 +596,7 @@ class ModelRunner:
             tokens = None
             if flying:
                 at = self._sample_row[table_rows[[which[k] for k in flying]]]
-                tokens = self._last_sample[torch.from_numpy(at).to(self._last_sample.device)]
+                tokens = self._last_sample[self.sampler.upload(at, torch.int64)]
             return Histories([r.seq_id for r in picked], histories, flying, tokens)
 
         try:

@@ -226,10 +226,12 @@ class Sampler:
         self.readback = HostReadback(pin=True) if device.type == "cuda" else None
         # The penalized sequences' prompt masks and output counts, kept between steps; the
         # runner forgets each sequence once it finishes.
-        self.token_counts = TokenCounts(device, self._tensor)
+        self.token_counts = TokenCounts(device, self.upload)
 
-    def _tensor(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """A small per-row tensor on the device without a blocking copy (pinned, non-blocking)."""
+    def upload(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list or array as a device tensor, through pinned memory and a
+        non-blocking copy: a copy from pageable memory would first wait for all the work the
+        device has queued (the step before, under async scheduling)."""
         t = torch.as_tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
@@ -262,7 +264,7 @@ class Sampler:
         for i, p in enumerate(params):
             if p.seed is not None:
                 cols[i] = (np.uint64(p.seed & (2**64 - 1)).view(np.int64), output_index[i], self.kernels.SEEDED)
-        return self.kernels.Streams(self._key, self._step, self._tensor(cols, torch.int64))
+        return self.kernels.Streams(self._key, self._step, self.upload(cols, torch.int64))
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
@@ -409,7 +411,7 @@ class Sampler:
         if not pairs:
             return None
         r, c = zip(*pairs)
-        return self._tensor(r, torch.int64), self._tensor(c, torch.int64)
+        return self.upload(r, torch.int64), self.upload(c, torch.int64)
 
     def _rows_of(self, params: list[SamplingParams], output_index: list[int]) -> "_Rows":
         last = self._last_rows
@@ -436,8 +438,8 @@ class Sampler:
         applied (:mod:`kvscope.runner.logit_adjustments`); their settings go to the device once
         per ``_Rows``, the penalized rows' tokens come from :attr:`token_counts`."""
         if rows.adjustments is None:
-            rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self._tensor)
-        return rows.adjustments.apply(logits, history_of, self.token_counts, self._tensor)
+            rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self.upload)
+        return rows.adjustments.apply(logits, history_of, self.token_counts, self.upload)
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked
@@ -447,15 +449,15 @@ class Sampler:
             scaled = logits / self._temperature(rows.temps[0] if rows.temps[0] > 0 else 1.0)
         else:
             if rows.divisor is None:
-                rows.divisor = self._tensor([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
+                rows.divisor = self.upload([t if t > 0 else 1.0 for t in rows.temps], torch.float32).unsqueeze(1)
             scaled = logits / rows.divisor
         if rows.masked:
             if rows.masks is None:  # (a top-k past the vocabulary keeps every token, as in vLLM)
                 vocab = logits.shape[-1]
                 min_p = [float(p.min_p) for p in rows.params]
-                rows.masks = (self._tensor(min_p, torch.float32) if any(min_p) else None,
-                              self._tensor([min(p.top_k, vocab) for p in rows.params], torch.int64),
-                              self._tensor([float(p.top_p) for p in rows.params], torch.float32))
+                rows.masks = (self.upload(min_p, torch.float32) if any(min_p) else None,
+                              self.upload([min(p.top_k, vocab) for p in rows.params], torch.int64),
+                              self.upload([float(p.top_p) for p in rows.params], torch.float32))
             min_p, top_k, top_p = rows.masks
             if min_p is not None:
                 scaled = apply_min_p(scaled, min_p)
@@ -478,7 +480,7 @@ class Sampler:
             if rows.one_temp:
                 rows.scale = scale_of(rows.temps[0])
             else:
-                rows.scale = self._tensor([scale_of(t) for t in rows.temps], torch.float32)
+                rows.scale = self.upload([scale_of(t) for t in rows.temps], torch.float32)
         return rows.scale
 
     def _sample_by_torch(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
@@ -497,7 +499,7 @@ class Sampler:
                     noise[i] = _seeded_noise(p.seed, rows.output_index[i], scaled.shape[1], self.device)
         tokens = (scaled - noise.log()).argmax(dim=-1)
         if any(greedy):  # (a mixed batch: rows of their own)
-            tokens = torch.where(self._tensor(greedy, torch.bool), logits.argmax(dim=-1), tokens)
+            tokens = torch.where(self.upload(greedy, torch.bool), logits.argmax(dim=-1), tokens)
         return tokens
 
 
