@@ -8,15 +8,10 @@ import torch
 
 from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import SamplingParams
+from test_logit_adjustments import CONFIGS
 from tiny_models import load_hf_model, tiny_checkpoint
 
 MAX_NEW = 20
-CONFIGS = [
-    dict(),
-    dict(async_scheduling=True),
-    dict(max_num_batched_tokens=8),  # prompts prefilled in chunks
-    dict(num_kv_blocks=14, max_num_seqs=4, async_scheduling=True),  # preemption by recompute
-]
 
 
 def reference_tokens(model, prompt: list[int], words: list[list[int]], bias: dict[int, float]) -> list[int]:
