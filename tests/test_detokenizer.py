@@ -107,6 +107,34 @@ def test_random_bytes_stream_like_full_decode():
         _assert_streams_like_full_decode(tokenizer, [rng.randrange(3, 320) for _ in range(60)])
 
 
+def test_finished_text_is_the_whole_decode_even_when_it_ends_in_an_incomplete_character():
+    """No token will complete a held-back tail once the request ends: the final text lets it out."""
+    tokenizer = _tiny_tokenizer()
+    stray = [i for i in range(3, 320) if tokenizer.decode([i]) == INCOMPLETE]
+    rng = random.Random(1)
+    for _ in range(20):
+        ids = [rng.randrange(3, 320) for _ in range(rng.randrange(1, 30))] + rng.sample(stray, 1)
+        detok = IncrementalDetokenizer(tokenizer)
+        for k in range(1, len(ids)):
+            detok.update(ids[:k])
+        assert detok.finish(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_streams_its_text_uncleaned():
+    """transformers' ``clean_up_tokenization_spaces`` rewrites text across tokens (" ," becomes
+    ","): a window decoded with it would drop text. The stream is the decode without it, as in vLLM."""
+    tokenizer = AutoTokenizer.from_pretrained(
+        tiny_checkpoint("qwen3"), local_files_only=True, clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    ids = tokenizer.encode("a , b . c ! d ' s , , e ?", add_special_tokens=False)
+    uncleaned = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    assert tokenizer.decode(ids) != uncleaned  # (the trap)
+    detok = IncrementalDetokenizer(tokenizer)
+    for k in range(1, len(ids) + 1):
+        assert detok.update(ids[:k]) == tokenizer.decode(ids[:k], clean_up_tokenization_spaces=False), k
+    assert detok.finish(ids) == uncleaned
+
+
 @pytest.fixture(scope="module")
 def llm():
     return LLM(device="cpu")

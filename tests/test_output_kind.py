@@ -8,13 +8,16 @@ before. ``FINAL_ONLY`` gives one output per request, the cumulative final one.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import signal
 
 import pytest
 
 import kvscope
-from engine_helpers import greedy, make_llm
+from engine_helpers import bias_logits, greedy, make_llm
 from kvscope import LLM, RequestOutputKind, SamplingParams
+from tiny_models import tiny_checkpoint
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 # Requests that finish on different steps (5, 9 and 14 tokens).
@@ -164,6 +167,45 @@ def test_deltas_with_stop_strings_never_report_text_the_stop_string_cuts(llm, in
     out = cumulative[0][-1].outputs[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", needle)
     assert out.text.endswith(needle) == include
+
+
+@pytest.fixture(scope="module")
+def cleanup_llm(tmp_path_factory) -> LLM:
+    """An engine whose tokenizer cleans up spaces when it decodes (transformers'
+    ``clean_up_tokenization_spaces``: " ," becomes ","), its model biased to draw spaces and
+    commas: decoding all its tokens at once gives another text than decoding them as they come."""
+    tokenizer_dir = tmp_path_factory.mktemp("cleanup-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoint("qwen3") / name, tokenizer_dir / name)
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(clean_up_tokenization_spaces=True,  # (transformers applies it to a BPE tokenizer only so told)
+                  clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    config_path.write_text(json.dumps(config))
+    llm = make_llm(block_size=4, num_kv_blocks=64, max_model_len=128, tokenizer=str(tokenizer_dir))
+    tokenizer = llm.get_tokenizer()
+    space_comma = tokenizer.convert_tokens_to_ids(["\u0120", ","])
+    assert tokenizer.decode(space_comma) != tokenizer.decode(space_comma, clean_up_tokenization_spaces=False)
+    bias_logits(llm, dict.fromkeys(space_comma, 30.0))
+    return llm
+
+
+@pytest.mark.parametrize("stop", [[], [" ,"]], ids=["plain", "stop-string"])
+def test_deltas_add_up_with_a_tokenizer_that_cleans_up_spaces_when_it_decodes(cleanup_llm, stop):
+    """As in vLLM, whose detokenizers never clean up spaces, the text is the tokens' decode
+    without the clean-up: streamed, final, in deltas and final-only, the same text."""
+    requests = [(p, SamplingParams(temperature=1.0, seed=70 + i, max_tokens=k, ignore_eos=True, stop=stop))
+                for i, (p, k) in enumerate(zip(PROMPTS, LENGTHS))]
+    cumulative = assert_deltas_add_up(cleanup_llm, requests)
+    tokenizer = cleanup_llm.get_tokenizer()
+    for outs in cumulative:
+        c = outs[-1].outputs[0]
+        uncleaned = tokenizer.decode(c.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert c.text == uncleaned[:len(c.text)] and (c.text == uncleaned or c.finish_reason == "stop")
+        if c.finish_reason == "stop":  # at the first token whose text completes the stop string
+            assert stop[0] in uncleaned and stop[0] not in tokenizer.decode(
+                c.token_ids[:-1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert " ," in tokenizer.decode(c.token_ids, clean_up_tokenization_spaces=False)  # (the trap is there)
 
 
 @pytest.mark.parametrize("n", [1, 2])

@@ -13,12 +13,28 @@ not depend on how often the text was read before (a final-only request is read f
 stop strings start to count, at ``min_tokens``; a streamed one at every step). Backing off from
 the last token to the longest window that decodes cleanly would not do: a run of bytes that
 never forms a character decodes to U+FFFD for good, however far it reaches back.
+
+Nothing is decoded with ``clean_up_tokenization_spaces``, as in vLLM, whose detokenizers never
+apply it: it rewrites text across token boundaries (" ," becomes ","), so a window decoded with
+it does not agree with the text before it, and a whole decode with it is not the streamed text.
+A request's final text is its detokenizer's (:meth:`IncrementalDetokenizer.finish`), never a
+whole decode of its tokens, so its streamed text is always a prefix of it.
 """
 from __future__ import annotations
 
 from typing import Any
 
 _INCOMPLETE = "\ufffd"
+
+
+def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """``tokenizer``'s text of ``ids``, its spaces never cleaned up (see the module docstring)."""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **_options(tokenizer))
+
+
+def _options(tokenizer: Any) -> dict[str, bool]:
+    """Decode options that turn the tokenizer's clean-up off (none for a tokenizer without one)."""
+    return {"clean_up_tokenization_spaces": False} if getattr(tokenizer, "clean_up_tokenization_spaces", False) else {}
 
 
 class IncrementalDetokenizer:
@@ -30,9 +46,10 @@ class IncrementalDetokenizer:
         self._read = 0    # tokens whose text is already in ``self.text``
         self._seen = ""   # the text of the tokens from ``_prefix`` to ``_read``, decoded alone
         self._taken = 0   # tokens taken in so far
+        self._options = _options(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip, **self._options)
 
     def update(self, output_ids: list[int]) -> str:
         """The text of ``output_ids`` (which only ever grows between calls), incomplete tail held back."""
@@ -43,4 +60,11 @@ class IncrementalDetokenizer:
                 self._prefix, self._read = self._read, end
                 self._seen = self._decode(output_ids[self._prefix:self._read])
         self._taken = max(self._taken, len(output_ids))
+        return self.text
+
+    def finish(self, output_ids: list[int]) -> str:
+        """The final text of ``output_ids``: :meth:`update`'s, and the tail it held back, as no
+        token will come to complete it."""
+        self.update(output_ids)
+        self.text += self._decode(output_ids[self._prefix:])[len(self._seen):]
         return self.text

@@ -25,7 +25,7 @@ from typing import Any, Iterator, MutableMapping, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.engine.detokenizer import IncrementalDetokenizer, decode
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_request_ids
@@ -627,17 +627,15 @@ class LLMEngine:
     # ------------------------------------------------------------ text
     def _hit_stop_string(self, req: Request) -> bool:
         """Search only the text added since the last check (and each stop string's reach back
-        into it); on a hit, cut the exact full decode at the earliest stop string."""
+        into it); on a hit, cut the streamed text at the earliest stop string (as vLLM: the
+        final text extends the text streamed so far)."""
         checked = len(req.streamed_text)
         text = self._stream_text(req)
-        starts = [(s, max(0, checked - len(s) + 1)) for s in req.stop_strings]
-        if not any(text.find(s, start) >= 0 for s, start in starts):
+        found = [(i, s) for s in req.stop_strings if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
+        if not found:
             return False
-        full = self._decode(req)
-        found = ([(i, s, full) for s, start in starts if (i := full.find(s, start)) >= 0]
-                 or [(i, s, text) for s, start in starts if (i := text.find(s, start)) >= 0])
-        i, s, source = min(found)
-        req.text = source[: i + len(s)] if req.params.include_stop_str_in_output else source[:i]
+        i, s = min(found)
+        req.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
         req.stop_reason = s
         return True
 
@@ -653,7 +651,11 @@ class LLMEngine:
             # As in vLLM, the token that stopped the request (EOS or one of stop_token_ids) stays
             # out of the text unless include_stop_str_in_output.
             by_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
-            req.text = self._decode(req, req.output_token_ids[:-1] if by_token else None)
+            ids = req.output_token_ids[:-1] if by_token else req.output_token_ids
+            # The text streamed so far, finished; a request never read as it ran (final-only, no
+            # stop string) is decoded whole, which gives the same text (see the detokenizer).
+            req.text = (req.detokenizer.finish(ids) if req.detokenizer is not None
+                        else decode(self.tokenizer, ids, req.params.skip_special_tokens))
         if self.hooks.active("request.finished"):
             with self._transition():
                 self.hooks.fire(
@@ -661,11 +663,6 @@ class LLMEngine:
                     finish_reason=req.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
                     output_token_ids=list(req.output_token_ids), metrics=req.metrics,
                 )
-
-    def _decode(self, req: Request, ids: list[int] | None = None) -> str:
-        """The text of ``ids`` (by default all of ``req``'s output tokens), decoded whole."""
-        ids = req.output_token_ids if ids is None else ids
-        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
 
     # -------------------------------------------------------------- outputs
     def _output(self, req: Request) -> RequestOutput:
