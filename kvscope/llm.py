@@ -15,7 +15,7 @@ from kvscope.engine.llm_engine import LLMEngine, PromptType
 from kvscope.generation_defaults import read_defaults
 from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir
 from kvscope.outputs import RequestOutput
-from kvscope.sampling_params import RequestOutputKind, SamplingParams
+from kvscope.sampling_params import SamplingParams
 from kvscope.step_lock import StepLock
 
 if TYPE_CHECKING:
@@ -115,7 +115,6 @@ class LLM:
         self._holds = 0  # engine steps (and batches of adds) taken so far: another call's progress
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
-        self._delta_ids: set[str] = set()  # streamed requests whose outputs are DELTAs, added up when kept
         self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
         self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
 
@@ -252,13 +251,8 @@ class LLM:
             raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
         with self._between_steps("LLM.add_request"):
             self._check_open()  # (again: another thread may have shut it down while this one waited)
-            request_id = self.llm_engine.add_request(
+            return self.llm_engine.add_request(
                 prompt, self.get_default_sampling_params() if params is None else params, request_id)
-            if params is not None and params.output_kind is RequestOutputKind.DELTA:
-                self._delta_ids.add(request_id)
-            else:  # (an id used again)
-                self._delta_ids.discard(request_id)
-            return request_id
 
     def step(self) -> list[RequestOutput]:
         """One engine step: an output for every streamed request that progressed or finished
@@ -282,7 +276,7 @@ class LLM:
     def _keep(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:  # (newest last)
             earlier = self._undelivered.pop(out.request_id, None)
-            if earlier is not None and out.request_id in self._delta_ids:
+            if earlier is not None and out._is_delta:
                 earlier.add(out, aggregate=True)
                 out = earlier
             self._undelivered[out.request_id] = out
@@ -293,8 +287,6 @@ class LLM:
         without a report."""
         engine = self.llm_engine
         taken = [rid for rid in self._undelivered if rid not in self._generating]
-        if self._delta_ids:  # (before the ids are free again: another thread may take one)
-            self._delta_ids.difference_update(rid for rid in taken if self._undelivered[rid].finished)
         outputs = [self._undelivered.pop(rid) for rid in taken]
         return [o for o in outputs if o.finished or engine.has_request(o.request_id)]
 

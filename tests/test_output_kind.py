@@ -238,6 +238,25 @@ def test_deltas_coalesced_by_llm_step_are_appended_not_replaced(llm, via, n):
         assert added_up(got[rid]) == final_view(cum[-1])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_deltas_of_requests_added_to_the_engine_are_appended_by_llm_step_too(llm, n):
+    """Whether ``LLM.step()`` adds up a request's outputs is its params' ``output_kind``, not
+    which ``add_request`` queued it: one added through ``llm.llm_engine`` loses no delta either."""
+    requests = [(p, SamplingParams(n=n, temperature=1.0, seed=80 + i, max_tokens=k, ignore_eos=True, logprobs=1))
+                for i, (p, k) in enumerate(zip(PROMPTS, LENGTHS))]
+    cumulative = stream(llm, with_kind(requests, CUMULATIVE))
+    ids = [llm.llm_engine.add_request(p, sp) for p, sp in with_kind(requests, DELTA)]
+    got = {rid: [] for rid in ids}
+    while llm.has_unfinished_requests():
+        if any(got.values()) and not any(len(outs) > 1 for outs in got.values()):
+            llm.generate([[40, 41, 42]], greedy(4), use_tqdm=False)  # (its steps' outputs wait for step())
+        for out in llm.step():
+            got[out.request_id].append(out)
+    assert max(len(c.token_ids) for outs in got.values() for out in outs for c in out.outputs) >= 2
+    for rid, cum in zip(ids, cumulative):
+        assert added_up(got[rid]) == final_view(cum[-1])
+
+
 def test_an_aborted_delta_request_s_last_output_carries_only_the_rest(llm):
     params = greedy(20, logprobs=1)
     outputs = {}
