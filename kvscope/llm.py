@@ -162,13 +162,15 @@ class LLM:
                 )
         with self._one_call("LLM.generate"):
             engine = self.llm_engine
-            if engine.in_step:
-                raise RuntimeError(
-                    "LLM.generate was called from inside a kvscope hook while the engine was in a "
-                    "step; only step.end hooks may call it (or add_request / abort_request from any hook)")
             ids: list[str] = []
             try:
                 with self._one_step():  # a Ctrl-C lands once every added id is in ids
+                    # (asked holding the step lock: another thread's add or abort is then done,
+                    # so a step or transition under way is this thread's, and this is its hook)
+                    if engine.in_step:
+                        raise RuntimeError(
+                            "LLM.generate was called from inside a kvscope hook while the engine was in a "
+                            "step; only step.end hooks may call it (or add_request / abort_request from any hook)")
                     for p, sp in zip(prompt_list, params_list):
                         ids.append(engine.add_request(p, sp, final_only=True))
                         self._generating.add(ids[-1])

@@ -1099,3 +1099,30 @@ def test_an_id_whose_final_output_waits_for_step_is_not_given_to_a_new_request()
     final = drain(llm)
     assert list(final) == [rid] and final[rid].outputs[0].token_ids == fresh_tokens([[10, 11, 12]], 2)[0]
     assert_healthy(llm)
+
+
+def test_generate_beside_another_threads_add_request_waits_for_it_rather_than_refusing() -> None:
+    """Another thread's ``add_request`` is inside its transition (held there by a
+    ``request.added`` hook) when this thread calls ``generate``: generate waits for it and runs;
+    only a call from inside a hook of this very thread's step is refused."""
+    llm = make_llm(**CONFIG)
+    inside, leave, added = threading.Event(), threading.Event(), []
+
+    def hold(**_: object) -> None:
+        inside.set()
+        leave.wait(10)
+
+    handle = llm.hooks.add("request.added", hold)
+    adder = threading.Thread(target=lambda: added.append(llm.add_request(PROMPTS[1], greedy(6))))
+    adder.start()
+    assert inside.wait(10)
+    handle.remove()
+    threading.Timer(0.3, leave.set).start()
+    try:
+        got = token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False))
+    finally:
+        leave.set()
+        adder.join(10)
+    assert got == fresh_tokens(PROMPTS) and len(added) == 1
+    drain(llm)
+    assert_healthy(llm)
