@@ -18,8 +18,9 @@ from kvscope.runner.token_counts import Histories, Upload
 
 def ban_bad_words(logits: torch.Tensor, words: Sequence[list[list[int]]], batch: Histories | None,
                   upload: Upload) -> torch.Tensor:
-    """float32 ``logits`` (one row per entry of ``words``, the rows of ``batch``) with each row's
-    banned tokens at ``-inf`` (a new tensor). Without ``batch``, no row has outputs yet."""
+    """float32 ``logits`` (one row per entry of ``words``, the rows of ``batch``; the caller's own
+    copy, changed in place) with each row's banned tokens at ``-inf``: a few entries written,
+    never a ``[rows, vocab]`` mask. Without ``batch``, no row has outputs yet."""
     if batch is None:
         batch = Histories([], [TokenHistory([], 0)] * len(words), [], None)
     always_rows: list[int] = []  # banned whatever the output in flight is
@@ -47,13 +48,15 @@ def ban_bad_words(logits: torch.Tensor, words: Sequence[list[list[int]]], batch:
                 if_tokens.append(word[-1])
                 if_flying.append(flying)
                 if_expected.append(word[-2])
-    if not always_rows and not if_rows:
-        return logits
-    banned = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
-    if always_rows:
-        banned[upload(always_rows, torch.int64), upload(always_tokens, torch.int64)] = 1
     if if_rows:
+        # One entry per (row, token): a token that several words may ban goes if any of them matches.
+        pair_at: dict[tuple[int, int], int] = {}
+        entry = [pair_at.setdefault(pair, len(pair_at)) for pair in zip(if_rows, if_tokens)]
         hit = batch.in_flight_tokens[upload(if_flying, torch.int64)] == upload(if_expected, torch.int64)
-        banned.index_put_((upload(if_rows, torch.int64), upload(if_tokens, torch.int64)), hit.to(torch.int32),
-                          accumulate=True)
-    return logits.masked_fill(banned > 0, float("-inf"))
+        banned = torch.zeros(len(pair_at), device=logits.device).scatter_reduce(
+            0, upload(entry, torch.int64), hit.float(), "amax")
+        at = (upload([r for r, _ in pair_at], torch.int64), upload([t for _, t in pair_at], torch.int64))
+        logits[at] = torch.where(banned > 0, float("-inf"), logits[at])
+    if always_rows:
+        logits[upload(always_rows, torch.int64), upload(always_tokens, torch.int64)] = float("-inf")
+    return logits
