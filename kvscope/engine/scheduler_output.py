@@ -24,21 +24,14 @@ _NONE.flags.writeable = False
 @dataclass(slots=True, frozen=True)
 class TokenHistory:
     """The tokens a request has so far, for what reads more than a row's own tokens: the
-    sampler's penalties and bad words, and prompt log-probs (of the tokens after each row's last, too). Its
-    prompt, then the outputs appended on the host: ``token_ids`` is the request's own list,
-    read when the step launches; an output still in flight is its row's ``PLACEHOLDER`` input."""
+    sampler's penalties and bad words, and prompt log-probs (of the tokens after each row's
+    last, too). Its prompt, then the outputs appended on the host: ``token_ids`` is the
+    request's own list, read when the step launches (sliced only where read, never copied
+    whole); an output still in flight is its row's ``PLACEHOLDER`` input."""
 
     token_ids: list[int]
     num_prompt_tokens: int
     prompt_logprobs: int | None = None  # the request's top-k of prompt log-probs, when it asks
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
-
-    @property
-    def outputs(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 @dataclass(slots=True)
