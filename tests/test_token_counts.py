@@ -5,7 +5,7 @@ engine, against a torch reference as requests come, finish and are aborted at di
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,7 +23,6 @@ class _Seq:
     token_ids: list[int]
     num_prompt_tokens: int
     flying: int | None = None  # an output the device sampled that the host does not have yet
-    extra: list[int] = field(default_factory=list)
 
 
 def _fresh(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
