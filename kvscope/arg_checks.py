@@ -30,6 +30,15 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def check_text(name: str, value: str) -> None:
+    """A str the tokenizer can read: one UTF-8 can encode. (A lone surrogate made the tokenizer
+    raise a TypeError about its own input types, naming nothing of the caller's.)"""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
+
+
 def check_int(name: str, value: Any, minimum: int = 1) -> int:
     """``value`` if it is an integer >= ``minimum``; else a ValueError naming ``name``."""
     if not is_int(value) or value < minimum:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvscope.arg_checks import check_text
+
 Conversation = list[dict[str, Any]]
 
 
@@ -38,13 +40,17 @@ def _message(message: Any, name: str) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise ValueError(f"{name}['role'] must be a non-empty str such as 'user', got {role!r}")
+    check_text(f"{name}['role']", role)
     return {**message, "content": _content(message.get("content"), f"{name}['content']")}
 
 
 def _content(content: Any, name: str) -> str | None:
     """A message's content as the template reads it: a str, or None (an assistant turn that
     only calls tools)."""
-    if content is None or isinstance(content, str):
+    if content is None:
+        return content
+    if isinstance(content, str):
+        check_text(name, content)
         return content
     if not isinstance(content, (list, tuple)):
         raise TypeError(f"{name} must be a str or a list of {{'type': 'text', 'text': ...}} parts, "
@@ -55,6 +61,7 @@ def _content(content: Any, name: str) -> str | None:
         if kind != "text" or not isinstance(part.get("text"), str):
             raise ValueError(f"{name}[{i}] must be a {{'type': 'text', 'text': str}} part (kvscope's "
                              f"models read text only), got {_shown(part)}")
+        check_text(f"{name}[{i}]['text']", part["text"])
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvscope.arg_checks import check_int, check_seed, is_finite_number, is_int
+from kvscope.arg_checks import check_int, check_seed, check_text, is_finite_number, is_int
 
 MASKED, SEEDED, ADJUSTED = 1, 2, 4  # SamplingParams.sampling_flags: top-k/top-p/min-p, a seed, adjusted logits
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
@@ -141,6 +141,8 @@ class SamplingParams:
             words = _as_list("bad_words", self.bad_words, str)
             if any(not w.strip() for w in words):
                 raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+            for i, word in enumerate(words):
+                check_text(f"bad_words[{i}]", word)
             self.bad_words = words
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):

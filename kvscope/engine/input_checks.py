@@ -10,6 +10,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from kvscope.arg_checks import check_text
 from kvscope.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # what a prompt dict may hold
@@ -27,24 +28,15 @@ def check_prompt(prompt: Any) -> None:
         if "prompt" in prompt:  # (beside the ids, it is the text reported with them)
             if not isinstance(prompt["prompt"], str):
                 raise TypeError(f"prompt['prompt'] must be a str, got {type(prompt['prompt']).__name__}")
-            _check_text(prompt["prompt"], "prompt['prompt']")
+            check_text("prompt['prompt']", prompt["prompt"])
         if "prompt_token_ids" in prompt:
             _check_id_container(prompt["prompt_token_ids"], "prompt['prompt_token_ids']")
         elif "prompt" not in prompt:
             raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
     elif isinstance(prompt, str):
-        _check_text(prompt, "prompt")
+        check_text("prompt", prompt)
     else:
         _check_id_container(prompt, "prompt")
-
-
-def _check_text(text: str, name: str) -> None:
-    """A str the tokenizer can read: one that UTF-8 can encode (a lone surrogate made the
-    tokenizer raise a TypeError about its own input types)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
 
 
 def _check_id_container(ids: Any, name: str) -> None:
