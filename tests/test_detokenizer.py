@@ -1,4 +1,5 @@
-"""Streaming text is decoded incrementally; the truth is the tokenizer decoding every token at once.
+"""Streaming text is decoded incrementally; the truth is the tokenizer decoding every token at once,
+and for a final text that ends inside a character, vLLM's (tokenizers' ``DecodeStream``).
 
 Checked on the bundled model's byte-level BPE (real text, multi-byte characters) and on the
 tiny test tokenizer fed random ids (many bytes that never form a character), then through the
@@ -13,10 +14,11 @@ import random
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 from kvscope import LLM, SamplingParams
-from kvscope.engine.detokenizer import IncrementalDetokenizer
+from kvscope.engine.detokenizer import IncrementalDetokenizer, final_text
 from kvscope.model_source import BUNDLED_MODEL
 from tiny_models import tiny_checkpoint
 
@@ -107,17 +109,57 @@ def test_random_bytes_stream_like_full_decode():
         _assert_streams_like_full_decode(tokenizer, [rng.randrange(3, 320) for _ in range(60)])
 
 
-def test_finished_text_is_the_whole_decode_even_when_it_ends_in_an_incomplete_character():
-    """No token will complete a held-back tail once the request ends: the final text lets it out."""
+def vllm_text(tokenizer, ids: list[int]) -> str:
+    """vLLM's text of ``ids``, streamed or final: the pieces its fast detokenizer gathers from
+    tokenizers' ``DecodeStream``, which gives nothing for a token that leaves the text inside a
+    character, and is never asked for what it held back once the request ends."""
+    stream = DecodeStream(skip_special_tokens=True)
+    return "".join(stream.step(tokenizer._tokenizer, i) or "" for i in ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_finished_text_is_vllm_s_whatever_the_bytes_and_reads(data):
+    """No token will complete a held-back tail once the request ends, and vLLM's text never
+    gets it: the final text is vLLM's, whatever the ids (bytes that never form a character
+    among them) and however often they were read before, or if never (``final_text``)."""
     tokenizer = _tiny_tokenizer()
     stray = [i for i in range(3, 320) if tokenizer.decode([i]) == INCOMPLETE]
-    rng = random.Random(1)
-    for _ in range(20):
-        ids = [rng.randrange(3, 320) for _ in range(rng.randrange(1, 30))] + rng.sample(stray, 1)
-        detok = IncrementalDetokenizer(tokenizer)
-        for k in range(1, len(ids)):
-            detok.update(ids[:k])
-        assert detok.finish(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    ids = data.draw(st.lists(st.one_of(st.integers(3, 319), st.sampled_from(stray)), min_size=1, max_size=30))
+    reads = data.draw(st.lists(st.integers(1, len(ids)), unique=True).map(sorted))
+    detok = IncrementalDetokenizer(tokenizer)
+    for k in reads:
+        detok.update(ids[:k])
+    assert detok.finish(ids) == final_text(tokenizer, ids) == vllm_text(tokenizer, ids)
+
+
+def test_text_cut_inside_a_character_ends_before_it(bundled_tokenizer):
+    """Real text cut after every token: the final text is vLLM's, the whole decode less the
+    U+FFFD of a character cut short."""
+    tiny = _tiny_tokenizer()
+    for tokenizer in (bundled_tokenizer, tiny):
+        ids = tokenizer.encode("a 日本語 🙂 naïve \U0001d518!", add_special_tokens=False)
+        cut_inside = 0
+        for k in range(1, len(ids) + 1):
+            final = IncrementalDetokenizer(tokenizer).finish(ids[:k])
+            assert final == final_text(tokenizer, ids[:k]) == vllm_text(tokenizer, ids[:k]), k
+            whole = tokenizer.decode(ids[:k], skip_special_tokens=True)
+            assert final == whole.rstrip(INCOMPLETE), k
+            cut_inside += whole.endswith(INCOMPLETE)
+        assert cut_inside  # (the trap)
+
+
+def test_a_byte_that_never_forms_a_character_keeps_its_u_fffd_unless_it_ends_the_text():
+    """Only the unfinished tail is left out: a stray byte before more text decodes to U+FFFD for
+    good, as in vLLM; one that ends the text is a tail vLLM never lets out."""
+    tokenizer = _tiny_tokenizer()
+    stray = [i for i in range(3, 320) if tokenizer.decode([i]) == INCOMPLETE]
+    x, y = (tokenizer.encode(c, add_special_tokens=False) for c in "xy")
+    for byte in stray:
+        for ids, want in ((x + [byte] + y, "x" + INCOMPLETE + "y"), (x + [byte], "x")):
+            detok = IncrementalDetokenizer(tokenizer)
+            detok.update(ids[:-1])
+            assert detok.finish(ids) == want == vllm_text(tokenizer, ids)
 
 
 def test_a_tokenizer_that_cleans_up_spaces_streams_its_text_uncleaned():

@@ -17,6 +17,7 @@ import pytest
 import kvscope
 from engine_helpers import bias_logits, greedy, make_llm
 from kvscope import LLM, RequestOutputKind, SamplingParams
+from test_detokenizer import vllm_text
 from tiny_models import tiny_checkpoint
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -206,6 +207,32 @@ def test_deltas_add_up_with_a_tokenizer_that_cleans_up_spaces_when_it_decodes(cl
             assert stop[0] in uncleaned and stop[0] not in tokenizer.decode(
                 c.token_ids[:-1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert " ," in tokenizer.decode(c.token_ids, clean_up_tokenization_spaces=False)  # (the trap is there)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def multibyte_llm(request) -> LLM:
+    """An engine whose model draws among the bytes of multi-byte characters and a few letters:
+    a seeded request may end inside a character, and bytes that never form one come up mid-text."""
+    llm = make_llm(block_size=4, num_kv_blocks=64, max_model_len=128, async_scheduling=request.param)
+    pieces = llm.get_tokenizer().encode("日本語 🙂 é a b c d e", add_special_tokens=False)
+    bias_logits(llm, dict.fromkeys(pieces, 30.0))
+    return llm
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_that_ends_inside_a_character_leaves_the_incomplete_tail_out(multibyte_llm, n):
+    """As in vLLM, whose detokenizer never lets out the U+FFFD tail it held back: the final text
+    is vLLM's, cumulative, in deltas and final-only alike."""
+    requests = [(p, SamplingParams(n=n, temperature=1.0, seed=93 + i, max_tokens=k, ignore_eos=True))
+                for i, (p, k) in enumerate(zip(PROMPTS, LENGTHS))]
+    cumulative = assert_deltas_add_up(multibyte_llm, requests)
+    tokenizer = multibyte_llm.get_tokenizer()
+    ends_inside = []
+    for outs in cumulative:
+        for c in outs[-1].outputs:
+            assert c.text == vllm_text(tokenizer, c.token_ids)
+            ends_inside.append(tokenizer.decode(c.token_ids, skip_special_tokens=True).endswith("\ufffd"))
+    assert any(ends_inside) and not all(ends_inside)  # (the trap, and text that ends cleanly beside it)
 
 
 @pytest.mark.parametrize("n", [1, 2])

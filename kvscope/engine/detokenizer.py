@@ -18,7 +18,10 @@ Nothing is decoded with ``clean_up_tokenization_spaces``, as in vLLM, whose deto
 apply it: it rewrites text across token boundaries (" ," becomes ","), so a window decoded with
 it does not agree with the text before it, and a whole decode with it is not the streamed text.
 A request's final text is its detokenizer's (:meth:`IncrementalDetokenizer.finish`), never a
-whole decode of its tokens, so its streamed text is always a prefix of it.
+whole decode of its tokens, so its streamed text is always a prefix of it. A tail still held back
+when the request ends stays out, as in vLLM, whose detokenizer only ever adds the text a token
+completes: a request that ends inside a character ends before it. A byte that never forms a
+character keeps its U+FFFD once text follows it, as there.
 """
 from __future__ import annotations
 
@@ -30,6 +33,16 @@ _INCOMPLETE = "\ufffd"
 def decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
     """``tokenizer``'s text of ``ids``, its spaces never cleaned up (see the module docstring)."""
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, **_options(tokenizer))
+
+
+def final_text(tokenizer: Any, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The final text of a request's output ``ids`` never read as it ran, as
+    :meth:`IncrementalDetokenizer.finish` gives it: one whole decode, unless that ends inside a
+    character, whose tail only a detokenizer run over the ids tells apart to leave out."""
+    text = decode(tokenizer, ids, skip_special_tokens)
+    if not text.endswith(_INCOMPLETE):
+        return text
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens).finish(ids)
 
 
 def _options(tokenizer: Any) -> dict[str, bool]:
@@ -63,8 +76,7 @@ class IncrementalDetokenizer:
         return self.text
 
     def finish(self, output_ids: list[int]) -> str:
-        """The final text of ``output_ids``: :meth:`update`'s, and the tail it held back, as no
-        token will come to complete it."""
-        self.update(output_ids)
-        self.text += self._decode(output_ids[self._prefix:])[len(self._seen):]
-        return self.text
+        """The final text of ``output_ids``: :meth:`update`'s. The tail it held back stays out
+        (no token will come to complete it): vLLM never lets it out either, so the final text
+        is the same there, and a DELTA request's pieces still add up to it."""
+        return self.update(output_ids)

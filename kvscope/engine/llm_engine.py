@@ -25,7 +25,7 @@ from typing import Any, Iterator, MutableMapping, Sequence as Seq
 
 from kvscope.config import EngineConfig
 from kvscope.engine.block_manager import BlockManager
-from kvscope.engine.detokenizer import IncrementalDetokenizer, decode
+from kvscope.engine.detokenizer import IncrementalDetokenizer, final_text
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_request_ids
@@ -655,9 +655,9 @@ class LLMEngine:
             by_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
             ids = req.output_token_ids[:-1] if by_token else req.output_token_ids
             # The text streamed so far, finished; a request never read as it ran (final-only, no
-            # stop string) is decoded whole, which gives the same text (see the detokenizer).
+            # stop string) gets the same text from one whole decode (see the detokenizer).
             req.text = (req.detokenizer.finish(ids) if req.detokenizer is not None
-                        else decode(self.tokenizer, ids, req.params.skip_special_tokens))
+                        else final_text(self.tokenizer, ids, req.params.skip_special_tokens))
         if self.hooks.active("request.finished"):
             with self._transition():
                 self.hooks.fire(
