@@ -1003,7 +1003,7 @@ def _answer_once(answer, conn):
 def test_metrics_servers_that_misbehave_are_scrape_errors():
     """Garbage instead of HTTP, a cut page, a page without end, one a byte at a time and headers a
     byte at a time: each scrape of them fails within the timeout and is counted, the good server
-    keeps being scraped, and close() ends the thread."""
+    keeps being scraped, and close() ends the threads."""
     from kvscope.attach.metrics import MetricsScraper
 
     stop = threading.Event()
@@ -1040,11 +1040,11 @@ def test_metrics_servers_that_misbehave_are_scrape_errors():
     try:
         wait_for(lambda: min(scraper.errors[n] for n in answers if n != "good") >= 2, timeout=8,
                  what="two failed scrapes of each bad server")
-        assert scraper.errors["good"] == 0 and scraper._thread.is_alive()
+        assert scraper.errors["good"] == 0 and all(t.is_alive() for t in scraper._threads)
         assert {r[1] for r in rows} == {"good"} and len(rows) >= 4  # two engines per scrape
         assert [r[3] for r in rows if r[2] == 0] == [7.0] * (len(rows) // 2)  # num_requests_running
         scraper.close()
-        assert not scraper._thread.is_alive()
+        assert not any(t.is_alive() for t in scraper._threads)
     finally:
         stop.set()
         scraper.close()
@@ -1076,7 +1076,37 @@ def test_a_host_that_resolves_slowly_is_held_to_the_scrape_deadline(monkeypatch)
             assert scraper.errors["good"] == 0 and {r[1] for r in rows} == {"good"}
             start = time.monotonic()
             scraper.close()
-            assert time.monotonic() - start < 1.0 and not scraper._thread.is_alive()
+            assert time.monotonic() - start < 1.0 and not any(t.is_alive() for t in scraper._threads)
+        finally:
+            release.set()
+            scraper.close()
+
+
+def test_a_url_whose_lookup_hangs_does_not_delay_the_others(monkeypatch):
+    """A resolver that never answers for ``hung.invalid`` (a stand-in for a hung DNS server), under a
+    scrape timeout of 30 s: the good URL listed after it is scraped at its interval meanwhile, not
+    once per 30 s behind the hung URL's deadline; close() returns at once, the hung scrape given up."""
+    from kvscope.attach.metrics import MetricsScraper
+
+    real, release = socket.getaddrinfo, threading.Event()
+
+    def resolve(host, *args, **kwargs):
+        if host == "hung.invalid":
+            release.wait(60.0)
+            raise socket.gaierror(socket.EAI_NONAME, "hung")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    rows = []
+    with metrics_server(lambda: VLLM_METRICS) as url:
+        scraper = MetricsScraper({"hung": "http://hung.invalid:8000/metrics", "good": url}, 0.1, rows.extend,
+                                 timeout=30.0)
+        try:
+            wait_for(lambda: len(rows) >= 6, timeout=10, what="three scrapes of the good URL")
+            assert scraper.errors == {"hung": 0, "good": 0}  # the hung URL's first scrape still waits
+            start = time.monotonic()
+            scraper.close()
+            assert time.monotonic() - start < 5.0
         finally:
             release.set()
             scraper.close()
@@ -1127,7 +1157,7 @@ def test_lookups_that_hang_hold_one_thread_per_host_and_url_not_per_scrape(monke
         assert len(_resolver_threads()) - before <= 2, [t.name for t in _resolver_threads()]
         start = time.monotonic()
         scraper.close()
-        assert time.monotonic() - start < 2.0 and not scraper._thread.is_alive()
+        assert time.monotonic() - start < 2.0 and not any(t.is_alive() for t in scraper._threads)
         assert all(t.daemon for t in _resolver_threads())
     finally:
         release.set()

@@ -32,6 +32,7 @@ _BY_NAME = {name: (col, rank) for col, names in METRICS.items() for rank, name i
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ENGINE = re.compile(r"[0-9]{1,18}")  # a data-parallel rank, as the int64 column can hold it
+_LOOKUP_POLL_S = 0.05  # how often a wait for a host's lookup checks that its fetch was not shut (close())
 
 
 def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
@@ -68,12 +69,15 @@ def parse_metrics(text: str, instance: str, time_s: float) -> list[tuple]:
 
 
 class MetricsScraper:
-    """A daemon thread fetching each URL every ``interval`` seconds and handing rows to ``sink``.
+    """Daemon threads, one per URL, each fetching its URL every ``interval`` seconds and handing rows
+    to ``sink`` (so ``sink`` is called from several threads).
 
     A failed fetch is counted in ``errors[url]`` and retried at the next interval, never raised:
     no answer, one that is not HTTP, or a page that takes longer than ``timeout`` or is larger
     than :data:`MAX_PAGE_BYTES` (a server that never stops sending would otherwise hold the
-    thread and fill memory).
+    thread and fill memory). Each URL has its own thread so that one whose fetch hangs until its
+    deadline delays no other: scraped one after another, every URL listed after it waited that
+    deadline out at each round.
 
     Host names are resolved in daemon threads (see :func:`_resolve`): a lookup that hangs outlives
     the scrape that started it, and ``close()``, until the resolver answers. There is at most one
@@ -85,48 +89,55 @@ class MetricsScraper:
     def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
                  timeout: float = 2.0) -> None:
         self.urls, self.interval, self.timeout, self.sink = urls, float(interval), timeout, sink
-        self.errors = {instance: 0 for instance in urls}
-        self._started: dict[str, list[_Lookup | None]] = {instance: [None] for instance in urls}
+        self.errors = dict.fromkeys(urls, 0)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvscope-metrics", daemon=True)
-        self._thread.start()
+        self._fetching: dict[str, _Deadline] = {}  # each URL's fetch in progress, which close() cuts short
+        self._threads = [threading.Thread(target=self._run, args=(instance, url), name="kvscope-metrics",
+                                          daemon=True) for instance, url in urls.items()]
+        for thread in self._threads:
+            thread.start()
 
-    def scrape_once(self) -> None:
-        for instance, url in self.urls.items():
-            if self._stop.is_set():
-                return
+    def _run(self, instance: str, url: str) -> None:
+        started: list[_Lookup | None] = [None]  # the last lookup this URL's fetches started
+        while not self._stop.is_set():
             try:
-                text = self._fetch(url, self._started[instance])
+                text = self._fetch(instance, url, started)
             except (OSError, ValueError, http.client.HTTPException):
-                self.errors[instance] += 1
-                continue
-            self.sink(parse_metrics(text, instance, time.time()))
+                if not self._stop.is_set():  # (not one close() cut short)
+                    self.errors[instance] += 1
+            else:
+                self.sink(parse_metrics(text, instance, time.time()))
+            self._stop.wait(self.interval)
 
-    def _fetch(self, url: str, started: list[_Lookup | None]) -> str:
+    def _fetch(self, instance: str, url: str, started: list[_Lookup | None]) -> str:
         """The page at ``url``, read in chunks against one deadline for the whole answer, headers
         included; ``started`` holds the last lookup that fetches of this URL started."""
         chunks, size = [], 0
-        with _Deadline(self.timeout, started) as deadline, deadline.open(url) as resp:
-            while chunk := resp.read1(1 << 16):
-                size += len(chunk)
-                if size > MAX_PAGE_BYTES:
-                    raise ValueError(f"{url} sent more than {MAX_PAGE_BYTES} bytes")
-                chunks.append(chunk)
-            if resp.length:  # the connection closed before the Content-Length promised: a cut page
-                raise http.client.IncompleteRead(b"".join(chunks), resp.length)
+        with _Deadline(self.timeout, started) as deadline:
+            self._fetching[instance] = deadline
+            if self._stop.is_set():  # close() came before it could see this fetch
+                deadline.shut()
+            with deadline.open(url) as resp:
+                while chunk := resp.read1(1 << 16):
+                    size += len(chunk)
+                    if size > MAX_PAGE_BYTES:
+                        raise ValueError(f"{url} sent more than {MAX_PAGE_BYTES} bytes")
+                    chunks.append(chunk)
+                if resp.length:  # the connection closed before the Content-Length promised: a cut page
+                    raise http.client.IncompleteRead(b"".join(chunks), resp.length)
         if deadline.passed.is_set():  # the deadline shut the connection: what came is not the page
             raise TimeoutError(f"{url} took longer than {self.timeout} s")
         return b"".join(chunks).decode("utf-8", "replace")
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.scrape_once()
-            self._stop.wait(self.interval)
-
     def close(self) -> None:
-        """Stop scraping; waits for a scrape in progress (bounded by its deadline), not for lookups."""
+        """Stop scraping: the fetches in progress are cut short, and their threads waited for (not
+        the lookups they wait on)."""
         self._stop.set()
-        self._thread.join(timeout=self.timeout + 1.0)
+        for deadline in list(self._fetching.values()):
+            deadline.shut()
+        end = time.monotonic() + self.timeout + 1.0
+        for thread in self._threads:
+            thread.join(timeout=max(end - time.monotonic(), 0.0))
 
 
 class _Deadline:
@@ -139,7 +150,7 @@ class _Deadline:
         self.seconds, self.started = seconds, started
         self.passed = threading.Event()
         self._sockets: list[socket.socket] = []
-        self._timer = threading.Timer(seconds, self._shut)
+        self._timer = threading.Timer(seconds, self.shut)
         self._timer.daemon = True
         self._end = math.inf
 
@@ -155,11 +166,12 @@ class _Deadline:
         return max(self._end - time.monotonic(), 0.0)
 
     def open(self, url: str) -> http.client.HTTPResponse:
-        """``urlopen(url)`` (redirects and https included), its sockets recorded for :meth:`_shut`."""
+        """``urlopen(url)`` (redirects and https included), its sockets recorded for :meth:`shut`."""
         opener = urllib.request.build_opener(_HTTPHandler(self), _HTTPSHandler(self))
         return opener.open(url, timeout=self.seconds)  # noqa: S310 - the user's URL
 
-    def _shut(self) -> None:
+    def shut(self) -> None:
+        """End the fetch now: its sockets are shut, and a wait for its host's lookup gives up."""
         self.passed.set()
         for sock in list(self._sockets):
             try:
@@ -169,11 +181,11 @@ class _Deadline:
 
     def connect(self, address: tuple[str, int], timeout: float,
                 source_address: tuple[str, int] | None = None) -> socket.socket:
-        """``socket.create_connection`` within the deadline, the socket recorded for :meth:`_shut`
+        """``socket.create_connection`` within the deadline, the socket recorded for :meth:`shut`
         (before any TLS handshake)."""
         err: OSError = TimeoutError(f"connecting to {address[0]!r} took longer than {self.seconds} s")
-        for family, kind, proto, _, sockaddr in _resolve(*address, wait=self.left(), started=self.started):
-            if self.left() == 0:
+        for family, kind, proto, _, sockaddr in _resolve(*address, deadline=self, started=self.started):
+            if self.passed.is_set() or self.left() == 0:
                 break
             sock = socket.socket(family, kind, proto)
             try:
@@ -187,6 +199,9 @@ class _Deadline:
                 continue
             sock.settimeout(timeout)
             self._sockets.append(sock)
+            if self.passed.is_set():  # shut while it connected: too late to be shut with the others
+                sock.close()
+                break
             return sock
         raise err
 
@@ -215,13 +230,13 @@ _lookups: dict[str, _Lookup] = {}  # host -> its lookup still running
 _lookups_lock = threading.Lock()
 
 
-def _resolve(host: str, port: int, wait: float, started: list[_Lookup | None]) -> list[tuple]:
-    """``getaddrinfo(host, port)`` in a daemon thread, waited for ``wait`` seconds: a resolver
-    cannot be interrupted, and a slow one would hold the scraper past its deadline (and past
-    ``close()``). A lookup of the host still running is waited for again rather than started anew
-    (whatever the port), and ``started[0]``, the lookup that this URL's fetches last started, must
-    have returned before they start another (for a host a redirect names): so a resolver that
-    hangs holds one thread per URL at most, not one per scrape."""
+def _resolve(host: str, port: int, deadline: _Deadline, started: list[_Lookup | None]) -> list[tuple]:
+    """``getaddrinfo(host, port)`` in a daemon thread, waited for until ``deadline`` passes (or is
+    shut): a resolver cannot be interrupted, and a slow one would hold the scraper past its
+    deadline (and past ``close()``). A lookup of the host still running is waited for again rather
+    than started anew (whatever the port), and ``started[0]``, the lookup that this URL's fetches
+    last started, must have returned before they start another (for a host a redirect names): so a
+    resolver that hangs holds one thread per URL at most, not one per scrape."""
     with _lookups_lock:
         lookup = _lookups.get(host)
         if lookup is None:
@@ -229,8 +244,9 @@ def _resolve(host: str, port: int, wait: float, started: list[_Lookup | None]) -
             if last is not None and not last.done.is_set():
                 raise TimeoutError(f"resolving {host!r}: this URL's lookup of {last.host!r} has not returned yet")
             lookup = _lookups[host] = started[0] = _Lookup(host)
-    if not lookup.done.wait(wait):
-        raise TimeoutError(f"resolving {host!r} took longer than the scrape's deadline")
+    while not lookup.done.wait(min(deadline.left(), _LOOKUP_POLL_S)):
+        if deadline.passed.is_set() or deadline.left() == 0:
+            raise TimeoutError(f"resolving {host!r} took longer than the scrape's deadline")
     if isinstance(lookup.answer, Exception):
         raise lookup.answer
     return [(*info[:4], (info[4][0], port, *info[4][2:])) for info in lookup.answer]
