@@ -23,8 +23,7 @@ def check_kv_pool_fits(config: EngineConfig, hf_config: Any) -> None:
     set by ``block_size``, is checked.)
     """
     device = resolve_device(config)
-    # Over all ranks' shards together (a rank count that does not divide the KV heads is the
-    # model's to refuse, by name, when it is built).
+    # Over all ranks' shards together (LLM refuses a rank count the model cannot shard first).
     kv_dtype = resolve_kv_cache_dtype(config, resolve_dtype(config, hf_config, device))
     block_bytes = kv_block_bytes(hf_config, 1, config.block_size, kv_dtype)
     tp = config.tensor_parallel_size

@@ -75,6 +75,7 @@ class LLM:
         from transformers import AutoConfig, AutoTokenizer
 
         from kvscope.kv_pool_check import check_kv_pool_fits
+        from kvscope.models.decoder import check_supported
 
         self._shut_down = False
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
@@ -96,6 +97,8 @@ class LLM:
                 f"({self.config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len}), "
                 "or a long prompt could never be scheduled"
             )
+        # (the model first: a rank count it cannot shard would be taken for a pool too large)
+        check_supported(hf_config, self.config.tensor_parallel_size)
         check_kv_pool_fits(self.config, hf_config)
         self._sampling_defaults = read_defaults(self.config.generation_config, model_dir)
         self.model_dir = model_dir

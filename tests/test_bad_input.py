@@ -234,6 +234,12 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     # (the tiny model has 2 KV heads: a size of 4 cannot shard them)
     "tensor_parallel_size=4": (dict(tensor_parallel_size=4), ValueError,
                                r"tensor_parallel_size=4 cannot shard this model: num_key_value_heads=2 not divisible by 4"),
+    # (the pool's size check came first, and asked to lower kv_cache_memory_bytes)
+    "tensor_parallel_size=1000": (dict(tensor_parallel_size=1000), ValueError,
+                                  r"tensor_parallel_size=1000 cannot shard this model"),
+    # (an OverflowError, or a MemoryError from a list of one device per rank)
+    "tensor_parallel_size=2**63, the pool set": (dict(tensor_parallel_size=2**63, num_kv_blocks=64), ValueError,
+                                                 rf"tensor_parallel_size={2**63} cannot shard this model"),
     # (Triton's compiled kernels on CPU tensors: the first step failed deep inside Triton)
     "attention_backend='triton' on CPU": (dict(attention_backend="triton"), ValueError,
                                           r"attention_backend='triton' runs on CUDA devices, not on 'cpu': "

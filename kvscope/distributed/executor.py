@@ -42,7 +42,6 @@ from kvscope.engine.executor import StepHandle, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
 from kvscope.kernels.select import select_backend
 from kvscope.models import spec_for
-from kvscope.models.decoder import check_supported
 from kvscope.runner.model_runner import ModelRunner, resolve_device
 
 TIMEOUT = timedelta(minutes=10)  # collectives, rendezvous, and any single wait for a live worker
@@ -248,7 +247,6 @@ class TensorParallelExecutor:
         devices = rank_devices(resolve_device(config), tp)
         with tp_scope(0, tp):  # refuse what no rank could build before starting any process
             spec_for(hf_config)
-            check_supported(hf_config)
             select_backend(config.attention_backend, devices[0])
         # Every rank builds from the same snapshot of the config; workers never import transformers.
         snapshot = types.SimpleNamespace(**hf_config.to_dict())

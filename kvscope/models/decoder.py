@@ -41,15 +41,16 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_supported(config: Any) -> None:
-    """Refuse configs this decoder would silently compute wrongly."""
+def check_supported(config: Any, tp: int | None = None) -> None:
+    """Refuse configs this decoder would silently compute wrongly, or could not shard over
+    ``tp`` ranks (default: this process's tensor-parallel group)."""
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise NotImplementedError(f"only full attention is supported, got layer_types={layer_types}")
-    tp = get_tp_size()
+    tp = get_tp_size() if tp is None else tp
     fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # the vocabulary is padded
     bad = [f"{f}={getattr(config, f)}" for f in fields if getattr(config, f) % tp]
     if bad:
