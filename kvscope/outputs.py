@@ -79,10 +79,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
-    # Not a field (vLLM's RequestOutput has none): whether this is the output of a DELTA request,
-    # to add up with the request's earlier one nobody read yet (see add). Its request's params
-    # say so when the engine builds it, however the request was added.
-    _is_delta = False
+    # Whether this is the output of a DELTA request, to add up with the request's earlier one
+    # nobody read yet (see add); its request's params say so when the engine builds it, however
+    # the request was added. A field so that dataclasses.replace and copies keep it; private,
+    # keyword-only and out of repr and ==, as vLLM's RequestOutput has no such field.
+    _is_delta: bool = field(default=False, repr=False, compare=False, kw_only=True)
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """vLLM's: merge the request's next output into this one, which nobody has read yet.

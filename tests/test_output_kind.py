@@ -7,8 +7,10 @@ before. ``FINAL_ONLY`` gives one output per request, the cumulative final one.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import pickle
 import shutil
 import signal
 
@@ -282,6 +284,23 @@ def test_deltas_of_requests_added_to_the_engine_are_appended_by_llm_step_too(llm
     assert max(len(c.token_ids) for outs in got.values() for out in outs for c in out.outputs) >= 2
     for rid, cum in zip(ids, cumulative):
         assert added_up(got[rid]) == final_view(cum[-1])
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA])
+def test_whether_an_output_is_a_delta_survives_replace_and_copies(llm, kind, n):
+    """Whether an output is a DELTA request's, which ``LLM.step`` adds up with the request's
+    output not collected yet (a cumulative one replaces it), travels with the output through
+    ``dataclasses.replace`` (as parallel sampling builds its parents' outputs), ``copy`` and
+    pickle. It is no public field, as vLLM's ``RequestOutput`` has none: out of ``repr`` and ``==``."""
+    (outs,) = stream(llm, with_kind([(PROMPTS[0], SamplingParams(n=n, temperature=1.0, seed=50, max_tokens=4))], kind))
+    for out in outs:
+        assert out._is_delta == (kind is DELTA)
+        twins = (dataclasses.replace(out, request_id="twin"), copy.copy(out), copy.deepcopy(out),
+                 pickle.loads(pickle.dumps(out)))
+        assert [twin._is_delta for twin in twins] == [out._is_delta] * len(twins)
+        flipped = dataclasses.replace(out, _is_delta=not out._is_delta)
+        assert flipped == out and repr(flipped) == repr(out) and "_is_delta" not in repr(out)
 
 
 def test_an_aborted_delta_request_s_last_output_carries_only_the_rest(llm):

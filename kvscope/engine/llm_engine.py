@@ -434,11 +434,9 @@ class LLMEngine:
             parent_out = parent.merge(index, out)
             if parent_out is not None:
                 earlier = merged.pop(parent.request_id, None)
-                if parent.output_kind is RequestOutputKind.DELTA:
-                    parent_out._is_delta = True
-                    if earlier is not None:
-                        earlier.add(parent_out, aggregate=True)  # (another child's delta of this step)
-                        parent_out = earlier
+                if parent.output_kind is RequestOutputKind.DELTA and earlier is not None:
+                    earlier.add(parent_out, aggregate=True)  # (another child's delta of this step)
+                    parent_out = earlier
                 merged[parent.request_id] = parent_out
             if parent.finished:
                 self._forget_parent(parent)
@@ -687,7 +685,7 @@ class LLMEngine:
             cumulative_logprob=None if logprobs is None else req.cumulative_logprob,
             error=req.error,
         )
-        output = RequestOutput(
+        return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
             prompt_token_ids=req.token_ids[: req.num_prompt_tokens],
@@ -696,10 +694,8 @@ class LLMEngine:
             metrics=req.metrics,
             num_cached_tokens=req.metrics.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            _is_delta=sent is not None,
         )
-        if sent is not None:
-            output._is_delta = True
-        return output
 
     def _text(self, req: Request) -> str:
         """The text an output of ``req`` carries: the final text once it finished; while it runs,
