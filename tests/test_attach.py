@@ -1112,16 +1112,49 @@ def test_a_url_whose_lookup_hangs_does_not_delay_the_others(monkeypatch):
             scraper.close()
 
 
+def test_a_url_does_not_wait_on_the_lookup_another_url_of_its_host_started(monkeypatch):
+    """Two healthy URLs on one host name, whose first lookup hangs (a stand-in for a DNS query lost
+    on its way: the resolver answers the next one), under a scrape timeout of 30 s: the URL whose
+    lookup hangs waits on it, the other resolves the host itself and is scraped at its interval. A
+    lookup was shared by every URL of its host: both waited on the hung one until it returned."""
+    from kvscope.attach.metrics import MetricsScraper
+
+    real, release, lock, calls = socket.getaddrinfo, threading.Event(), threading.Lock(), []
+
+    def resolve(host, *args, **kwargs):
+        if host == "shared.invalid":
+            with lock:
+                calls.append(host)
+                first = len(calls) == 1
+            if first:
+                release.wait(60.0)
+                raise socket.gaierror(socket.EAI_NONAME, "hung")
+            host = "127.0.0.1"
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    rows = []
+    with metrics_server(lambda: VLLM_METRICS) as url_a, metrics_server(lambda: VLLM_METRICS) as url_b:
+        urls = {name: url.replace("127.0.0.1", "shared.invalid") for name, url in (("a", url_a), ("b", url_b))}
+        scraper = MetricsScraper(urls, 0.1, rows.extend, timeout=30.0)
+        try:
+            wait_for(lambda: len(rows) >= 6, timeout=10, what="three scrapes of the URL whose lookup answered")
+            assert len({r[1] for r in rows}) == 1 and sum(scraper.errors.values()) == 0
+        finally:
+            release.set()
+            scraper.close()
+
+
 def _resolver_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "kvscope-metrics-resolve"]
 
 
-def test_lookups_that_hang_hold_one_thread_per_host_and_url_not_per_scrape(monkeypatch):
-    """A resolver that never answers for ``*.invalid`` (a stand-in for a hung DNS server): two URLs
-    of one such host on two ports share one lookup, and a URL that redirects every scrape to a new
-    such host holds one lookup at a time, so dozens of failed scrapes leave two resolver threads,
-    not one per port and per scrape. close() returns at once; the threads left are daemons, and end
-    when the resolver answers."""
+def test_lookups_that_hang_hold_one_thread_per_url_not_per_scrape(monkeypatch):
+    """A resolver that never answers for ``*.invalid`` (a stand-in for a hung DNS server): each of two
+    URLs of one such host on two ports waits again on its own lookup, and a URL that redirects every
+    scrape to a new such host holds one lookup at a time, so dozens of failed scrapes leave three
+    resolver threads, one per URL, not one per scrape. close() returns at once; the threads left are
+    daemons, and end when the resolver answers."""
     from kvscope.attach.metrics import MetricsScraper
 
     real, release = socket.getaddrinfo, threading.Event()
@@ -1154,7 +1187,7 @@ def test_lookups_that_hang_hold_one_thread_per_host_and_url_not_per_scrape(monke
                              timeout=0.2)
     try:
         wait_for(lambda: min(scraper.errors.values()) >= 8, timeout=20, what="eight failed scrapes of each URL")
-        assert len(_resolver_threads()) - before <= 2, [t.name for t in _resolver_threads()]
+        assert len(_resolver_threads()) - before <= 3, [t.name for t in _resolver_threads()]
         start = time.monotonic()
         scraper.close()
         assert time.monotonic() - start < 2.0 and not any(t.is_alive() for t in scraper._threads)

@@ -80,10 +80,10 @@ class MetricsScraper:
     deadline out at each round.
 
     Host names are resolved in daemon threads (see :func:`_resolve`): a lookup that hangs outlives
-    the scrape that started it, and ``close()``, until the resolver answers. There is at most one
-    per host at a time, and each URL (with the hosts it redirects to) starts a new one only once
-    its last has returned, so a hung resolver holds at most one thread per URL, however many
-    scrapes fail meanwhile; being daemons, they never hold up the interpreter's exit.
+    the scrape that started it, and ``close()``, until the resolver answers. Each URL (with the
+    hosts it redirects to) starts a new one only once its last has returned, so a hung resolver
+    holds at most one thread per URL, however many scrapes fail meanwhile; a URL never waits on
+    another's lookup. Being daemons, they never hold up the interpreter's exit.
     """
 
     def __init__(self, urls: dict[str, str], interval: float, sink: Callable[[list[tuple]], None],
@@ -220,30 +220,24 @@ class _Lookup:
             self.answer = socket.getaddrinfo(self.host, 0, 0, socket.SOCK_STREAM)
         except Exception as exc:  # noqa: BLE001 - raised in the scraper's thread, by _resolve
             self.answer = exc
-        with _lookups_lock:
-            if _lookups.get(self.host) is self:
-                del _lookups[self.host]
         self.done.set()
-
-
-_lookups: dict[str, _Lookup] = {}  # host -> its lookup still running
-_lookups_lock = threading.Lock()
 
 
 def _resolve(host: str, port: int, deadline: _Deadline, started: list[_Lookup | None]) -> list[tuple]:
     """``getaddrinfo(host, port)`` in a daemon thread, waited for until ``deadline`` passes (or is
     shut): a resolver cannot be interrupted, and a slow one would hold the scraper past its
-    deadline (and past ``close()``). A lookup of the host still running is waited for again rather
-    than started anew (whatever the port), and ``started[0]``, the lookup that this URL's fetches
-    last started, must have returned before they start another (for a host a redirect names): so a
-    resolver that hangs holds one thread per URL at most, not one per scrape."""
-    with _lookups_lock:
-        lookup = _lookups.get(host)
-        if lookup is None:
-            last = started[0]
-            if last is not None and not last.done.is_set():
-                raise TimeoutError(f"resolving {host!r}: this URL's lookup of {last.host!r} has not returned yet")
-            lookup = _lookups[host] = started[0] = _Lookup(host)
+    deadline (and past ``close()``).
+
+    ``started[0]`` is the lookup that this URL's fetches last started: one of the same host still
+    running is waited for again rather than started anew, and one of another host (a redirect's)
+    fails the fetch at once, so a resolver that hangs holds one thread per URL at most, not one per
+    scrape. A lookup is never shared with another URL: a hung one (a query lost on its way) holds
+    only the URL that started it, while the others' own lookups may well be answered."""
+    lookup = started[0]
+    if lookup is None or lookup.done.is_set():
+        lookup = started[0] = _Lookup(host)
+    elif lookup.host != host:
+        raise TimeoutError(f"resolving {host!r}: this URL's lookup of {lookup.host!r} has not returned yet")
     while not lookup.done.wait(min(deadline.left(), _LOOKUP_POLL_S)):
         if deadline.passed.is_set() or deadline.left() == 0:
             raise TimeoutError(f"resolving {host!r} took longer than the scrape's deadline")
