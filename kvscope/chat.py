@@ -78,6 +78,7 @@ def render(tokenizer: Any, conversation: Conversation, options: dict[str, Any]) 
     if not isinstance(text, str):
         raise TypeError(f"the tokenizer's apply_chat_template returned {type(text).__name__}, not the "
                         "prompt text")
+    check_text("the chat template's rendering of messages", text)  # (a value in chat_template_kwargs, say)
     return text
 
 
@@ -104,6 +105,8 @@ def template_options(tokenizer: Any, chat_template: str | None, add_generation_p
     template = options["chat_template"]
     if template is not None and (not isinstance(template, str) or not template):
         raise ValueError(f"chat_template must be a non-empty Jinja template string, got {_shown(template)}")
+    if template is not None:
+        check_text("chat_template", template)
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template (tokenizer_config.json has no "
                          "'chat_template'); pass chat_template=<a Jinja template string>, or use "

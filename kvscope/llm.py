@@ -136,16 +136,19 @@ class LLM:
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order, each request's final
-        cumulative output whatever its ``output_kind`` (as vLLM's ``generate``).
+        cumulative output whatever its ``output_kind`` (as vLLM's ``generate``). ``use_tqdm``
+        may also be what makes the progress bar (vLLM's: ``tqdm``-like, called with ``total``).
 
         Calls from several threads run one after another. Requests added with
         :meth:`add_request` keep running meanwhile; their outputs come from the next
         :meth:`step`. Ctrl-C aborts this call's requests (their blocks are freed) and re-raises.
         """
         self._check_open()
+        if not (isinstance(use_tqdm, bool) or callable(use_tqdm)):
+            raise TypeError(f"use_tqdm must be a bool or a tqdm-like callable, got {type(use_tqdm).__name__}")
         prompt_list = _as_prompt_list(prompts)
         for p in prompt_list:
             check_prompt(p)
@@ -188,7 +191,7 @@ class LLM:
         self,
         messages: Seq[Any],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -215,7 +218,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
         pending = set(ids)
         done: dict[str, RequestOutput] = {}
@@ -223,7 +226,8 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="kvscope generate", unit="req")
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(ids), desc="kvscope generate", unit="req")
         try:
             while True:
                 # Outputs land in _undelivered first: a step.end hook's own generate() or step()
@@ -393,6 +397,8 @@ class LLM:
         free, before this thread's next step (outside a step: at once). For a hook that must
         wait without holding the engine: a dashboard paused between two steps of its background
         run, while the notebook adds, aborts or records."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {fn!r}")
         if self._step_lock.held_here():
             self._between_steps_calls.fns.append(fn)
         else:

@@ -484,3 +484,24 @@ def test_engine_runs_without_the_notebook_extra():
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED" in proc.stdout and "kvscope[notebook]" in proc.stdout
     assert "8 requests" in proc.stdout and "the per-step table needs pandas" in proc.stdout
+
+
+def test_use_tqdm_may_be_a_tqdm_factory_as_in_vllm() -> None:
+    """vLLM's ``use_tqdm`` takes a callable that makes the progress bar: it is called once with
+    the number of requests, and ticked once per finished request."""
+    made = []
+
+    class Bar:
+        def __init__(self, total: int, **_: object) -> None:
+            self.total, self.n, self.closed = total, 0, False
+            made.append(self)
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+        def close(self) -> None:
+            self.closed = True
+
+    llm = make_llm(num_kv_blocks=32)
+    outs = llm.generate([[5, 6], [7, 8, 9], [10]], greedy(3), use_tqdm=Bar)
+    assert len(outs) == 3 and [(b.total, b.n, b.closed) for b in made] == [(3, 3, True)]

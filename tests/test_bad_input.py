@@ -84,6 +84,18 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                        r"^bad_words\[1\] is not valid Unicode text: surrogates not allowed at index 1"),
     "a lone surrogate in a bad word set later": (lambda llm: llm.add_request("hi", changed("bad_words", ["\udfff"])),
                                                  ValueError, r"^bad_words\[0\] is not valid Unicode text"),
+    # (its truth value raised after the requests were queued, and they ran on unasked)
+    "use_tqdm an array": (lambda llm: llm.generate([[5, 6]], greedy(2), use_tqdm=np.array([1, 2])), TypeError,
+                          r"^use_tqdm must be a bool or a tqdm-like callable, got ndarray"),
+    "call_between_steps(None)": (lambda llm: llm.call_between_steps(None), TypeError,
+                                 r"^fn must be callable, got None"),
+    "a chat template that renders a lone surrogate": (
+        lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
+                             chat_template="{{ messages[0]['content'] }}{{ odd }}", chat_template_kwargs={"odd": "\ud800"}),
+        ValueError, r"^the chat template's rendering of messages is not valid Unicode text: surrogates not allowed at index 2"),
+    "a chat template with a lone surrogate": (
+        lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False, chat_template="x\ud800"),
+        ValueError, r"^chat_template is not valid Unicode text"),
     "SamplingParams as a dict": (lambda llm: llm.generate([[5, 6]], {"max_tokens": 3}, use_tqdm=False),
                                  TypeError, r"sampling_params must be a SamplingParams .* got dict"),
     "one bad prompt among good ones": (lambda llm: llm.generate([[5, 6], [5, VOCAB]], use_tqdm=False),
