@@ -630,6 +630,40 @@ def test_a_replay_that_gets_no_answer_holds_up_no_other_stream(ask):
         assert time.monotonic() - closing < 2.0 and not att._subscriber._thread.is_alive()
 
 
+def _unended_answer(skip: int):
+    """A replay socket answering a request from ``start`` with batches ``start + skip`` to
+    ``start + skip + 3`` and no end marker, as vLLM's ROUTER does when the answer outgrows its
+    high-water mark (ZMQ drops the rest of it, the end included)."""
+    def serve(router, stop):
+        while not stop.is_set():
+            if router.poll(50):
+                ident, _, start = router.recv_multipart()
+                first = int.from_bytes(start, "big") + skip
+                for seq in range(first, first + 4):
+                    router.send_multipart([ident, b"", seq_bytes(seq),
+                                           Codec().encode(1.0, [stored([seq], None, [1, 2], 2)], 0)])
+    return serve
+
+
+@pytest.mark.parametrize("replay", ["covers the gap, unended", "skips the gap, unended"])
+def test_a_gap_whose_replay_has_plainly_failed_holds_its_stream_briefly(replay):
+    """Batch 1 is missing, under replay_timeout=30 s. A replay that has failed beyond doubt releases
+    the live batches the gap holds within seconds, not 30: the answer has gone past the gap without
+    its end marker. What replay did not bring is counted lost, and the batches apply in order."""
+    with raw_stream(_unended_answer(0 if replay.startswith("covers") else 5), replay_timeout=30.0) as (raw, att):
+        att._subscriber.idle_probe = 3600.0  # only the gap asks replay (an idle probe would take the answer ahead)
+        start = time.monotonic()
+        for seq in (2, 3):
+            raw.send_multipart([b"kv-events", seq_bytes(seq), Codec().encode(1.0, [stored([seq], None, [1, 2], 2)], 0)])
+        wait_for(applied(att, att.instances[0], 3), timeout=10, what="the live batches after the gap")
+        assert time.monotonic() - start < 5.0, "the gap held the live batches until its replay timed out"
+        f, covered = att.streams[0].faults, replay.startswith("covers")
+        assert (f["gaps"], f["missed_batches"], f["replayed_batches"], f["lost_batches"]) == (1, 1, covered, 1 - covered)
+        expected = [1, 2, 3] if covered else [2, 3]
+        assert att.block_hashes(att.instances[0]) == set(expected)
+        assert att.events.seq.tolist()[-len(expected):] == expected
+
+
 def test_gap_without_replay_socket_is_counted_lost():
     with publisher(replay_endpoint=None) as pub:
         att = attach_to(pub)

@@ -33,8 +33,10 @@ is checked against the next one expected from that publisher:
 A replay never blocks the thread: it runs as a task of its stream (a generator resumed when its
 replay socket has something or its deadline passes), so a replay socket that is dead, mute or
 drops requests delays only the stream that asked it, by at most ``replay_timeout`` per replay. A
-gap's replay holds back that stream's later live batches until it ends (they must apply after
-it); an idle probe gives way to the stream's next live batch, whose own numbers then show any gap.
+gap's replay holds back that stream's later live batches until it is over (they must apply after
+it): once its answer has brought or passed the gap's last batch, or ended; a replay socket that says
+nothing is waited for until the timeout. An idle probe gives way to the stream's next live batch,
+whose own numbers then show any gap.
 The other streams keep being read meanwhile, and ``close()`` ends the thread within one poll
 (:data:`_POLL_MS`), plus what a listener running at that moment takes (waited for
 :data:`_CLOSE_WAIT_S` at most).
@@ -425,7 +427,10 @@ class Subscriber:
         returns; False if it did not finish its answer within ``replay_timeout``.
 
         A batch the answer skips (past the publisher's buffer, or dropped by its high-water mark)
-        is counted lost, except before the first one returned to a stream that is joining.
+        is counted lost, except before the first one returned to a stream that is joining. The
+        replay ends as soon as the answer has brought, or gone past, the batch before ``end``
+        (its own end may never come: the publisher's ROUTER drops what exceeds its high-water
+        mark, the end marker included).
         ``contiguous`` takes only the batch the answer owes next: with no live batch to bound the
         answer (the idle probe), a number far ahead would make every later live batch look like one
         already applied; what a skip leaves out comes back at the next gap. Even so the answer may
@@ -487,6 +492,9 @@ class Subscriber:
                 s.faults["replayed_batches"] += 1
                 self._apply(s, seq, reply[2], live=False)
                 owed, known = seq + 1, True
+            if seq >= end or owed >= end:  # the gap is settled; the rest of the answer goes to the old connection
+                self._reconnect(sock, s.replay_endpoint)
+                return True
         # the answer may still come: a new connection leaves it to the old one, so that no reply of it
         # (its end above all) is taken for part of the next answer
         self._reconnect(sock, s.replay_endpoint)
