@@ -630,6 +630,13 @@ def test_a_replay_that_gets_no_answer_holds_up_no_other_stream(ask):
         assert time.monotonic() - closing < 2.0 and not att._subscriber._thread.is_alive()
 
 
+def _closed_port() -> int:
+    """A loopback port nothing listens on (a connection to it is refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def _unended_answer(skip: int):
     """A replay socket answering a request from ``start`` with batches ``start + skip`` to
     ``start + skip + 3`` and no end marker, as vLLM's ROUTER does when the answer outgrows its
@@ -645,12 +652,17 @@ def _unended_answer(skip: int):
     return serve
 
 
-@pytest.mark.parametrize("replay", ["covers the gap, unended", "skips the gap, unended"])
+@pytest.mark.parametrize("replay", ["refused", "covers the gap, unended", "skips the gap, unended"])
 def test_a_gap_whose_replay_has_plainly_failed_holds_its_stream_briefly(replay):
     """Batch 1 is missing, under replay_timeout=30 s. A replay that has failed beyond doubt releases
-    the live batches the gap holds within seconds, not 30: the answer has gone past the gap without
-    its end marker. What replay did not bring is counted lost, and the batches apply in order."""
-    with raw_stream(_unended_answer(0 if replay.startswith("covers") else 5), replay_timeout=30.0) as (raw, att):
+    the live batches the gap holds within seconds, not 30: nothing listens at the replay address
+    (the connection is refused), or the answer has gone past the gap without its end marker. What
+    replay did not bring is counted lost, and the batches apply in order."""
+    if replay == "refused":
+        stream = raw_stream(replay_endpoints=f"tcp://127.0.0.1:{_closed_port()}", replay_timeout=30.0)
+    else:
+        stream = raw_stream(_unended_answer(0 if replay.startswith("covers") else 5), replay_timeout=30.0)
+    with stream as (raw, att):
         att._subscriber.idle_probe = 3600.0  # only the gap asks replay (an idle probe would take the answer ahead)
         start = time.monotonic()
         for seq in (2, 3):

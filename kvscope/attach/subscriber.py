@@ -34,9 +34,9 @@ A replay never blocks the thread: it runs as a task of its stream (a generator r
 replay socket has something or its deadline passes), so a replay socket that is dead, mute or
 drops requests delays only the stream that asked it, by at most ``replay_timeout`` per replay. A
 gap's replay holds back that stream's later live batches until it is over (they must apply after
-it): once its answer has brought or passed the gap's last batch, or ended; a replay socket that says
-nothing is waited for until the timeout. An idle probe gives way to the stream's next live batch,
-whose own numbers then show any gap.
+it): once its answer has brought or passed the gap's last batch, or ended, or once the replay
+address refuses the connection; only a replay socket that says nothing is waited for until the
+timeout. An idle probe gives way to the stream's next live batch, whose own numbers then show any gap.
 The other streams keep being read meanwhile, and ``close()`` ends the thread within one poll
 (:data:`_POLL_MS`), plus what a listener running at that moment takes (waited for
 :data:`_CLOSE_WAIT_S` at most).
@@ -155,7 +155,8 @@ class Subscriber:
             s.replay.setsockopt(zmq.LINGER, 0)
             s.replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             s.replay.connect(s.replay_endpoint)
-            s.replay_monitor = s.replay.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            # a drop, and a failed attempt to connect (EVENT_CLOSED: refused, nothing listens there)
+            s.replay_monitor = s.replay.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
             self._by_socket[s.replay] = s  # polled only while a task of the stream waits on it
         for sock in (s.sub, s.monitor, s.replay_monitor):
             if sock is not None:
@@ -303,13 +304,16 @@ class Subscriber:
     def _replay_dropped(self, s: Stream) -> bool:
         """Whether the replay connection dropped since last asked; if so it is made again (after a
         message over the limit ZMQ would not; after any other drop this only starts it at once)."""
-        if not self._drop_reported(s):
+        if not self._replay_news(s)[0]:
             return False
         self._reconnect(s.replay, s.replay_endpoint)
         return True
 
-    def _drop_reported(self, s: Stream) -> bool:
-        return any(e == self._zmq.EVENT_DISCONNECTED for e in self._events(s.replay_monitor))
+    def _replay_news(self, s: Stream) -> tuple[bool, bool]:
+        """What the replay socket's monitor reported since last read: whether the connection dropped,
+        and whether an attempt to make it failed (refused, or the host unreachable)."""
+        events = self._events(s.replay_monitor)
+        return self._zmq.EVENT_DISCONNECTED in events, self._zmq.EVENT_CLOSED in events
 
     def _reconnect(self, sock: Any, endpoint: str) -> None:
         try:
@@ -430,7 +434,8 @@ class Subscriber:
         is counted lost, except before the first one returned to a stream that is joining. The
         replay ends as soon as the answer has brought, or gone past, the batch before ``end``
         (its own end may never come: the publisher's ROUTER drops what exceeds its high-water
-        mark, the end marker included).
+        mark, the end marker included), or once an attempt to connect fails after the ask
+        (nothing listens there: no answer will come).
         ``contiguous`` takes only the batch the answer owes next: with no live batch to bound the
         answer (the idle probe), a number far ahead would make every later live batch look like one
         already applied; what a skip leaves out comes back at the next gap. Even so the answer may
@@ -449,27 +454,35 @@ class Subscriber:
         # whether a batch came (or was skipped) before owed (the probe takes only owed itself: it
         # need not look past it); and how many were skipped
         known, skipped = contiguous, 0
+        self._replay_dropped(s)  # what the monitor said before this ask is not about its answer
         if not self._ask(s, owed):
             return False
+        dropped = refused = False
         deadline = time.monotonic() + self.replay_timeout
         while deadline > time.monotonic():
             if not sock.poll(0):
-                # asked only when no reply waits: the replies read before a drop reach us after ZMQ reports it
-                if not (s.replay_monitor.poll(0) and not sock.poll(_DROP_GRACE_MS)):
+                news = self._replay_news(s)
+                dropped, refused = dropped or news[0], refused or news[1]
+                if not (dropped or refused):
                     yield deadline
                     continue
-                if self._replay_dropped(s):  # the rest of the answer went with the connection: ask again
-                    if owed >= end:  # all that was asked for came; what broke the connection lies past it
-                        return True
-                    if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
-                        if not known:  # the answer's first batch, whose number it never showed
-                            owed = yield from self._bisect_stuck(s, owed, end, deadline)
-                        # lost, if a later batch comes: counted as any hole is
-                        owed, stuck, known, skipped = owed + 1, None, True, skipped + 1
-                    else:
-                        stuck = owed
-                    if not self._ask(s, owed):
-                        return False
+                if dropped and sock.poll(_DROP_GRACE_MS):  # the replies read before a drop reach us after ZMQ reports it
+                    continue
+                if refused:  # an attempt to connect failed since the ask: nothing there will answer
+                    break
+                dropped = False
+                self._reconnect(sock, s.replay_endpoint)  # the rest of the answer went with the connection: ask again
+                if owed >= end:  # all that was asked for came; what broke the connection lies past it
+                    return True
+                if owed == stuck:  # dropped twice at this batch, nothing between: it is over the size limit
+                    if not known:  # the answer's first batch, whose number it never showed
+                        owed = yield from self._bisect_stuck(s, owed, end, deadline)
+                    # lost, if a later batch comes: counted as any hole is
+                    owed, stuck, known, skipped = owed + 1, None, True, skipped + 1
+                else:
+                    stuck = owed
+                if not self._ask(s, owed):
+                    return False
                 continue
             reply = sock.recv_multipart()
             if len(reply) != 3 or len(reply[1]) != 8:
@@ -523,9 +536,10 @@ class Subscriber:
             return None
         while deadline > time.monotonic():
             replied = bool(s.replay.poll(0))
-            if replied or self._drop_reported(s):
-                replied = replied or bool(s.replay.poll(_DROP_GRACE_MS))
+            dropped, refused = (False, False) if replied else self._replay_news(s)
+            if replied or dropped or refused:
+                replied = replied or (dropped and bool(s.replay.poll(_DROP_GRACE_MS)))
                 self._reconnect(s.replay, s.replay_endpoint)
-                return not replied
+                return None if refused and not replied else not replied
             yield deadline
         return None
