@@ -81,8 +81,10 @@ def raw_stream(serve: Callable | None = None, **kw) -> Iterator[tuple]:
 def mute_and_good(replay_timeout: float) -> Iterator[tuple]:
     """Two publishers attached as "bad" and "good": a bare PUB socket whose replay socket takes
     requests and never answers, and a real publisher. Yields ``(raw, att, good, mute)`` once both
-    subscriptions are live (the good one's batch 0 applied); ``mute`` is the bare ROUTER replay
-    socket, where the test can read the requests that go unanswered."""
+    subscriptions are live (the good one's first batch, storing block 0, applied: if the
+    subscription had not reached the publisher yet, an empty batch after it brings it back through
+    replay); ``mute`` is the bare ROUTER replay socket, where the test can read the requests that go
+    unanswered."""
     import zmq
 
     import kvscope
@@ -97,7 +99,13 @@ def mute_and_good(replay_timeout: float) -> Iterator[tuple]:
                              replay_timeout=replay_timeout)
         try:
             wait_for(lambda: probed(raw, att), what="subscription")
-            wait_for(applied(att, "good", good.publish([stored([0], None, [1, 2], 2)])), what="the first good batch")
+            first = good.publish([stored([0], None, [1, 2], 2)])
+            for _ in range(20):  # (ZMQ's slow joiner: a PUB socket drops what it sends before the subscription comes)
+                with contextlib.suppress(TimeoutError):
+                    wait_for(applied(att, "good", first), timeout=0.5)
+                    break
+                good.publish([])
+            wait_for(applied(att, "good", first), timeout=0.1, what="the first good batch")
             yield raw, att, good, mute
         finally:
             att.close()
