@@ -142,9 +142,9 @@ class MetricsScraper:
 
 class _Deadline:
     """Shuts the connections of one fetch once ``seconds`` pass: http.client's timeout bounds each
-    read, not the answer, so a server sending its headers a byte at a time would hold the
-    scraper (and every URL after it) for ever. Resolving the host and connecting count too;
-    ``started`` is the URL's slot for the lookup it last started (:func:`_resolve`)."""
+    read, not the answer, so a server sending its headers a byte at a time would hold its URL's
+    thread for ever, past ``close()``. Resolving the host and connecting count too; ``started`` is
+    the URL's slot for the lookup it last started (:func:`_resolve`)."""
 
     def __init__(self, seconds: float, started: list[_Lookup | None]) -> None:
         self.seconds, self.started = seconds, started
@@ -225,7 +225,7 @@ class _Lookup:
 
 def _resolve(host: str, port: int, deadline: _Deadline, started: list[_Lookup | None]) -> list[tuple]:
     """``getaddrinfo(host, port)`` in a daemon thread, waited for until ``deadline`` passes (or is
-    shut): a resolver cannot be interrupted, and a slow one would hold the scraper past its
+    shut): a resolver cannot be interrupted, and a slow one would hold the URL's thread past its
     deadline (and past ``close()``).
 
     ``started[0]`` is the lookup that this URL's fetches last started: one of the same host still
