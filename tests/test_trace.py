@@ -1228,3 +1228,51 @@ def test_block_events_are_the_same_however_their_packing_is_chunked(monkeypatch,
     assert_frame_equal(ring.block_events.reset_index(drop=True),
                        whole.block_events[whole.block_events.step >= ring.step_ids[0]].reset_index(drop=True),
                        check_categorical=False)
+
+
+def _interned_request_ids(trace: Trace) -> tuple[int, int]:
+    """The request-id tables a live trace's recorder and records reach, and how many ids they name."""
+    source = trace._source
+    records = trace._records()  # (a read: every record's block events packed)
+    tables = [source._request_ids, *(r.block_events.requests for r in records),
+              *(s.table.requests for r in records for s in (r.scheduled, *(launch.rows for launch in r.launches)))]
+    unique = {id(t): t for t in tables}
+    return len(unique), sum(len(t.names) for t in unique.values())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_live_ring_buffer_holds_the_request_ids_of_its_own_steps(monkeypatch, async_scheduling, tmp_path):
+    """Requests keep arriving and finishing under a 12-step ring buffer: the request ids its
+    tables intern stay about those of its own steps (the ids its tables show) after N steps and
+    after 4N, while a recording that keeps every step names every request. And what it keeps reads
+    as the whole recording's last 12 steps, across the tables its records were coded with."""
+    monkeypatch.setattr("kvscope.trace.recorder.REQUEST_IDS_PER_TABLE", 16)
+    llm = make_llm(block_size=4, num_kv_blocks=64, max_num_seqs=4, async_scheduling=async_scheduling)
+    rng = random.Random(3)
+    counts = []
+    with llm.record("blocks") as whole, llm.record("blocks", max_steps=12) as ring:
+        for n in range(1, 601):
+            while len(llm.llm_engine.requests) < 6:
+                llm.add_request([rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 9))], greedy(rng.randrange(1, 4)))
+            llm.step()
+            if n in (150, 600):
+                shown = set(ring.scheduled().request_id) | set(ring.block_events.request_id.dropna())
+                counts.append((len(shown), *_interned_request_ids(ring)))
+    assert len(whole.requests) > 500
+    for shown, tables, interned in counts:
+        assert interned <= 2 * shown + 2 * 16, counts
+    assert counts[-1][2] < len(whole.requests) / 4 and max(tables for _, tables, _ in counts) > 1, counts
+    kept = whole.step_ids[-12:]
+    assert ring.step_ids == kept
+    assert_frame_equal(ring.steps, whole.steps.iloc[-12:].reset_index(drop=True))
+    assert_frame_equal(ring.requests, whole.requests[whole.requests.request_id.isin(ring.requests.request_id)]
+                       .reset_index(drop=True))
+    for name in ("scheduled", "queues", "block_tables", "slot_mapping"):
+        table = getattr(whole, name)()
+        assert_frame_equal(getattr(ring, name)(), table[table.step >= kept[0]].reset_index(drop=True))
+    events = whole.block_events
+    assert_frame_equal(ring.block_events, events[events.step >= kept[0]].reset_index(drop=True), check_categorical=False)
+    for step in kept:
+        for k, v in whole.pool_arrays(step).items():
+            np.testing.assert_array_equal(ring.pool_arrays(step)[k], v)
+    _assert_same_trace(ring, Trace.load(ring.save(tmp_path / "ring")))

@@ -5,7 +5,7 @@ A ``blocks`` recording of a real workload holds millions of block events; kept a
 hash int. Packed, an event is one row of five narrow integers, each field in the smallest dtype
 that holds the log's values (:mod:`kvscope.trace.narrow`): the kind as a code into
 ``BLOCK_EVENTS`` (its top bit set when the event carries a hash), the block, the request as
-1 + an index into a :class:`RequestIds` table the whole trace shares (0 for none), the
+1 + an index into a :class:`RequestIds` table that records share (0 for none), the
 reference count, and the engine step as an offset from the log's first event's. Hashes are kept
 apart, one per event that has one. The log still reads as a sequence of ``BlockEvent`` for the
 replay, and hands its columns, decoded, to the replay and the table builder as arrays.
@@ -32,8 +32,9 @@ _FIELDS = ("event", "block_id", "request", "ref_count", "engine_step")  # a row'
 
 
 class RequestIds:
-    """Request ids interned to small ints, shared by every event log and every step's scheduled
-    rows of a trace (appended to, never reordered, so the indices stored stay valid)."""
+    """Request ids interned to small ints, shared by the event logs and scheduled rows of a
+    trace's records (appended to, never reordered, so the indices stored stay valid; a live ring
+    buffer moves on to a new table now and then, see ``Recorder._renew_request_ids``)."""
 
     __slots__ = ("names", "_index")
 

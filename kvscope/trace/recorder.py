@@ -44,6 +44,9 @@ LEVELS: tuple[str, ...] = ("summary", "blocks", "full")
 # (under async scheduling an even load hides behind the GPU's steps; a spike stalls the GPU).
 CHUNK_STEPS = 16
 CHUNK_EVENTS = 4096
+# A ring buffer that drops steps starts a new request-id table once its table names this many ids
+# (and twice the engine's requests): see Recorder._renew_request_ids.
+REQUEST_IDS_PER_TABLE = 4096
 Listener = Callable[[StepRecord], Any]
 _NAN = math.nan
 
@@ -125,8 +128,10 @@ class Recorder:
         self._unpacked: list[tuple[StepRecord, int]] = []
         self._chunk: list[BlockEvent | BlockEvents] = []
         self._chunk_events = 0
-        self._request_ids = RequestIds()  # shared by all records' event logs and scheduled rows
-        self._rows = RowEncoder(RowTable(self._request_ids))  # each step's rows told against the step before
+        # The request-id table new event logs and scheduled rows are coded with (each record keeps
+        # the one it was coded with), and each step's rows told against the step before.
+        self._request_ids = RequestIds()
+        self._rows = RowEncoder(RowTable(self._request_ids))
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
@@ -389,6 +394,23 @@ class Recorder:
                 oldest = self.records[0].step
                 while self._finished and self._finished[0][0] < oldest:
                     self._drop_row(self._finished.popleft()[1])
+                self._renew_request_ids()
+
+    def _renew_request_ids(self) -> None:
+        """Code what comes next with a new request-id table once the current one names
+        ``REQUEST_IDS_PER_TABLE`` ids and twice as many as the engine holds requests.
+
+        A table only grows (the codes stored in packed records must stay valid), so one table for
+        a whole live run would keep every request id the run ever saw. Each record keeps the table
+        it was coded with, so an old table goes with the last retained record coded with it, and
+        a ring buffer holds the ids of about its own steps. (Twice the engine's requests: those
+        still live are coded again in each new table, and a bound below them would renew it at
+        every step.) The next step's rows are a keyframe: rows are never told against a step coded
+        with another table.
+        """
+        if len(self._request_ids.names) >= max(REQUEST_IDS_PER_TABLE, 2 * len(self.engine.requests)):
+            self._request_ids = RequestIds()
+            self._rows = RowEncoder(RowTable(self._request_ids))
 
     def _drop_row(self, row: _RequestRow) -> None:
         """Forget the row of a request that finished before the oldest retained step."""

@@ -4,7 +4,7 @@ Most rows of a long recording are steady decode rows: a request that had a row i
 step computes the one token after it (``start`` = its previous row's end, one new token, no
 cache hit, a decode row that samples). Such a row is implied by the previous step's rows and
 costs only its token id. Every other row is kept whole (its request as an index into the
-trace's :class:`~kvscope.trace.event_log.RequestIds`), and so are all the rows of a keyframe,
+records' :class:`~kvscope.trace.event_log.RequestIds`), and so are all the rows of a keyframe,
 which every ``KEYFRAME_EVERY``-th step built is: decoding a step reads at most that many steps
 back. Token ids are kept in the narrowest dtype that holds them, the implied rows' apart from
 the others' (sampled ids span the vocabulary, a prompt's may not).
@@ -35,7 +35,7 @@ class Rows(NamedTuple):
     """A step's rows decoded: one entry per scheduled request; ``token_ids`` all rows' tokens
     concatenated. Shared by every reader of the step: read-only."""
 
-    request: np.ndarray            # int32, indices into the trace's RequestIds
+    request: np.ndarray            # int32, indices into its table's RequestIds
     request_ids: list[str]
     start: np.ndarray              # int32
     num_new_tokens: np.ndarray     # int32
