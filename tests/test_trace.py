@@ -1172,6 +1172,69 @@ def test_a_recording_keeps_full_collections_off_the_heap_it_started_on():
     assert gone() is None
 
 
+def test_a_load_builds_the_trace_with_the_collector_off_and_leaves_it_as_it_was(run, tmp_path, monkeypatch):
+    """Trace.load builds its records with the cyclic collector off (what it builds is kept, so a
+    collection finds nothing, and full ones walk the growing heap), and leaves the collector as
+    it found it: on, off, and after a load that is refused."""
+    import gc
+
+    path = run.blocks.save(tmp_path / "t")
+    seen = []
+    build = trace_module.records_from_frames
+
+    def watched(*args, **kwargs):
+        seen.append(gc.isenabled())
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "records_from_frames", watched)
+    assert gc.isenabled()
+    _assert_same_trace(run.blocks, Trace.load(path))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        Trace.load(path)
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
+    _edit_meta(path / "meta.json", num_blocks=17)
+    with pytest.raises(ValueError, match="do not add up"):
+        Trace.load(path)
+    assert gc.isenabled()
+
+
+def test_overlapping_pauses_of_the_collector_leave_it_as_the_first_found_it():
+    """Two threads' pauses overlap (each a Trace.load, say): the collector stays off until the last
+    one ends, whichever ends first, and is then as it was before the first began."""
+    import gc
+    import threading
+
+    from kvscope.trace.frozen_heap import collector_paused
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            inside, leave = threading.Event(), threading.Event()
+
+            def other():
+                with collector_paused():
+                    inside.set()
+                    leave.wait(10)
+
+            with collector_paused():
+                thread = threading.Thread(target=other)
+                thread.start()
+                assert inside.wait(10) and not gc.isenabled()
+            assert not gc.isenabled(), "the other pause still runs"
+            leave.set()
+            thread.join(10)
+            assert gc.isenabled() == enabled
+            with pytest.raises(KeyError), collector_paused():
+                raise KeyError("a refused load")
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()
+
+
 def test_a_recording_started_mid_run_knows_the_tokens_of_blocks_not_yet_full():
     """A block that is not full has no hash and the block manager keeps no copy of its tokens:
     a recording that starts while it is in use must take them from its sequence."""

@@ -12,15 +12,23 @@ Frozen objects are never collected as cyclic garbage, so the heap thaws when the
 lets go. A live dashboard then runs the one full collection that was put off, in ``detach``,
 not in the middle of the next ``generate``; a recording leaves it to the collector's own
 schedule, so stopping one costs nothing. A freeze the program made itself is left alone.
+
+:func:`collector_paused` keeps the collector off while a trace is built in bulk (``Trace.load``):
+the objects it makes are not garbage, yet they set off collections, full ones among them, that
+walk them all again and again as the heap grows.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
+from typing import Iterator
 
 _lock = threading.Lock()
 _holders = 0
 _frozen_here = False
+_pausers = 0
+_paused_enabled = False  # whether the collector was on when the first pauser came
 
 
 def hold() -> None:
@@ -46,3 +54,23 @@ def release(collect: bool) -> None:
             _frozen_here = False
     if thaw and collect:
         gc.collect()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic collector off inside (it is process-wide): the last of overlapping pauses, from
+    any thread, leaves it as the first found it, also when the body raises. Cyclic garbage made
+    meanwhile waits for the first collection after."""
+    global _pausers, _paused_enabled
+    with _lock:
+        if _pausers == 0:
+            _paused_enabled = gc.isenabled()
+            gc.disable()
+        _pausers += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _pausers -= 1
+            if _pausers == 0 and _paused_enabled:
+                gc.enable()

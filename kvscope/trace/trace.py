@@ -22,6 +22,7 @@ import pandas as pd
 from kvscope.arg_checks import is_index
 from kvscope.engine.block_manager import hash_block
 from kvscope.engine.hooks import BlockEvent
+from kvscope.trace import frozen_heap
 from kvscope.trace.events import IDLE, AllBlocksCleared, BlockRemoved, BlockStored
 from kvscope.trace.lifecycle import LifecycleBuilder
 from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, token_blocks
@@ -276,7 +277,8 @@ class Trace:
         that is not a whole, unedited save is refused with an error naming the file at fault."""
         files = SavedFiles(Path(path))
         meta = _read_meta(files)
-        trace = cls._read(files, meta)
+        with frozen_heap.collector_paused():  # (what it builds is kept: no garbage to look for; see frozen_heap)
+            trace = cls._read(files, meta)
         check_checksums(files)
         return trace
 
