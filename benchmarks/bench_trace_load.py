@@ -8,6 +8,11 @@ median and min over the rounds (the versions alternate, the old one first in odd
 the median of each phase (reading the tables, ``check_frames``, ``records_from_frames``,
 ``check_replay``, ...).
 
+Each load starts after a full collection (untimed), so that no load pays for the garbage of the
+one before, and its time includes the young collection right after it (``gc.collect(0)``): a
+version that keeps the collector off while it builds pays for the objects it made there. Also
+reported: the time the cyclic collector ran within each load, and the collection after.
+
     git archive f5f03d1 kvscope | tar -x -C /tmp/s40old
     python benchmarks/bench_trace_load.py /tmp/fzD/big --old /tmp/s40old --rounds 7
     python benchmarks/bench_trace_load.py /tmp/fzD/big --old /tmp/s40old --new /tmp/s40new  # both exported
@@ -15,6 +20,7 @@ the median of each phase (reading the tables, ``check_frames``, ``records_from_f
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -107,12 +113,29 @@ def main() -> None:
         timed(modules["kvscope.trace.trace"], current[version])
     totals: dict[str, list[float]] = {v: [] for v in trees}
     phases: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in trees}
+    collecting: dict[str, list[float]] = {v: [] for v in trees}  # the collector's time within each load
+    after: dict[str, list[float]] = {v: [] for v in trees}  # the young collection right after it
+    clock = {"start": 0.0, "spent": 0.0}
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            clock["start"] = time.perf_counter()
+        else:
+            clock["spent"] += time.perf_counter() - clock["start"]
 
     def load(version: str) -> Any:
         current[version].update(dict.fromkeys(PHASES, 0.0))
+        gc.collect()
+        gc.callbacks.append(on_gc)
+        clock["spent"] = 0.0
         t = time.perf_counter()
         trace = trees[version]["kvscope.trace.trace"].Trace.load(args.trace)
+        loaded = time.perf_counter()
+        gc.callbacks.remove(on_gc)
+        gc.collect(0)
         totals[version].append(time.perf_counter() - t)
+        after[version].append(time.perf_counter() - loaded)
+        collecting[version].append(clock["spent"])
         for name, s in current[version].items():
             phases[version][name].append(s)
         return trace
@@ -128,6 +151,9 @@ def main() -> None:
               f"all {' '.join(f'{t:.3f}' for t in ts)}")
     old, new = totals["old"][1:], totals["new"][1:]
     print(f"old/new: median {statistics.median(old) / statistics.median(new):.2f}x  min {min(old) / min(new):.2f}x")
+    for version in trees:
+        print(f"{version}: collector within the load median {statistics.median(collecting[version][1:]):.3f} s, "
+              f"young collection after it median {statistics.median(after[version][1:]):.3f} s")
     print("phase medians (s)       old     new")
     for name in PHASES:
         print(f"  {name:22}" + "".join(f"{statistics.median(phases[v][name][1:]):8.3f}" for v in trees))
