@@ -112,6 +112,7 @@ def main() -> None:
     for version, modules in trees.items():
         timed(modules["kvscope.trace.trace"], current[version])
     totals: dict[str, list[float]] = {v: [] for v in trees}
+    cpu: dict[str, list[float]] = {v: [] for v in trees}  # the process's CPU time (a shared machine's steadier clock)
     phases: dict[str, dict[str, list[float]]] = {v: {p: [] for p in PHASES} for v in trees}
     collecting: dict[str, list[float]] = {v: [] for v in trees}  # the collector's time within each load
     after: dict[str, list[float]] = {v: [] for v in trees}  # the young collection right after it
@@ -128,12 +129,13 @@ def main() -> None:
         gc.collect()
         gc.callbacks.append(on_gc)
         clock["spent"] = 0.0
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         trace = trees[version]["kvscope.trace.trace"].Trace.load(args.trace)
         loaded = time.perf_counter()
         gc.callbacks.remove(on_gc)
         gc.collect(0)
         totals[version].append(time.perf_counter() - t)
+        cpu[version].append(time.process_time() - c)
         after[version].append(time.perf_counter() - loaded)
         collecting[version].append(clock["spent"])
         for name, s in current[version].items():
@@ -151,6 +153,8 @@ def main() -> None:
               f"all {' '.join(f'{t:.3f}' for t in ts)}")
     old, new = totals["old"][1:], totals["new"][1:]
     print(f"old/new: median {statistics.median(old) / statistics.median(new):.2f}x  min {min(old) / min(new):.2f}x")
+    for version, ts in cpu.items():
+        print(f"{version}: process CPU time median {statistics.median(ts[1:]):.3f} s  min {min(ts[1:]):.3f} s")
     for version in trees:
         print(f"{version}: collector within the load median {statistics.median(collecting[version][1:]):.3f} s, "
               f"young collection after it median {statistics.median(after[version][1:]):.3f} s")

@@ -12,12 +12,16 @@ Every ``--every`` steps it prints the RSS, the RSS after ``malloc_trim(0)`` (gli
 handed back: what is left is live or fragmented), the bytes malloc has handed out and not had
 back (``mallinfo2``: live, native code's included), the GC-tracked objects, and what the trace
 holds: bytes reachable from the recorder (``bench_trace_scale.deep_sizeof``), its records,
-request rows, and the request ids its tables have interned (all tables reachable from it).
+request rows, and the request ids its tables have interned (all tables reachable from it);
+the step records alive anywhere in the process (a holder outside the ring buffer shows here);
+with the dashboard, its updates and the records its step series has queued and not taken in.
 With ``--tracemalloc A B`` it also takes ``tracemalloc`` snapshots at steps ``A`` and ``B``
 (after a full collection) and prints the allocations that grew most between them, by traceback.
 
     python benchmarks/bench_trace_memory.py --mode record --steps 8000
     python benchmarks/bench_trace_memory.py --mode dashboard --steps 6000 --tracemalloc 2000 6000
+    python benchmarks/bench_trace_memory.py --mode dashboard --window 2000 --steps 7500 --in-flight 4000 \
+        --prompt-len 50 250 --output-len 30 150 --num-kv-blocks 100000 --max-num-seqs 64 --max-num-batched-tokens 1024
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 from bench_trace_scale import deep_sizeof  # noqa: E402
 from engine_helpers import greedy, make_llm  # noqa: E402
+
+from kvscope.trace.record import StepRecord  # noqa: E402
 
 _LIBC = ctypes.CDLL("libc.so.6")
 
@@ -75,13 +81,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8000)
     ap.add_argument("--window", type=int, default=500, help="the recording's max_steps")
     ap.add_argument("--in-flight", type=int, default=40, help="unfinished requests kept before each step")
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=(8, 40), help="own prompt tokens, min and max+1")
+    ap.add_argument("--output-len", type=int, nargs=2, default=(4, 24), help="output tokens, min and max+1")
+    ap.add_argument("--num-kv-blocks", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--every", type=int, default=1000, help="print a line every this many steps")
     ap.add_argument("--read-every", type=int, default=50, help="--mode record: read the trace this often")
     ap.add_argument("--tracemalloc", type=int, nargs=2, metavar=("A", "B"))
     ap.add_argument("--top", type=int, default=8)
     args = ap.parse_args()
 
-    llm = make_llm(num_kv_blocks=4096, block_size=16, validate=False, max_num_seqs=16, max_num_batched_tokens=512)
+    llm = make_llm(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, validate=False,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     rng = random.Random(0)
     system = [rng.randrange(3, 300) for _ in range(48)]
     trace = dash = None
@@ -96,11 +109,12 @@ def main() -> None:
     if args.tracemalloc:
         tracemalloc.start(12)
     proc, snaps, n, t0 = psutil.Process(), {}, 0, time.perf_counter()
-    print(f"mode {args.mode}, window {args.window}, {args.in_flight} in flight", flush=True)
+    print(f"mode {args.mode}, window {args.window}, {args.in_flight} in flight, "
+          f"{args.num_kv_blocks} blocks of {args.block_size}", flush=True)
     while n < args.steps:
         while len(llm.llm_engine.requests) < args.in_flight:
-            prompt = system[: rng.choice([0, 16, 48])] + [rng.randrange(3, 300) for _ in range(rng.randrange(8, 40))]
-            llm.add_request(prompt, greedy(rng.randrange(4, 24)))
+            prompt = system[: rng.choice([0, 16, 48])] + [rng.randrange(3, 300) for _ in range(rng.randrange(*args.prompt_len))]
+            llm.add_request(prompt, greedy(rng.randrange(*args.output_len)))
         llm.step()
         n += 1
         if args.mode == "record" and n % args.read_every == 0:
@@ -120,8 +134,10 @@ def main() -> None:
                     tables, ids = interned_ids(recorder)
                 line += (f"  trace {size / 2**20:6.2f} MB  records {len(recorder.records)}  "
                          f"request rows {len(recorder._request_rows)}  id tables {tables}  ids {ids}")
+                alive = sum(isinstance(o, StepRecord) for o in gc.get_objects())
+                line += f"  records alive {alive}"
             if dash is not None:
-                line += f"  updates {dash.num_updates}"
+                line += f"  updates {dash.num_updates}  series pending {len(dash.series._pending)}"
             print(line, flush=True)
     if dash is not None:
         dash.detach()
