@@ -771,6 +771,9 @@ _NAMED_EDITS = [
 ]
 
 
+# (an event or phase name outside the categories was refused through pandas' deprecated cast,
+# which leaves it missing today and is to raise an error in its own words later)
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("name,edit,says,named", _NAMED_EDITS,
                          ids=[f"{f.split('.')[0]}-{i}" for i, (f, *_) in enumerate(_NAMED_EDITS)])
 def test_a_save_edited_in_one_place_is_refused_by_the_check_for_it(run, tmp_path, name, edit, says, named):
