@@ -411,6 +411,42 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
     dash.detach()
 
 
+@pytest.mark.parametrize("follow", [True, False], ids=["following", "not-following"])
+def test_the_paused_status_comes_when_the_steps_update_ran_before_the_hold(follow):
+    """A step's listener wakes the updater before the run holds after that step: an update in
+    between reads "not held yet" and writes "pausing…". The hold then needs an update of its own,
+    which writes the status whether or not the views follow the newest step. The hold only cut
+    short the throttle of an update that a new step wakes, and no step comes while paused: the
+    status said "pausing…" until the next Step; and an update that showed no step (follow live
+    unticked) never wrote the status at all. The first hold is forced into that moment (a long
+    interval: one update per step woken, none else)."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=10.0, max_load=1.0)
+    dash.follow.value = follow  # unticked: the user keeps the step shown (none yet)
+    hold, seen = dash.gate.wait, []
+
+    def late_hold(on_hold) -> None:
+        if not seen:
+            wait_for(lambda: dash.num_updates == 1)  # the update the first step woke is over
+            seen.append(dash.status.value)
+        hold(on_hold)
+
+    dash.gate.wait = late_hold
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    for _ in range(2):  # the forced hold, then one after a Step
+        wait_for(lambda: dash.gate.waiting)
+        newest = dash.trace.step_ids[-1]
+        wait_for(lambda: f"paused at step {newest}" in dash.status.value, timeout=5)
+        assert dash.step == (newest if follow else dash.trace.step_ids[0])  # (unticked: the slider's first step)
+        dash.step_once()
+        wait_for(lambda: dash.trace.step_ids[-1] > newest)
+    assert "pausing" in seen[0]
+    dash.resume()
+    run.result(timeout=30)
+    dash.detach()
+
+
 def test_while_paused_the_notebook_adds_and_aborts_requests_and_steps_run_them(monkeypatch):
     """Paused, the background run waits between two steps, not inside one: the notebook's
     add_request, abort_request and check_invariants go through at once (they waited for the

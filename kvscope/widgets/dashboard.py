@@ -249,6 +249,8 @@ class Dashboard:
                 for name in ("lifecycle", "timeline"):
                     if name in self.views:
                         self.views[name].show(data)
+            if not follow:  # no step shown, so the status is written here: the run may have held since
+                self._write_status()
 
     # --------------------------------------------------------------------- live
     def _on_step(self, record: Any) -> None:
@@ -258,8 +260,14 @@ class Dashboard:
         self.series.add(record)
         self._wake.set()
         if self.gate.paused and threading.current_thread() is self._bg_thread:
-            # the engine is idle then: show this step at once
-            self.llm.call_between_steps(lambda: self.gate.wait(on_hold=self._kick.set))
+            self.llm.call_between_steps(lambda: self.gate.wait(on_hold=self._on_hold))
+
+    def _on_hold(self) -> None:
+        """The background run holds (the engine is idle): an update at once, which shows this
+        step and the paused status. Its own wake, not the step's: the update that the step's
+        record woke may have run before the hold, and no step comes while paused."""
+        self._wake.set()
+        self._kick.set()
 
     def _update_loop(self) -> None:
         cost = 0.0
