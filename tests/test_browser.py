@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from browser.lab import chromium_page, jupyterlab, missing, open_notebook, run_all, write_notebook
+from browser.lab import (chromium_page, jupyterlab, missing, open_notebook, run_all, run_all_above_last, run_last,
+                         write_notebook)
 from browser.views import open_view
 from pool_reference import bucket_summary
 
@@ -75,32 +76,36 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
     SHOTS.mkdir(parents=True, exist_ok=True)
     with jupyterlab(work, tmp_path) as url, chromium_page() as page:
         open_notebook(page, url, NOTEBOOK.name)
-        run_all(page)
+        # The last cell starts a background run, which the test pauses: the pause must land before
+        # the run ends, and the run's length is not the test's (a loaded machine stretches it, a
+        # free core runs it in seconds). So that cell runs once the browser has drawn what the
+        # cells before it sent, and Pause is clicked as soon as the run has started. (Run All let
+        # the kernel start the run while the browser was still drawing the first dashboard, and the
+        # test paused only after watching the pool change and taking a screenshot: near the run's
+        # end, or after it.)
+        run_all_above_last(page)
 
         # The pool draws every configured block, one canvas cell each.
         page.wait_for_selector(f".jp-OutputArea-output {POOL}", state="attached", timeout=60_000)
         page.wait_for_function(
             f"() => Number(document.querySelector('{POOL}').dataset.numBlocks) === {num_blocks}", timeout=30_000)
+        steady_step(page, quiet=1.0, timeout=60)
+        run_last(page)
 
-        # The last cell starts a background run: the pool changes while it runs ...
-        wait_until(lambda: "background run" in status(page), 90, "the background run")
-        seen = {pool_step(page)}
-        wait_until(lambda: seen.add(pool_step(page)) or len(seen) >= 2, 90, "the pool to change during the run", page)
-        dashboard = page.locator(".kvscope-dashboard").first
-        dashboard.screenshot(path=str(SHOTS / "quickstart_live.png"))
-
-        # ... Pause holds it between two steps ...
+        # Pause holds the run between two steps (the button is enabled once the run has started:
+        # the click waits for it) ...
         page.locator("button.kvscope-pause").first.click()
-        wait_until(lambda: "paused at step" in status(page), 10, "the paused status")
+        wait_until(lambda: "paused at step" in status(page), 10, "the paused status", page)
         held = steady_step(page)
         assert f"paused at step {held}" in status(page)
         time.sleep(1.0)
         assert pool_step(page) == held, "the engine kept running while paused"
+        dashboard = page.locator(".kvscope-dashboard").first
 
         # ... Step runs exactly one engine step ...
         for k in (1, 2):
             page.locator("button.kvscope-step").first.click()
-            wait_until(lambda: pool_step(page) == held + k, 10, f"step {held + k}")
+            wait_until(lambda: pool_step(page) == held + k, 10, f"step {held + k}", page)
             assert steady_step(page, quiet=0.8) == held + k
             assert f"paused at step {held + k}" in status(page)
         # Selecting a request in the block tables highlights its blocks in the pool (linked in
@@ -121,9 +126,11 @@ def test_quickstart_dashboard_live_in_jupyterlab(tmp_path: Path):
         tip = page.inner_text(f"{POOL} .kvs-tip")
         assert tip.startswith("block 0") and "owners" in tip
 
-        # Resume lets it go on.
+        # Resume lets it go on: the pool changes while it runs.
         page.locator("button.kvscope-resume").first.click()
-        wait_until(lambda: pool_step(page) > held + 2 and "running" in status(page), 10, "the run to go on")
+        wait_until(lambda: "running" in status(page), 10, "the running status", page)
+        wait_until(lambda: pool_step(page) > held + 2, 10, "the pool to change during the run", page)
+        dashboard.screenshot(path=str(SHOTS / "quickstart_live.png"))
 
         # The static export the notebook wrote opens without a kernel and draws the pool.
         page.goto((work / "kvscope_quickstart.html").as_uri())

@@ -123,3 +123,24 @@ def write_notebook(path: Path, cells: list[str]) -> Path:
 def run_all(page: "playwright.sync_api.Page") -> None:  # noqa: F821
     """Start "Run All" and return at once (so the test can watch outputs as they arrive)."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+
+
+def run_all_above_last(page: "playwright.sync_api.Page", timeout_ms: int = 180_000) -> None:  # noqa: F821
+    """Run every cell but the last, and return once the kernel has run them all."""
+    page.evaluate("""() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      nb.activeCellIndex = nb.widgets.length - 1;
+      window.kvsAboveDone = false;
+      window.jupyterapp.commands.execute('notebook:run-all-above').then(() => { window.kvsAboveDone = true; });
+    }""")
+    page.wait_for_function("() => window.kvsAboveDone === true", timeout=timeout_ms)
+
+
+def run_last(page: "playwright.sync_api.Page") -> None:  # noqa: F821
+    """Start the last cell and return at once."""
+    page.evaluate("""() => {
+      const nb = window.jupyterapp.shell.currentWidget.content;
+      nb.activeCellIndex = nb.widgets.length - 1;
+      nb.deselectAll();  // (the command runs the selected cells)
+      window.jupyterapp.commands.execute('notebook:run-cell');
+    }""")
