@@ -22,7 +22,7 @@ import pytest
 
 from browser.lab import (chromium_page, jupyterlab, missing, open_notebook, run_all, run_all_above_last, run_last,
                          write_notebook)
-from browser.views import open_view
+from browser.views import open_view, tables_state
 from pool_reference import bucket_summary
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
@@ -371,7 +371,8 @@ def test_block_tables_at_gpu_scale_fold_runs_of_consecutive_blocks(plain_page, t
     view builds a few thousand elements (it built one or two per block, some 130,000, and took
     seconds per step), and the chips still name exactly the row's blocks, shared ones marked."""
     rows = gpu_tables()
-    view = open_view(plain_page, tmp_path, "tables", {"rows": rows, "step": 7, "selected_request": ""})
+    view = open_view(plain_page, tmp_path, "tables", {**tables_state(rows), "step": 7, "selected_request": ""},
+                     int32=("tables",))
     assert elements(view) < 8_000
     shown = view.evaluate("""el => Array.from(el.querySelectorAll("tr")).map((tr) => [tr.dataset.rid,
         Array.from(tr.querySelectorAll("[data-physical]")).map((c) =>
@@ -388,7 +389,8 @@ def test_block_tables_at_gpu_scale_fold_runs_of_consecutive_blocks(plain_page, t
 
 def test_a_short_block_table_keeps_one_chip_per_block(plain_page, tmp_path):
     rows = [{"id": "a", "blocks": [3, 4, 5, 9], "refs": [2, 1, 1, 1], "num_tokens": 60}]
-    view = open_view(plain_page, tmp_path, "tables", {"rows": rows, "step": 1, "selected_request": ""})
+    view = open_view(plain_page, tmp_path, "tables", {**tables_state(rows), "step": 1, "selected_request": ""},
+                     int32=("tables",))
     chips = view.evaluate("""el => Array.from(el.querySelectorAll("[data-physical]")).map((c) =>
         [+c.dataset.physical, +c.dataset.count])""")
     assert chips == [[3, 1], [4, 1], [5, 1], [9, 1]]
@@ -424,12 +426,13 @@ def test_a_selection_restyles_the_view_without_rebuilding_it(plain_page, tmp_pat
     """Selecting a request (a click anywhere: the views are linked) marks it in place; the views
     rebuilt every element for it, seconds at GPU scale, and lost their scroll position."""
     states = {
-        "tables": {"rows": gpu_tables(64)},
+        "tables": tables_state(gpu_tables(64)),
         "queues": {"queues": gpu_queues(64, 64)},
         "slots": {"block_size": 16, "groups": [{"id": str(r), "kind": "decode", "num_tokens": 1,
                                                  "tokens": [[40, 7, "a", 16 * r, r, 0]]} for r in range(64)]},
     }
-    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""})
+    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""},
+                     int32=("tables",) if name == "tables" else ())
     view.evaluate("el => { el.querySelectorAll('*').forEach((e) => { e.kvsBefore = true; }); }")
     for rid in ("12", "40", ""):
         plain_page.evaluate(f"() => kvsSet('selected_request', '{rid}')")
@@ -470,12 +473,13 @@ def test_text_is_readable_in_a_dark_theme(plain_page, tmp_path, name):
     """Under JupyterLab's dark theme (its CSS variables), every text of the view contrasts with
     what it is drawn on (the views wrote #222 and #777 on Lab's near-black background)."""
     states = {
-        "tables": {"rows": gpu_tables(3)},
+        "tables": tables_state(gpu_tables(3)),
         "queues": {"queues": gpu_queues(3, 3)},
         "slots": {"block_size": 16, "groups": [{"id": "0", "kind": "prefill", "num_tokens": 2,
                                                  "tokens": [[0, 7, "a", 0, 0, 0], [1, 8, "b", 1, 0, 1]]}]},
     }
-    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""}, body_style=DARK)
+    view = open_view(plain_page, tmp_path, name, {**states[name], "step": 5, "selected_request": ""}, body_style=DARK,
+                     int32=("tables",) if name == "tables" else ())
     texts = view.evaluate(TEXT_COLOURS)
     assert texts
     faint = [(cls, text, round(contrast(fg, bg), 1)) for cls, text, fg, bg in texts if contrast(fg, bg) < 3]

@@ -22,7 +22,7 @@ from kvscope.trace import Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, BlockTablesView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
-from kvscope.widgets.snapshot import StepData, block_details, decode_tables  # noqa: E402
+from kvscope.widgets.snapshot import StepData, block_details  # noqa: E402
 from kvscope.widgets.views import STATIC, VIEW_CLASSES  # noqa: E402
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog while the cat sleeps"] * 3 + [
@@ -84,6 +84,18 @@ class BrowserPool:
         self.version = update.version
 
 
+def decode_tables(ids: list[str], data: bytes) -> list[dict]:
+    """The rows (``id, blocks, refs, num_tokens``) of the block tables as sent (``snapshot.encode_tables``:
+    ``lengths | tokens | blocks | refcounts``), read as ``kvsDecodeTables`` reads them."""
+    values = np.frombuffer(data, dtype=np.int32)
+    n = len(ids)
+    lengths, tokens = values[:n], values[n:2 * n]
+    blocks, refs = np.split(values[2 * n:], 2)
+    cuts = np.cumsum(lengths)[:-1]
+    return [{"id": rid, "blocks": b.tolist(), "refs": r.tolist(), "num_tokens": int(t)}
+            for rid, b, r, t in zip(ids, np.split(blocks, cuts), np.split(refs, cuts), tokens)]
+
+
 def tables_of(trace, step) -> dict[str, list[int]]:
     df = trace.block_tables(step).sort_values(["request_id", "logical_block"], kind="stable")
     return {rid: g["physical_block"].tolist() for rid, g in df.groupby("request_id", sort=False)}
@@ -103,7 +115,8 @@ def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
     for row in rows:
         assert row["refs"] == arrays["ref_count"][row["blocks"]].tolist()
         assert row["num_tokens"] == int(arrays["num_tokens"][row["blocks"]].sum())
-    assert v["tables"].pool is pool and v["tables"].rows == [] and v["tables"].step == step
+    assert v["tables"].pool is pool and v["tables"].step == step
+    assert v["tables"].table_ids == [] and v["tables"].tables == b""
     slots = trace.slot_mapping(step)
     shown = [t for g in v["slots"].groups for t in g["tokens"]]
     assert [t[3] for t in shown] == slots["slot"].tolist()
@@ -311,11 +324,11 @@ def test_a_view_is_usable_alone():
         llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
     pool = BlockPoolView(trace, step=2)
     assert pool.step == 2 and (BrowserPool(pool).state == trace.pool_arrays(2)["state"]).all()
-    tables = BlockTablesView(trace, step=2)  # alone, it sends its own rows
-    arrays = trace.pool_arrays(2)
-    assert tables.pool is None and {r["id"]: r["blocks"] for r in tables.rows} == tables_of(trace, 2)
+    tables = BlockTablesView(trace, step=2)  # alone, it sends its own tables
+    arrays, rows = trace.pool_arrays(2), decode_tables(tables.table_ids, tables.tables)
+    assert tables.pool is None and {r["id"]: r["blocks"] for r in rows} == tables_of(trace, 2)
     assert all(r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
-               and r["num_tokens"] == arrays["num_tokens"][r["blocks"]].sum() for r in tables.rows)
+               and r["num_tokens"] == arrays["num_tokens"][r["blocks"]].sum() for r in rows)
     sent = []
     pool.send = lambda content, buffers=None: sent.append(content)
     b = int(np.flatnonzero(trace.pool_arrays(2)["num_tokens"])[0])
@@ -704,14 +717,14 @@ def test_queues_view_shows_each_ranks_kv_shard():
     assert [(s["kv_head_start"], s["kv_head_end"]) for s in shards] == [(0, 1), (1, 2)]
 
 
-def wire_log(view) -> list[tuple[dict, list]]:
-    """Every update message ``view`` sends to the browser: (state, buffer paths)."""
+def wire_log(view) -> list[tuple[dict, list, list]]:
+    """Every update message ``view`` sends to the browser: (state, buffer paths, buffers)."""
     log, send = [], view._send
 
     def wire(msg, buffers=None):
         send(msg, buffers)
         if msg.get("method") == "update":
-            log.append((msg["state"], msg["buffer_paths"]))
+            log.append((msg["state"], msg["buffer_paths"], [bytes(b) for b in buffers or []]))
 
     view._send = wire
     return log
@@ -725,10 +738,33 @@ def test_a_live_dashboard_sends_the_block_tables_once_per_update_as_one_binary_b
     pool_log, tables_log = wire_log(dash.views["pool"]), wire_log(dash.views["tables"])
     llm.generate(PROMPTS, greedy(8), use_tqdm=False)
     dash.detach()
-    assert sum(["tables"] in paths for _, paths in pool_log) > 3  # the tables went as a binary buffer ...
-    assert all("tables" not in state for state, _ in pool_log)  # ... never as JSON
-    assert all(not state.get("rows") for state, _ in tables_log)
-    assert {k for state, _ in tables_log for k in state} <= {"step", "rows"}
+    assert sum(["tables"] in paths for _, paths, _ in pool_log) > 3  # the tables went as a binary buffer ...
+    assert all("tables" not in state for state, _, _ in pool_log)  # ... never as JSON
+    assert {k for state, _, _ in tables_log for k in state} == {"step"}
+
+
+def test_a_block_tables_view_alone_sends_its_tables_as_one_binary_buffer():
+    """With no pool view to read them from, the block-tables view sends each step's tables as the
+    pool view does: the request ids and one int32 buffer, which holds the trace's tables with
+    their refcounts and tokens (it sent a JSON list per table, and one per table's refcounts)."""
+    llm = make_llm(**ENGINE)
+    with llm.record() as trace:
+        llm.generate(PROMPTS, greedy(8), use_tqdm=False)
+    view = BlockTablesView(trace, step=trace.step_ids[0])
+    held = view.get_state(["table_ids", "tables"])  # what a browser opened now gets
+    log = wire_log(view)
+    for step in trace.step_ids[1:]:
+        view.update_from(trace, step)
+    assert sum(paths == [["tables"]] for _, paths, _ in log) > 3
+    for step, (state, paths, buffers) in zip(trace.step_ids[1:], log, strict=True):
+        assert state["step"] == step and "tables" not in state and paths in ([], [["tables"]])
+        held.update(state, **{path[0]: buf for path, buf in zip(paths, buffers)})  # (a trait is sent when it changed)
+        rows = decode_tables(held["table_ids"], held["tables"])
+        arrays = trace.pool_arrays(step)
+        assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
+        for r in rows:
+            assert r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
+            assert r["num_tokens"] == int(arrays["num_tokens"][r["blocks"]].sum())
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")

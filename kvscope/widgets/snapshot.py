@@ -211,28 +211,21 @@ def encode_tables(d: StepData) -> tuple[list[str], bytes]:
     return ids, np.concatenate([np.asarray(a, dtype=np.int32) for a in parts]).tobytes()
 
 
-def decode_tables(ids: list[str], data: bytes) -> list[dict[str, Any]]:
-    """The rows of :func:`encode_tables`' form (``id, blocks, refs, num_tokens``), as the browser reads them."""
-    values = np.frombuffer(data, dtype=np.int32)
-    n = len(ids)
-    lengths, tokens = values[:n], values[n:2 * n]
-    blocks, refs = np.split(values[2 * n:], 2)
-    cuts = np.cumsum(lengths)[:-1]
-    return [{"id": rid, "blocks": b.tolist(), "refs": r.tolist(), "num_tokens": int(t)}
-            for rid, b, r, t in zip(ids, np.split(blocks, cuts), np.split(refs, cuts), tokens)]
+def table_traits(d: StepData) -> dict[str, Any]:
+    """The ``table_ids`` and ``tables`` traits (:func:`encode_tables`) of the pool view, and of
+    a block-tables view shown alone: the browser reads either with ``kvsDecodeTables``."""
+    table_ids, tables = encode_tables(d)
+    return {"table_ids": table_ids, "tables": tables}
 
 
 def pool_state(d: StepData) -> dict[str, Any]:
     """Traits of ``BlockPoolView`` besides the pool itself, which goes as block deltas
-    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables
-    (:func:`encode_tables`)."""
-    table_ids, tables = encode_tables(d)
+    (:mod:`kvscope.widgets.pool_sync`): the step, the pool's size, the block tables."""
     return {
         "step": d.step,
         "block_size": int(d.trace.block_size),
         "num_blocks": int(d.trace.num_blocks),
-        "table_ids": table_ids,
-        "tables": tables,
+        **table_traits(d),
     }
 
 
@@ -242,8 +235,8 @@ def pool_arrays(d: StepData) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tables_state(d: StepData) -> dict[str, Any]:
-    """Traits of a ``BlockTablesView`` shown alone: per request its blocks, their refcounts, its tokens."""
-    return {"step": d.step, "rows": decode_tables(*encode_tables(d))}
+    """Traits of a ``BlockTablesView`` shown alone: the step and its block tables, as the pool view sends them."""
+    return {"step": d.step, **table_traits(d)}
 
 
 def slots_state(d: StepData) -> dict[str, Any]:

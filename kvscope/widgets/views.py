@@ -82,7 +82,15 @@ class _StepView(_ShowsSteps, anywidget.AnyWidget):
                 setattr(self, name, value)
 
 
-class BlockPoolView(_StepView):
+class _CarriesTables(traitlets.HasTraits):
+    """The block tables as the browser reads them (``kvsDecodeTables``): request ids, and one
+    int32 buffer of every table's blocks, refcounts and tokens (``snapshot.encode_tables``)."""
+
+    table_ids = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    tables = traitlets.Bytes(b"").tag(sync=True)
+
+
+class BlockPoolView(_CarriesTables, _StepView):
     """The KV pool on one canvas: free, used (shaded by refcount), cached, at any pool size.
 
     A pool larger than the canvas is drawn as an overview, one cell per bucket of blocks
@@ -100,8 +108,6 @@ class BlockPoolView(_StepView):
     delta = traitlets.Bytes(b"").tag(sync=True)   # the blocks changed since version ``delta_base``
     delta_base = traitlets.Int(KEYFRAME).tag(sync=True)
     version = traitlets.Int(0).tag(sync=True)     # the version the browser holds after ``delta``
-    table_ids = traitlets.List(traitlets.Unicode()).tag(sync=True)
-    tables = traitlets.Bytes(b"").tag(sync=True)  # the block tables (snapshot.encode_tables), also the tables view's
     selected_block = traitlets.Int(-1).tag(sync=True)
     max_height = traitlets.Int(360).tag(sync=True)
 
@@ -142,27 +148,26 @@ class BlockPoolView(_StepView):
                        "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"]) if held else {}})
 
 
-class BlockTablesView(_StepView):
+class BlockTablesView(_CarriesTables, _StepView):
     """Per request, logical block -> physical block, with shared blocks (ref > 1) marked.
 
-    Alone, the view sends its ``rows``. Given a ``pool`` view (the dashboard gives it its own),
-    the browser reads the tables from the pool's update of the same step instead, so the block
-    tables go to the browser once: such a view shows a step together with its pool view.
+    Alone, the view sends the tables as the pool view does (binary, not a JSON list per block).
+    Given a ``pool`` view (the dashboard gives it its own), the browser reads them from the
+    pool's update of the same step instead, so the block tables go to the browser once: such a
+    view sends only its step, and shows it together with its pool view.
     """
 
     _esm = traitlets.Unicode(esm_source("tables")).tag(sync=True)
     snapshot_fn = staticmethod(snapshot.tables_state)
-    rows = traitlets.List().tag(sync=True)
     pool = traitlets.Instance(BlockPoolView, allow_none=True).tag(sync=True, **W.widget_serialization)
 
     def show(self, data: StepData) -> None:
-        """Show one step: the rows when alone, only the step when the pool view carries the tables."""
+        """Show one step: its tables when alone, only the step when the pool view carries them."""
         if self.pool is None:
             super().show(data)
             return
         self.trace = data.trace
-        with self.hold_sync():
-            self.rows, self.step = [], data.step
+        self.step = data.step
 
 
 class SlotMappingView(_StepView):

@@ -39,6 +39,15 @@ document.body.dataset.ready = "1";
 """
 
 
+def tables_state(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The block-tables traits of ``rows`` (``id, blocks, refs, num_tokens``) as the kernel sends
+    them (``snapshot.encode_tables``): request ids and one int32 buffer, ``lengths | tokens |
+    blocks | refcounts``; open the view with ``int32=("tables",)``."""
+    values = ([len(r["blocks"]) for r in rows] + [r["num_tokens"] for r in rows]
+              + [b for r in rows for b in r["blocks"]] + [ref for r in rows for ref in r["refs"]])
+    return {"table_ids": [r["id"] for r in rows], "tables": values}
+
+
 def open_view(page: Any, tmp: Path, view: str, state: dict[str, Any], width: int = 700,
               body_style: str = "", int32: tuple[str, ...] = ()) -> Any:
     """Render ``view`` (``"tables"``, ``"queues"``, ...) with ``state`` in ``page``; returns its element."""

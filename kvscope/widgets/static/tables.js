@@ -3,9 +3,9 @@
 // folds each run of consecutive physical blocks into one chip, "logical a–b -> physical x–y",
 // as allocation hands out neighbouring blocks. Clicking a row selects the request (the
 // dashboard links `selected_request` with the pool, which then highlights that request's blocks).
-// Synced state: `rows` ([{id, blocks, refs, num_tokens}]), `selected_request`, `step`; or `pool`, a
-// reference to the pool view's model (the dashboard's), whose `table_ids` / `tables` carry the rows
-// instead (`kvsDecodeTables`), so the block tables reach the browser once. Linked, the view draws
+// Synced state: `table_ids` / `tables` (the block tables, `kvsDecodeTables`), `selected_request`,
+// `step`; or `pool`, a reference to the pool view's model (the dashboard's), whose `table_ids` /
+// `tables` carry them instead, so the block tables reach the browser once. Linked, the view draws
 // a step once the pool holds the same step.
 
 const MAX_CHIPS = 256;
@@ -37,11 +37,12 @@ async function render({ model, el }) {
   el.dataset.kvscopeView = "tables";
   const ref = model.get("pool");
   const pool = typeof ref === "string" ? await model.widget_manager.get_model(ref.slice("IPY_MODEL_".length)) : ref || null;
+  const source = pool || model; // the model whose `table_ids` / `tables` carry the tables
 
   /** The rows to draw; null while the linked pool's update of this step has not come. */
   function rowsOf() {
-    if (!pool) return model.get("rows") || [];
-    return pool.get("step") === model.get("step") ? kvsDecodeTables(pool.get("table_ids"), pool.get("tables")) : null;
+    if (pool && pool.get("step") !== model.get("step")) return null;
+    return kvsDecodeTables(source.get("table_ids"), source.get("tables"));
   }
 
   function draw() {
@@ -78,7 +79,7 @@ async function render({ model, el }) {
     const top = row.getBoundingClientRect().top - box.getBoundingClientRect().top;
     if (top < 0 || top + row.offsetHeight > box.clientHeight) box.scrollTop += top - 20;
   }
-  const unwatch = kvsWatchView(model, el, ["rows", "step"], draw, select);
+  const unwatch = kvsWatchView(model, el, ["table_ids", "tables", "step"], draw, select);
   if (!pool) return unwatch;
   const unwatchPool = kvsWatchBatched(pool, ["step", "table_ids", "tables"], draw);
   return () => { unwatch(); unwatchPool(); };
