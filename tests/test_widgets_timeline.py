@@ -3,6 +3,8 @@ every step: each drawn point is the mean of its bin of steps, checked against th
 ``steps`` table, live and replayed."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,6 +15,7 @@ pytest.importorskip("plotly")
 from engine_helpers import greedy, make_llm  # noqa: E402
 
 from kvscope.trace import Trace  # noqa: E402
+from kvscope.trace.record import StepRecord  # noqa: E402
 from kvscope.widgets import Dashboard  # noqa: E402
 from kvscope.widgets.snapshot import StepSeries  # noqa: E402
 from kvscope.widgets.views import TIMELINE_SERIES, timeline_frame  # noqa: E402
@@ -112,3 +115,22 @@ def test_bins_merged_live_at_any_sync_equal_a_replays_bins_and_the_trace(tmp_pat
         assert width > 1
         assert_same_bins(timeline_frame(series, points), want)
         assert_same_bins(timeline_frame(replay, points), want)
+
+
+def test_steps_queued_between_updates_keep_no_step_record_alive():
+    """A series queues each step until the next update; updates come rarer as they cost more,
+    and none while the notebook is busy. What it queues must not hold the step's record (its
+    block events, rows and queues) past the ring buffer that dropped it: the records alive stay
+    the ring's, however many steps wait."""
+    llm = make_llm(**ENGINE)
+    with llm.record(level="blocks", max_steps=16) as live:
+        series = StepSeries(live)
+        live.add_listener(series.add, block_events=False)
+        llm.generate(PROMPTS[:4], greedy(40), use_tqdm=False)
+        gc.collect()
+        alive = sum(isinstance(o, StepRecord) for o in gc.get_objects())
+        assert len(live.step_ids) == 16 and alive <= 16
+        series.sync()
+        assert series.columns["step"][-1] == live.step_ids[-1]
+        assert series.row(live.step_ids[-1]) == {c: live.steps.set_index("step").loc[live.step_ids[-1], c].item()
+                                                 if c != "step" else live.step_ids[-1] for c in series.columns}

@@ -7,6 +7,7 @@ Everything here reads only the public :class:`~kvscope.trace.Trace` API.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections import deque
 from functools import cached_property
 from typing import Any
@@ -54,7 +55,8 @@ class StepSeries:
         self.max_points = int(max_points)
         self.max_rows = max_rows if max_rows is not None else trace.meta.get("max_steps")
         self._columns: dict[str, list] | None = None
-        self._pending: deque = deque()
+        self._pending: deque = deque()  # STEP_FIELDS of the steps added since the last sync
+        self._fields_of = operator.attrgetter(*STEP_FIELDS)
         self._sums = np.zeros((self.max_points, len(TIMELINE_COLUMNS)))
         self._counts = np.zeros(self.max_points, np.int64)
         self._num_bins, self.width = 0, 1
@@ -71,20 +73,22 @@ class StepSeries:
         return self._columns
 
     def add(self, record: Any) -> None:
-        """Queue a ``StepRecord`` (any thread); :meth:`sync` takes it in."""
-        self._pending.append(record)
+        """Queue a ``StepRecord``'s ``STEP_FIELDS`` (any thread); :meth:`sync` takes them in. Only
+        the fields: a record kept here would outlive the ring buffer that dropped it, with its
+        block events and rows, for as long as updates wait."""
+        self._pending.append(self._fields_of(record))
 
     def sync(self) -> None:
         columns = self.columns
         steps, new = columns["step"], []
         while self._pending:
-            rec = self._pending.popleft()
-            if not steps or rec.step > steps[-1]:  # skip steps read from trace.steps already
-                for c in STEP_FIELDS:
-                    columns[c].append(getattr(rec, c))
-                new.append(rec)
+            row = self._pending.popleft()
+            if not steps or row[0] > steps[-1]:  # (STEP_FIELDS[0]: skip steps read from trace.steps already)
+                for c, v in zip(STEP_FIELDS, row):
+                    columns[c].append(v)
+                new.append(row)
         if new:
-            for values in self._values({c: np.array([getattr(r, c) for r in new]) for c in STEP_FIELDS}):
+            for values in self._values(dict(zip(STEP_FIELDS, map(np.array, zip(*new))))):
                 self._bin_one(values)
         self._trim()
 
