@@ -127,13 +127,19 @@ def run_all(page: "playwright.sync_api.Page") -> None:  # noqa: F821
 
 def run_all_above_last(page: "playwright.sync_api.Page", timeout_ms: int = 180_000) -> None:  # noqa: F821
     """Run every cell but the last, and return once the kernel has run them all."""
-    page.evaluate("""() => {
-      const nb = window.jupyterapp.shell.currentWidget.content;
+    cells = "window.jupyterapp.shell.currentWidget.content"
+    # (a notebook whose cells are not all drawn yet would run the cells above another one)
+    page.wait_for_function(f"() => {cells}.widgets.length > 1 && {cells}.widgets.length === {cells}.model.cells.length",
+                           timeout=timeout_ms)
+    page.evaluate(f"""() => {{
+      const nb = {cells};
       nb.activeCellIndex = nb.widgets.length - 1;
-      window.kvsAboveDone = false;
-      window.jupyterapp.commands.execute('notebook:run-all-above').then(() => { window.kvsAboveDone = true; });
-    }""")
-    page.wait_for_function("() => window.kvsAboveDone === true", timeout=timeout_ms)
+      window.kvsAboveRan = null;
+      window.jupyterapp.commands.execute('notebook:run-all-above').then((ran) => {{ window.kvsAboveRan = ran; }});
+    }}""")
+    page.wait_for_function("() => window.kvsAboveRan !== null", timeout=timeout_ms)
+    if page.evaluate("() => window.kvsAboveRan") is not True:
+        raise RuntimeError("JupyterLab did not run the cells above the last one")
 
 
 def run_last(page: "playwright.sync_api.Page") -> None:  # noqa: F821
