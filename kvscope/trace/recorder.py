@@ -128,10 +128,7 @@ class Recorder:
         self._unpacked: list[tuple[StepRecord, int]] = []
         self._chunk: list[BlockEvent | BlockEvents] = []
         self._chunk_events = 0
-        # The request-id table new event logs and scheduled rows are coded with (each record keeps
-        # the one it was coded with), and each step's rows told against the step before.
-        self._request_ids = RequestIds()
-        self._rows = RowEncoder(RowTable(self._request_ids))
+        self._new_request_ids()
         # Steps launched since the last step.end: (step, events before it, its output, its request ids).
         self._launches: list[tuple[int, int, "SchedulerOutput", dict[int, str]]] = []
         self._ahead: Launch | None = None  # launched in the last record for the next one (async)
@@ -409,8 +406,14 @@ class Recorder:
         with another table.
         """
         if len(self._request_ids.names) >= max(REQUEST_IDS_PER_TABLE, 2 * len(self.engine.requests)):
-            self._request_ids = RequestIds()
-            self._rows = RowEncoder(RowTable(self._request_ids))
+            self._new_request_ids()
+
+    def _new_request_ids(self) -> None:
+        """A new request-id table for new event logs and scheduled rows to be coded with (each
+        record keeps the one it was coded with), and the encoder that tells each step's rows
+        against the step before in it: its first step is a keyframe."""
+        self._request_ids = RequestIds()
+        self._rows = RowEncoder(RowTable(self._request_ids))
 
     def _drop_row(self, row: _RequestRow) -> None:
         """Forget the row of a request that finished before the oldest retained step."""
