@@ -454,3 +454,60 @@ def test_penalized_and_prompt_logprob_steps_launch_without_waiting_for_the_devic
     torch.cuda.synchronize()
     llm.shutdown()
     assert len(took) == 2 and max(took) < 0.4, took
+
+
+def test_no_step_launch_synchronizes_with_the_device(checkpoint):
+    """Under async scheduling no launch may wait for the device, whatever its rows ask for:
+    torch's sync debug mode reports every operation that synchronizes (a copy from pageable
+    memory, ``.item()``, a data-dependent shape) inside ``execute_async``, with its stack.
+    Requests of every sampling kind arrive before and during the run, chunked prefills among
+    decode steps."""
+    import traceback
+    import warnings
+
+    llm = LLM(checkpoint, device="cuda", attention_backend="triton", async_scheduling=True,
+              gpu_memory_utilization=0.3, max_num_batched_tokens=96)
+    engine, runner = llm.llm_engine, llm.llm_engine.executor
+    base = dict(max_tokens=40, ignore_eos=True)
+    kinds = [SamplingParams(temperature=0, **base),
+             SamplingParams(temperature=0.8, seed=3, **base),
+             SamplingParams(temperature=0.9, top_k=20, top_p=0.8, min_p=0.05, **base),
+             SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, **base),
+             SamplingParams(allowed_token_ids=list(range(3, 512, 3)), logit_bias={9: 3.0}, **base),
+             SamplingParams(bad_words=["a", "b c", " the"], temperature=0.8, seed=9, **base),
+             SamplingParams(min_tokens=12, stop_token_ids=[7, 11], temperature=0.7, max_tokens=40),
+             SamplingParams(logprobs=3, temperature=0.6, **base),
+             SamplingParams(prompt_logprobs=2, temperature=0, **base),
+             SamplingParams(n=2, temperature=0.9, seed=5, **base)]
+    prompts = _prompts(2 * len(kinds))
+    launch, seen = runner.execute_async, []
+
+    def report(message, *args, **kwargs):
+        if "called a synchronizing" in str(message):
+            seen.append(f"{message}\n{''.join(traceback.format_stack(limit=10))}")
+
+    def watched(out):
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = report
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(out)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    runner.execute_async = watched
+    for prompt, params in zip(prompts, kinds):
+        engine.add_request(prompt, params)
+    for _ in range(6):
+        engine.step()
+    for prompt, params in zip(prompts[len(kinds):], kinds):  # joining a running batch
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 400:
+        engine.step()
+        steps += 1
+    runner.execute_async = launch
+    llm.shutdown()
+    assert steps < 400
+    assert not seen, f"{len(seen)} synchronizing operations:\n" + "\n".join(dict.fromkeys(seen))

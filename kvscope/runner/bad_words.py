@@ -58,5 +58,6 @@ def ban_bad_words(logits: torch.Tensor, words: Sequence[list[list[int]]], batch:
         at = (upload([r for r, _ in pair_at], torch.int64), upload([t for _, t in pair_at], torch.int64))
         logits[at] = torch.where(banned > 0, float("-inf"), logits[at])
     if always_rows:
-        logits[upload(always_rows, torch.int64), upload(always_tokens, torch.int64)] = float("-inf")
+        logits.index_put_((upload(always_rows, torch.int64), upload(always_tokens, torch.int64)),
+                          logits.new_full((), float("-inf")))  # (-inf made on the device: no wait for it)
     return logits

@@ -54,7 +54,7 @@ class Adjustments:
         if any(p.allowed_token_ids for p in mine):
             allowed = torch.zeros(len(mine), vocab, dtype=torch.bool, device=device)
             rows, tokens = _pairs([p.allowed_token_ids or range(vocab) for p in mine])
-            allowed[upload(rows, torch.int64), upload(tokens, torch.int64)] = True
+            allowed.index_put_((upload(rows, torch.int64), upload(tokens, torch.int64)), allowed.new_ones(()))
         if any(p.logit_bias for p in mine):
             bias = torch.zeros(len(mine), vocab, dtype=torch.float32, device=device)
             rows, tokens = _pairs([list(p.logit_bias or ()) for p in mine])

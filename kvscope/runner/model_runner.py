@@ -536,7 +536,7 @@ class ModelRunner:
             # (Every rank computes the prompt positions' logits too: the LM head is a collective.)
             prompt = None if prompt_rows is None else PromptLogprobs.of(
                 (self.model.compute_logits(prompt_rows[i:i + self.max_rows])
-                 for i in range(0, prompt_rows.shape[0], self.max_rows)), out.requests, which)
+                 for i in range(0, prompt_rows.shape[0], self.max_rows)), out.requests, which, self.sampler.upload)
             logits = None if rows is None else self.model.compute_logits(rows)
             if logits is None:
                 if rows is not None and self.share_sampled:  # this rank's next step reads them

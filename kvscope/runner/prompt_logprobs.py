@@ -11,7 +11,7 @@ host when the step's result is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -43,13 +43,14 @@ class PromptLogprobs:
     targets: list[int]  # the next prompt token of each position
 
     @classmethod
-    def of(cls, logits: Iterable[torch.Tensor | None], rows: Sequence[ScheduledRequest],
-           which: np.ndarray) -> "PromptLogprobs | None":
+    def of(cls, logits: Iterable[torch.Tensor | None], rows: Sequence[ScheduledRequest], which: np.ndarray,
+           upload: Callable[[list[int], torch.dtype], torch.Tensor]) -> "PromptLogprobs | None":
         """From the logits of :func:`prompt_positions`' positions, slice after slice (each is
         reduced before the next is computed, so a long prompt never holds all its logits at
         once); None on a worker rank, which only takes every slice (each is a collective).
         The targets are each row's own next tokens, the last one's the prompt token after the
-        row (from its history)."""
+        row (from its history). ``upload`` takes the targets to the device without waiting for
+        the work it has queued (the step before, under async scheduling)."""
         picked = [rows[i] for i in which.tolist()]
         if picked[0].history is None:  # a worker rank: it takes part in the slices' collectives only
             for _ in logits:
@@ -62,7 +63,7 @@ class PromptLogprobs:
         parts: list[tuple[torch.Tensor, ...]] = []
         at = 0
         for chunk in logits:
-            index = torch.tensor(targets[at:at + chunk.shape[0]], dtype=torch.int64).to(chunk.device)
+            index = upload(targets[at:at + chunk.shape[0]], torch.int64)
             parts.append(chosen_and_top(chunk.float().log_softmax(dim=-1), index, max(ks)))
             at += chunk.shape[0]
         chosen, values, ids, ranks = (torch.cat(p) for p in zip(*parts))

@@ -342,9 +342,10 @@ class Sampler:
             logits = as_float = self._adjusted(as_float, rows, history_of)
         held = self._held_back(rows, output_index, stop_token_ids_of)
         if held is not None:
-            logits = logits.index_put(held, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+            # (-inf made on the device: a tensor copied from the host would wait for its queued work)
+            logits = logits.index_put(held, logits.new_full((), float("-inf")))
             if as_float is not None:
-                as_float = as_float.index_put(held, torch.tensor(float("-inf"), device=logits.device))
+                as_float = as_float.index_put(held, as_float.new_full((), float("-inf")))
         if self.kernels is not None:
             tokens = self._sample_by_kernels(logits, as_float, rows)
         else:

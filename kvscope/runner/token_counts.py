@@ -87,9 +87,12 @@ class TokenCounts:
         up = self._upload
         if fresh:
             at = up(fresh, torch.int64)
-            self._mask[at] = False
-            self._counts[at] = 0.0
-            self._mask[up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64)] = True
+            # (values made on the device: ``t[index] = scalar`` copies the scalar from the host,
+            # which waits for the device's queued work)
+            self._mask.index_put_((at,), self._mask.new_zeros(()))
+            self._counts.index_put_((at,), self._counts.new_zeros(()))
+            self._mask.index_put_((up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64)),
+                                  self._mask.new_ones(()))
         one = torch.ones((), device=self.device)
         if add_rows:
             self._counts.index_put_((up(add_rows, torch.int64), up(add_tokens, torch.int64)), one, accumulate=True)
