@@ -653,14 +653,22 @@ def _unended_answer(skip: int):
     return serve
 
 
-@pytest.mark.parametrize("replay", ["refused", "covers the gap, unended", "skips the gap, unended"])
+UNRESOLVABLE = "no-such-host.invalid"  # RFC 6761: a name under .invalid never resolves
+
+
+@pytest.mark.parametrize("replay", ["refused", "unresolvable", "covers the gap, unended", "skips the gap, unended"])
 def test_a_gap_whose_replay_has_plainly_failed_holds_its_stream_briefly(replay):
     """Batch 1 is missing, under replay_timeout=30 s. A replay that has failed beyond doubt releases
     the live batches the gap holds within seconds, not 30: nothing listens at the replay address
-    (the connection is refused), or the answer has gone past the gap without its end marker. What
-    replay did not bring is counted lost, and the batches apply in order."""
+    (the connection is refused), its host name does not resolve (ZMQ resolves it at each attempt
+    to connect and reports no failure of its own for it), or the answer has gone past the gap
+    without its end marker. What replay did not bring is counted lost, and the batches apply in order."""
     if replay == "refused":
         stream = raw_stream(replay_endpoints=f"tcp://127.0.0.1:{_closed_port()}", replay_timeout=30.0)
+    elif replay == "unresolvable":
+        with pytest.raises(socket.gaierror):  # the premise: this machine's resolver says so
+            socket.getaddrinfo(UNRESOLVABLE, 5557)
+        stream = raw_stream(replay_endpoints=f"tcp://{UNRESOLVABLE}:5557", replay_timeout=30.0)
     else:
         stream = raw_stream(_unended_answer(0 if replay.startswith("covers") else 5), replay_timeout=30.0)
     with stream as (raw, att):
@@ -675,6 +683,81 @@ def test_a_gap_whose_replay_has_plainly_failed_holds_its_stream_briefly(replay):
         expected = [1, 2, 3] if covered else [2, 3]
         assert att.block_hashes(att.instances[0]) == set(expected)
         assert att.events.seq.tolist()[-len(expected):] == expected
+
+
+def _relay(target_port: int, cut: threading.Event, stop: threading.Event) -> int:
+    """A TCP relay on loopback to ``target_port``, until ``stop``; its first connection is cut (both
+    ways) once ``cut`` is set. Its port."""
+    import selectors
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+
+    def pump(conn, first):
+        up = socket.create_connection(("127.0.0.1", target_port))
+        with conn, up, selectors.DefaultSelector() as sel:
+            sel.register(conn, selectors.EVENT_READ, up)
+            sel.register(up, selectors.EVENT_READ, conn)
+            while not stop.is_set() and not (first and cut.is_set()):
+                for key, _ in sel.select(0.02):
+                    data = key.fileobj.recv(1 << 16)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+
+    def serve():
+        first = True
+        with srv:
+            while not stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(target=pump, args=(conn, first), daemon=True).start()
+                first = False
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def test_a_replay_whose_connection_drops_once_is_asked_again_and_fills_the_gap():
+    """Batch 1 is missing, under replay_timeout=30 s; the replay connection is cut right after the
+    request reaches the replay socket, and ZMQ reconnects (a drop, then its retry). The drop is not
+    taken for a failed attempt to connect: the request is made again on the new connection, whose
+    answer fills the gap (nothing lost), and the batches apply in order."""
+    batch = {q: Codec().encode(1.0, [stored([q], None, [1, 2], 2)], 0) for q in (1, 2)}
+    ctx, stop, cut = zmq.Context.instance(), threading.Event(), threading.Event()
+    router = ctx.socket(zmq.ROUTER)
+    relay = _relay(router.bind_to_random_port("tcp://127.0.0.1"), cut, stop)
+    asks = []
+
+    def serve():  # the first request goes unanswered (its connection is cut), the later ones get batch 1
+        while not stop.is_set():
+            if router.poll(20):
+                client, _, start = router.recv_multipart()
+                asks.append(int.from_bytes(start, "big", signed=True))
+                if len(asks) == 1:
+                    cut.set()
+                    continue
+                router.send_multipart([client, b"", seq_bytes(1), batch[1]])
+                router.send_multipart([client, b"", seq_bytes(-1), b""])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with raw_stream(replay_endpoints=f"tcp://127.0.0.1:{relay}", replay_timeout=30.0) as (raw, att):
+            att._subscriber.idle_probe = 3600.0  # only the gap asks replay
+            raw.send_multipart([b"kv-events", seq_bytes(2), batch[2]])
+            name = att.instances[0]
+            wait_for(applied(att, name, 2), timeout=20, what="the batch after the gap")
+            assert asks[:2] == [1, 1], "the request, then the same one again after the drop"
+            f = att.streams[0].faults
+            assert (f["gaps"], f["missed_batches"], f["replayed_batches"], f["lost_batches"]) == (1, 1, 1, 0)
+            assert att.block_hashes(name) == {1, 2} and att.events.seq.tolist()[-2:] == [1, 2]
+    finally:
+        stop.set()
+        server.join()
+        router.close(linger=0)
 
 
 def test_gap_without_replay_socket_is_counted_lost():

@@ -34,12 +34,12 @@ A replay never blocks the thread: it runs as a task of its stream (a generator r
 replay socket has something or its deadline passes), so a replay socket that is dead, mute or
 drops requests delays only the stream that asked it, by at most ``replay_timeout`` per replay. A
 gap's replay holds back that stream's later live batches until it is over (they must apply after
-it): once its answer has brought or passed the gap's last batch, or ended, or once the replay
-address refuses the connection; only a replay socket that says nothing is waited for until the
-timeout. An idle probe gives way to the stream's next live batch, whose own numbers then show any gap.
-The other streams keep being read meanwhile, and ``close()`` ends the thread within one poll
-(:data:`_POLL_MS`), plus what a listener running at that moment takes (waited for
-:data:`_CLOSE_WAIT_S` at most).
+it): once its answer has brought or passed the gap's last batch, or ended, or once an attempt to
+connect to the replay address fails (refused, or its host name does not resolve); only a replay
+socket that says nothing is waited for until the timeout. An idle probe gives way to the stream's
+next live batch, whose own numbers then show any gap. The other streams keep being read
+meanwhile, and ``close()`` ends the thread within one poll (:data:`_POLL_MS`), plus what a
+listener running at that moment takes (waited for :data:`_CLOSE_WAIT_S` at most).
 
 Nothing here raises into the caller: every fault is a counter (:data:`FAULTS`).
 """
@@ -106,6 +106,7 @@ class Stream:
     replay: Any = None
     monitor: Any = None
     replay_monitor: Any = None
+    replay_last_event: int | None = None  # the replay monitor's last event read (see Subscriber._replay_news)
 
 
 ApplyFn = Callable[[Stream, int, Batch], None]
@@ -155,8 +156,10 @@ class Subscriber:
             s.replay.setsockopt(zmq.LINGER, 0)
             s.replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             s.replay.connect(s.replay_endpoint)
-            # a drop, and a failed attempt to connect (EVENT_CLOSED: refused, nothing listens there)
-            s.replay_monitor = s.replay.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+            # a drop, and a failed attempt to connect (EVENT_CLOSED: refused, nothing listens there; a bare
+            # EVENT_CONNECT_RETRIED: no socket to close, the host name did not resolve)
+            s.replay_monitor = s.replay.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_CONNECT_RETRIED)
             self._by_socket[s.replay] = s  # polled only while a task of the stream waits on it
         for sock in (s.sub, s.monitor, s.replay_monitor):
             if sock is not None:
@@ -311,9 +314,22 @@ class Subscriber:
 
     def _replay_news(self, s: Stream) -> tuple[bool, bool]:
         """What the replay socket's monitor reported since last read: whether the connection dropped,
-        and whether an attempt to make it failed (refused, or the host unreachable)."""
-        events = self._events(s.replay_monitor)
-        return self._zmq.EVENT_DISCONNECTED in events, self._zmq.EVENT_CLOSED in events
+        and whether an attempt to make it failed.
+
+        A failed attempt is one whose socket ZMQ closed (refused, or the host unreachable), or one
+        that failed before it had a socket: the host name did not resolve. ZMQ reports no event of
+        its own for that one, only the retry it schedules after it; any other retry directly follows
+        the drop or the closed attempt it retries, so a retry after neither is that failure (the
+        last event is kept across reads, which may split such a pair). The monitor is read only here."""
+        zmq = self._zmq
+        dropped = failed = False
+        for event in self._events(s.replay_monitor):
+            dropped = dropped or event == zmq.EVENT_DISCONNECTED
+            failed = failed or event == zmq.EVENT_CLOSED or (
+                event == zmq.EVENT_CONNECT_RETRIED
+                and s.replay_last_event not in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED))
+            s.replay_last_event = event
+        return dropped, failed
 
     def _reconnect(self, sock: Any, endpoint: str) -> None:
         try:
@@ -435,7 +451,7 @@ class Subscriber:
         replay ends as soon as the answer has brought, or gone past, the batch before ``end``
         (its own end may never come: the publisher's ROUTER drops what exceeds its high-water
         mark, the end marker included), or once an attempt to connect fails after the ask
-        (nothing listens there: no answer will come).
+        (nothing listens there, or the host name does not resolve: no answer will come).
         ``contiguous`` takes only the batch the answer owes next: with no live batch to bound the
         answer (the idle probe), a number far ahead would make every later live batch look like one
         already applied; what a skip leaves out comes back at the next gap. Even so the answer may
@@ -457,18 +473,18 @@ class Subscriber:
         self._replay_dropped(s)  # what the monitor said before this ask is not about its answer
         if not self._ask(s, owed):
             return False
-        dropped = refused = False
+        dropped = failed = False
         deadline = time.monotonic() + self.replay_timeout
         while deadline > time.monotonic():
             if not sock.poll(0):
                 news = self._replay_news(s)
-                dropped, refused = dropped or news[0], refused or news[1]
-                if not (dropped or refused):
+                dropped, failed = dropped or news[0], failed or news[1]
+                if not (dropped or failed):
                     yield deadline
                     continue
                 if dropped and sock.poll(_DROP_GRACE_MS):  # the replies read before a drop reach us after ZMQ reports it
                     continue
-                if refused:  # an attempt to connect failed since the ask: nothing there will answer
+                if failed:  # an attempt to connect failed since the ask: nothing there will answer
                     break
                 dropped = False
                 self._reconnect(sock, s.replay_endpoint)  # the rest of the answer went with the connection: ask again
@@ -536,10 +552,10 @@ class Subscriber:
             return None
         while deadline > time.monotonic():
             replied = bool(s.replay.poll(0))
-            dropped, refused = (False, False) if replied else self._replay_news(s)
-            if replied or dropped or refused:
+            dropped, failed = (False, False) if replied else self._replay_news(s)
+            if replied or dropped or failed:
                 replied = replied or (dropped and bool(s.replay.poll(_DROP_GRACE_MS)))
                 self._reconnect(s.replay, s.replay_endpoint)
-                return None if refused and not replied else not replied
+                return None if failed and not replied else not replied
             yield deadline
         return None
