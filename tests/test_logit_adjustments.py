@@ -114,9 +114,13 @@ def test_greedy_with_frequency_and_presence_penalties_matches_a_torch_reference(
 def test_penalties_count_the_newest_token_and_the_prompt(config):
     """A token the model favours by far (biased) repeats until the penalties of its own
     repetitions outweigh the bias: each count, the newest included (under async scheduling still
-    on the device), moves the step where it stops; a prompt holding it starts it penalized."""
+    on the device), moves the step where it stops; a prompt holding it starts it penalized.
+    (The penalty kernel's path: test_penalty_kernels.py, under Triton's interpreter.)"""
+    check_penalties_count_the_newest_token_and_the_prompt(make_llm(block_size=4, **config))
+
+
+def check_penalties_count_the_newest_token_and_the_prompt(llm) -> None:
     bias = {5: 6.0}
-    llm = make_llm(block_size=4, **config)
     bias_logits(llm, bias)
     prompts = [[9, 10, 11], [5, 9, 5, 10, 5], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [5, 6, 5, 6, 5, 6]]
     rows = [greedy(MAX_NEW, frequency_penalty=0.7), greedy(MAX_NEW, repetition_penalty=2.0),

@@ -69,7 +69,7 @@ class RecordLaunches:
 
 
 _PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
-        torch.float8_e4m3fn: "*fp8e4nv", torch.int32: "*i32", torch.int64: "*i64"}
+        torch.float8_e4m3fn: "*fp8e4nv", torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
 
 
 def compile_sm90(fn, call: dict):
@@ -81,7 +81,7 @@ def compile_sm90(fn, call: dict):
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     call = dict(call)
-    options = {k: call.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg") if k in call}
+    options = {k: call.pop(k) for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg", "enable_fp_fusion") if k in call}
     if "PDL" in call:  # recorded on CPU tensors, where it is off; on sm_90 it is on
         call["PDL"] = options["launch_pdl"] = True
     signature, constexprs, attrs = {}, {}, {}

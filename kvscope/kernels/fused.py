@@ -37,6 +37,16 @@ def sampling_kernels(device: torch.device, use_triton: bool | None = None) -> Mo
     """:mod:`kvscope.kernels.triton_sampling` on a CUDA device under the same conditions as
     :func:`fused_kernels`, else ``None`` (the sampler's torch code). ``use_triton=True`` asks for
     it on any device (CPU tensors run under Triton's interpreter: the tests), ``False`` never."""
+    return _sampler_module("triton_sampling", device, use_triton)
+
+
+def penalty_kernels(device: torch.device, use_triton: bool | None = None) -> ModuleType | None:
+    """:mod:`kvscope.kernels.triton_penalties` under the conditions of :func:`sampling_kernels`
+    (the sampler asks for both with the same ``use_triton``)."""
+    return _sampler_module("triton_penalties", device, use_triton)
+
+
+def _sampler_module(name: str, device: torch.device, use_triton: bool | None) -> ModuleType | None:
     if use_triton is None:
         use_triton = device.type == "cuda" and USE_FUSED_KERNELS
-    return _triton_module("triton_sampling") if use_triton else None
+    return _triton_module(name) if use_triton else None

@@ -10,6 +10,7 @@ and the bad words each row's newest outputs (:mod:`~kvscope.runner.bad_words`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Sequence
 
 import torch
@@ -45,6 +46,7 @@ class Adjustments:
     allowed: torch.Tensor | None  # bool [m, vocab]: the tokens each may draw (None: no row limits them)
     bias: torch.Tensor | None  # float32 [m, vocab] (None: no row has a logit bias)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, frequency, presence [p]
+    every_row: bool  # ``which`` is every row of the batch, in order
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device, upload: Upload) -> "Adjustments":
@@ -67,15 +69,18 @@ class Adjustments:
         worded = [k for k, p in enumerate(mine) if p.bad_words_token_ids]
         return cls(which, upload(which, torch.int64), [which[k] for k in at], upload(at, torch.int64),
                    [which[k] for k in worded], upload(worded, torch.int64),
-                   [mine[k].bad_words_token_ids for k in worded], allowed, bias, penalties)
+                   [mine[k].bad_words_token_ids for k in worded], allowed, bias, penalties,
+                   len(which) == len(params))
 
     def apply(self, logits: torch.Tensor, history_of: HistoryOf | None, counts: TokenCounts,
-              upload: Upload) -> torch.Tensor:
+              upload: Upload, kernels: ModuleType | None = None) -> torch.Tensor:
         """float32 ``logits`` with these rows adjusted (a new tensor), in vLLM's order: tokens
         outside their allowed set at -inf, then the bad words' banned tokens, then the bias
         added, then the penalties on the rows' tokens (``history_of``, through ``counts``).
         Without ``history_of``, a row has no tokens yet: its bad words of one token are banned,
-        and its penalties change nothing."""
+        and its penalties change nothing. ``kernels`` (:mod:`kvscope.kernels.triton_penalties`)
+        penalizes the rows in one pass, reading the counts where they are kept; without it,
+        torch does."""
         rows = logits[self.index]
         if self.allowed is not None:
             rows = rows.masked_fill(~self.allowed, float("-inf"))
@@ -87,9 +92,14 @@ class Adjustments:
             rows = rows + self.bias
         if self.penalties is not None and history_of is not None:
             at = self.penalized_at
-            seen = counts.read(history_of(self.penalized), rows.shape[1])
-            rows = rows.index_put((at,), apply_penalties(rows[at], *seen, *self.penalties))
-        return logits.index_put((self.index,), rows)
+            if kernels is not None:  # (in place: ``rows`` is this call's own copy)
+                seen = counts.locate(history_of(self.penalized), rows.shape[1])
+                kernels.penalize_(rows, at, seen.prompt_mask, seen.output_counts, seen.pool_rows, seen.in_flight,
+                                  *self.penalties)
+            else:
+                seen = counts.read(history_of(self.penalized), rows.shape[1])
+                rows = rows.index_put((at,), apply_penalties(rows[at], *seen, *self.penalties))
+        return rows if self.every_row else logits.index_put((self.index,), rows)
 
 
 def _pairs(per_row: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:

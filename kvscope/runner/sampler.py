@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from kvscope.kernels.fused import sampling_kernels
+from kvscope.kernels.fused import penalty_kernels, sampling_kernels
 from kvscope.outputs import Logprob
 from kvscope.runner.logit_adjustments import Adjustments
 from kvscope.runner.token_counts import HistoryOf, TokenCounts
@@ -214,6 +214,7 @@ class Sampler:
         # None: the Triton kernels where they run (CUDA); True also runs them on CPU tensors
         # under Triton's interpreter (the tests).
         self.kernels = sampling_kernels(device, use_triton)
+        self.penalty_kernels = penalty_kernels(device, use_triton)
         self._key = (seed * 0x9E3779B97F4A7C15 & ((1 << 62) - 1)) | (1 << 62)  # always int64 to Triton
         self._step = 0  # the unseeded rows' stream number: one per call
         self._last_rows: _Rows | None = None  # the last call's rows, read from its params list
@@ -250,6 +251,8 @@ class Sampler:
         """Compile the Triton sampling kernels' variants now (start-up), not in the first steps."""
         if self.kernels is not None:
             self.kernels.compile_variants(vocab, dtype, self.device)
+        if self.penalty_kernels is not None:
+            self.penalty_kernels.compile_variants(vocab, self.device)
 
     def _streams(self, rows: "_Rows"):
         """This call's random streams (:class:`~kvscope.kernels.triton_sampling.Streams`): row ``i``
@@ -440,7 +443,7 @@ class Sampler:
         per ``_Rows``, the penalized rows' tokens come from :attr:`token_counts`."""
         if rows.adjustments is None:
             rows.adjustments = Adjustments.of(rows.params, logits.shape[1], logits.device, self.upload)
-        return rows.adjustments.apply(logits, history_of, self.token_counts, self.upload)
+        return rows.adjustments.apply(logits, history_of, self.token_counts, self.upload, self.penalty_kernels)
 
     def _scaled(self, logits: torch.Tensor, rows: "_Rows") -> torch.Tensor:
         """float32 ``logits / T`` per row (a greedy row by 1), min-p then top-k / top-p masked

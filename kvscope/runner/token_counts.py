@@ -33,6 +33,16 @@ class Histories:
     in_flight_tokens: torch.Tensor | None  # int64 [len(in_flight)]: those outputs (None: no row has one)
 
 
+@dataclass(frozen=True)
+class Located:
+    """The rows of a batch in the pool (:meth:`TokenCounts.locate`)."""
+
+    prompt_mask: torch.Tensor  # bool [pool rows, vocab]: the whole pool
+    output_counts: torch.Tensor  # float32 [pool rows, vocab]: the whole pool, outputs in flight not counted
+    pool_rows: torch.Tensor  # int64 [rows]: each row's pool row
+    in_flight: torch.Tensor  # int64 [rows]: each row's output still on the device, -1 for none
+
+
 HistoryOf = Callable[[list[int]], Histories]  # a batch's row numbers -> those rows' tokens
 
 GROWTH = 64  # rows added at a time: the pool is copied whenever it grows
@@ -59,7 +69,18 @@ class TokenCounts:
 
     def read(self, batch: Histories, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``batch``, in its order: their prompt masks and output counts (new
-        tensors), each row updated first with the outputs the host gained since its last read."""
+        tensors; the counts with each row's output in flight), each row updated first with the
+        outputs the host gained since its last read."""
+        seen = self.locate(batch, vocab)
+        counts = seen.output_counts[seen.pool_rows]
+        flying = seen.in_flight.unsqueeze(1)
+        counts.scatter_add_(1, flying.clamp(min=0), (flying >= 0).to(counts.dtype))
+        return seen.prompt_mask[seen.pool_rows], counts
+
+    def locate(self, batch: Histories, vocab: int) -> "Located":
+        """Where the rows of ``batch`` are in the pool, each row updated first with the outputs
+        the host gained since its last read: what a kernel that reads the pool in place needs
+        (:func:`kvscope.kernels.triton_penalties.penalize_`), where :meth:`read` copies."""
         if self._mask.shape[1] != vocab:
             self._resize(0, vocab)
         rows: list[int] = []
@@ -93,14 +114,13 @@ class TokenCounts:
             self._counts.index_put_((at,), self._counts.new_zeros(()))
             self._mask.index_put_((up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64)),
                                   self._mask.new_ones(()))
-        one = torch.ones((), device=self.device)
         if add_rows:
-            self._counts.index_put_((up(add_rows, torch.int64), up(add_tokens, torch.int64)), one, accumulate=True)
-        at = up(rows, torch.int64)
-        mask, counts = self._mask[at], self._counts[at]
+            self._counts.index_put_((up(add_rows, torch.int64), up(add_tokens, torch.int64)),
+                                    self._counts.new_ones(()), accumulate=True)
+        in_flight = torch.full((len(rows),), -1, dtype=torch.int64, device=self.device)
         if batch.in_flight:
-            counts.index_put_((up(list(batch.in_flight), torch.int64), batch.in_flight_tokens), one, accumulate=True)
-        return mask, counts
+            in_flight.index_put_((up(list(batch.in_flight), torch.int64),), batch.in_flight_tokens)
+        return Located(self._mask, self._counts, up(rows, torch.int64), in_flight)
 
     def forget(self, keys: Sequence[int]) -> None:
         """Free the rows of these sequences (finished ones); unknown keys are ignored."""
