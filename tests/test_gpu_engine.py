@@ -287,15 +287,16 @@ def test_cuda_graphs_are_used_and_fall_back_beyond_captured_batch(checkpoint):
 
 
 def _compiled_variants() -> int:
-    """Compiled variants of the paged-attention, sampling and decode-advance kernels in this
+    """Compiled variants of the paged-attention, sampling, penalty and decode-advance kernels in this
     process, on every device."""
     from kvscope.kernels import decode_advance as da
     from kvscope.kernels import gluon_attention as ga
     from kvscope.kernels import triton_attention as ta
+    from kvscope.kernels import triton_penalties as tp
     from kvscope.kernels import triton_sampling as ts
 
     kernels = (ga._prefill_kernel, ta._paged_attention_kernel, ta._merge_splits_kernel, ta._store_kvcache_kernel,
-               ts._chunk_mass_kernel, ts._pick_kernel, da._advance_kernel)
+               ts._chunk_mass_kernel, ts._pick_kernel, tp._penalize_kernel, da._advance_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
@@ -308,7 +309,7 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path)
     test uses (one KV head of 64 for four query heads, 32-slot pages, a vocabulary not a
     multiple of 16), so the process's earlier compiles do not hide a variant; on sm_90 its fresh
     prefills take the Gluon kernel and its mixed steps the Triton kernel. The rows are greedy,
-    random at one or at several temperatures, seeded, and top-k."""
+    random at one or at several temperatures, seeded, top-k, and penalized."""
     path = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", **{**SHAPE, "num_attention_heads": 4,
                                                                "num_key_value_heads": 1, "head_dim": 64,
                                                                "vocab_size": 520})
@@ -318,8 +319,8 @@ def test_a_run_compiles_no_attention_or_sampling_kernel_after_start_up(tmp_path)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(1, 400))] for _ in range(14)]
     kinds_of_row = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.2), dict(temperature=0.8, seed=3),
-                    dict(temperature=0.8, top_k=5)]
-    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **kinds_of_row[i % 5])
+                    dict(temperature=0.8, top_k=5), dict(temperature=0.8, repetition_penalty=1.2)]
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), ignore_eos=True, **kinds_of_row[i % 6])
               for i in range(len(prompts))]
     kinds = set()
     llm.hooks.add("step.scheduled", lambda scheduler_output, **_: kinds.add(

@@ -22,7 +22,8 @@ fi
 if [[ "$what" == tests || "$what" == kernels || "$what" == all ]]; then
     # The kernel tests run four at once.
     python -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/test_triton_kernels.py tests/test_fused_kernels.py \
-        tests/test_skinny_linear.py tests/test_decode_advance.py tests/test_sampling_kernels.py 2>&1 | tee -a "$OUT/pytest_gpu.log" || rc=1
+        tests/test_skinny_linear.py tests/test_decode_advance.py tests/test_sampling_kernels.py \
+        tests/test_penalty_kernels.py 2>&1 | tee -a "$OUT/pytest_gpu.log" || rc=1
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
     python benchmarks/bench_control_plane.py 2>&1 | tee "$OUT/control_plane.log"
