@@ -1066,6 +1066,35 @@ def test_metrics_are_scraped_at_an_interval_and_failures_counted():
             att.close()
 
 
+def test_metrics_of_several_urls_are_one_time_ordered_table():
+    """Each URL is scraped in its own thread, and a row is stamped when its page has come, before it
+    is parsed: a long page ("slow", a histogram of many buckets, parsed for a good part of a
+    second) is added after rows of the other URL stamped later. src.metrics is ordered by time_s
+    all the same, and each instance's rows keep their scrape order (the page's counter of the
+    requests its server answered only grows)."""
+    served = {"slow": 0, "fast": 0}
+
+    def page(name, filler=""):
+        served[name] += 1
+        return f'{filler}vllm:num_requests_running{{engine="0"}} {served[name]}\n'
+
+    buckets = "".join(f'vllm:e2e_request_latency_seconds_bucket{{le="{i}"}} 1\n' for i in range(600_000))
+    with metrics_server(lambda: page("slow", buckets)) as slow, metrics_server(lambda: page("fast")) as fast, \
+            publisher() as a, publisher() as b:
+        att = attach_to(a, b, metrics_urls=[slow, fast], metrics_interval=MIN_METRICS_INTERVAL)
+        try:
+            wait_for(lambda: (att.metrics.instance == "p0").sum() >= 3, timeout=30, what="three scrapes of the long page")
+            arrived = [row[0] for row in list(att._metrics)]
+            assert arrived != sorted(arrived), "the premise: rows were added out of time order"
+            m = att.metrics
+        finally:
+            att.close()
+    assert m.time_s.is_monotonic_increasing and m.index.tolist() == list(range(len(m)))
+    for instance in ("p0", "p1"):
+        counts = m[m.instance == instance].num_requests_running.tolist()
+        assert len(counts) >= 3 and counts == sorted(set(counts)), f"{instance}'s rows in scrape order"
+
+
 def test_metrics_with_an_engine_label_that_is_not_a_rank_are_skipped():
     """Only decimal ranks an int64 holds are engines: the others' series are skipped, and
     src.metrics stays readable (it failed for good once a huge rank was kept)."""

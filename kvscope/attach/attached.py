@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from operator import itemgetter
 from typing import Any, Callable, Hashable
 
 import pandas as pd
@@ -39,7 +40,7 @@ class Attached:
         self.max_events = max_events
         self._events: deque[tuple] = deque()  # (instance, rank, seq, ts, events): rows built when read
         self._num_events = 0
-        self._metrics: deque[tuple] = deque(maxlen=max_events)
+        self._metrics: deque[tuple] = deque(maxlen=max_events)  # as added: each URL's thread adds its own
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._subscriber = Subscriber(streams, topic, self._apply, self._reset, hwm, replay_timeout,
@@ -129,9 +130,16 @@ class Attached:
 
     @property
     def metrics(self) -> pd.DataFrame:
-        """One row per scrape and engine: vLLM's queue, KV usage, prefix-cache and preemption metrics."""
+        """One row per scrape and engine, in ``time_s`` order: vLLM's queue, KV usage, prefix-cache
+        and preemption metrics.
+
+        Each URL is scraped in its own thread, which adds a scrape's rows once its page is parsed, so
+        rows of different URLs are added out of time order (a long page's after later rows of a short
+        one); the sort is stable, so a scrape's rows keep their rank order and each instance its
+        scrape order."""
         with self.lock:
             rows = list(self._metrics)
+        rows.sort(key=itemgetter(0))  # time_s
         return frame(SCHEMAS["metrics"], rows)
 
     @property
