@@ -65,5 +65,6 @@ def test_bundled_model_greedy_matches_transformers():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48,
                               do_sample=False, pad_token_id=tok.pad_token_id)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
-        assert out.outputs[0].text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+        # (a character the last tokens leave unfinished is held back, as vLLM's detokenizers do)
+        assert out.outputs[0].text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True).rstrip("\ufffd")
     assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= len(outs) // 2
