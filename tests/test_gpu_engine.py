@@ -457,17 +457,18 @@ def test_penalized_and_prompt_logprob_steps_launch_without_waiting_for_the_devic
     assert len(took) == 2 and max(took) < 0.4, took
 
 
-def test_no_step_launch_synchronizes_with_the_device(checkpoint):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_step_launch_synchronizes_with_the_device(checkpoint, kv_cache_dtype):
     """Under async scheduling no launch may wait for the device, whatever its rows ask for:
     torch's sync debug mode reports every operation that synchronizes (a copy from pageable
     memory, ``.item()``, a data-dependent shape) inside ``execute_async``, with its stack.
     Requests of every sampling kind arrive before and during the run, chunked prefills among
-    decode steps."""
+    decode steps; the pool in the model's dtype and in fp8 (its scales on the device)."""
     import traceback
     import warnings
 
     llm = LLM(checkpoint, device="cuda", attention_backend="triton", async_scheduling=True,
-              gpu_memory_utilization=0.3, max_num_batched_tokens=96)
+              gpu_memory_utilization=0.3, max_num_batched_tokens=96, kv_cache_dtype=kv_cache_dtype)
     engine, runner = llm.llm_engine, llm.llm_engine.executor
     base = dict(max_tokens=40, ignore_eos=True)
     kinds = [SamplingParams(temperature=0, **base),
