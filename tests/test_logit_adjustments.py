@@ -13,7 +13,7 @@ import torch
 
 from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import SamplingParams
-from kvscope.runner.logit_adjustments import apply_penalties
+from kvscope.runner.logit_adjustments import Adjustments, apply_penalties
 from kvscope.runner.sampler import Sampler
 from tiny_models import load_hf_model, tiny_checkpoint
 
@@ -232,3 +232,21 @@ def test_tokens_outside_the_vocabulary_or_nothing_left_to_draw_are_refused_at_ad
     numpy = SamplingParams(max_tokens=2, temperature=0, allowed_token_ids=np.array([7, 9]).tolist(),
                            logit_bias={np.int64(9): np.float32(3.0)})
     assert set(token_ids(llm.generate([[5, 6, 7]], numpy, use_tqdm=False))[0]) <= {7, 9}
+
+
+def test_one_rows_allowed_tokens_upload_nothing_per_vocabulary_entry_of_the_others():
+    """A batch's settings go to the device in proportion to what its rows ask for: beside a row
+    with ``allowed_token_ids``, the other adjusted rows (penalized here) upload nothing per
+    vocabulary entry (they used to send every token id as an allowed pair: seconds of host work
+    at each change of a large batch), and the mask still lets them draw every token."""
+    vocab, sent = 50_000, []
+
+    def upload(values, dtype: torch.dtype) -> torch.Tensor:
+        sent.append(len(values))
+        return torch.as_tensor(values, dtype=dtype)
+
+    params = [SamplingParams(repetition_penalty=1.1)] * 8 + [SamplingParams(allowed_token_ids=[5, 9, 11])]
+    adjustments = Adjustments.of(params, vocab, torch.device("cpu"), upload)
+    assert sum(sent) < 100
+    assert adjustments.allowed[:8].all()
+    assert adjustments.allowed[8].nonzero().squeeze(1).tolist() == [5, 9, 11]

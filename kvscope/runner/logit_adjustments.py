@@ -53,9 +53,11 @@ class Adjustments:
         which = [i for i, p in enumerate(params) if p.adjusts_logits]
         mine = [params[i] for i in which]
         allowed = bias = penalties = None
-        if any(p.allowed_token_ids for p in mine):
-            allowed = torch.zeros(len(mine), vocab, dtype=torch.bool, device=device)
-            rows, tokens = _pairs([p.allowed_token_ids or range(vocab) for p in mine])
+        limited = [k for k, p in enumerate(mine) if p.allowed_token_ids]
+        if limited:  # (every token allowed, then the limited rows cleared and given theirs)
+            allowed = torch.ones(len(mine), vocab, dtype=torch.bool, device=device)
+            allowed.index_put_((upload(limited, torch.int64),), allowed.new_zeros(()))
+            rows, tokens = _pairs([p.allowed_token_ids or () for p in mine])
             allowed.index_put_((upload(rows, torch.int64), upload(tokens, torch.int64)), allowed.new_ones(()))
         if any(p.logit_bias for p in mine):
             bias = torch.zeros(len(mine), vocab, dtype=torch.float32, device=device)
