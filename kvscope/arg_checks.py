@@ -7,6 +7,8 @@ import math
 import operator
 from typing import Any
 
+import numpy as np
+
 
 def is_int(value: Any) -> bool:
     """An integer, but not a bool (``True`` would otherwise pass as 1)."""
@@ -28,6 +30,20 @@ def is_finite_number(value: Any) -> bool:
     """An int or float, not a bool, neither NaN nor infinite (NaN fails every comparison, so a
     range check alone lets it through)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def plain_number(value: Any) -> Any:
+    """``value`` as an exact ``int`` or ``float`` when it is another type's integer or real number:
+    numpy's (vLLM takes them) or a subclass of int or float, whose own comparisons and hash would
+    otherwise run at the checks and inside the engine's steps. A bool, or anything else, comes back
+    as it is, for the checks to refuse by name."""
+    if type(value) in (int, float) or isinstance(value, bool):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return operator.index(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return value
 
 
 def check_text(name: str, value: str) -> None:

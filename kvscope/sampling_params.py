@@ -4,9 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from kvscope.arg_checks import check_int, check_seed, check_text, is_finite_number, is_int
+from kvscope.arg_checks import check_int, check_seed, check_text, is_finite_number, is_int, plain_number
 
 MASKED, SEEDED, ADJUSTED = 1, 2, 4  # SamplingParams.sampling_flags: top-k/top-p/min-p, a seed, adjusted logits
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
@@ -85,7 +83,7 @@ class SamplingParams:
     output_text_buffer_length: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._from_numpy()
+        self._plain_numbers()
         check_int("n", self.n)
         # NaN fails every comparison, so ``temperature < 0`` alone would let it through.
         if not is_finite_number(self.temperature) or self.temperature < 0:
@@ -160,20 +158,17 @@ class SamplingParams:
                                | (SEEDED if self.seed is not None else 0)
                                | (ADJUSTED if self.adjusts_logits else 0))
 
-    def _from_numpy(self) -> None:
-        """numpy scalars as Python numbers (vLLM takes them; the checks below want int and float)."""
+    def _plain_numbers(self) -> None:
+        """Every number as an exact Python int or float (numpy's, and int or float subclasses: see
+        :func:`~kvscope.arg_checks.plain_number`), before the checks below read them."""
         for name in ("n", "top_k", "max_tokens", "min_tokens", "seed", "logprobs", "temperature", "top_p", "min_p",
                      "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs",
                      "truncate_prompt_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, (np.integer, np.floating)):
-                setattr(self, name, value.item())
+            setattr(self, name, plain_number(getattr(self, name)))
         for name in ("stop_token_ids", "allowed_token_ids"):
             value = getattr(self, name)
-            if isinstance(value, (list, tuple)):
-                setattr(self, name, [t.item() if isinstance(t, np.integer) else t for t in value])
-            elif isinstance(value, np.integer):
-                setattr(self, name, value.item())
+            setattr(self, name, [plain_number(t) for t in value] if isinstance(value, (list, tuple))
+                    else plain_number(value))
 
     @property
     def stop_strings(self) -> list[str]:
@@ -187,8 +182,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
         plain = {}
         for token, value in bias.items():
-            token = token.item() if isinstance(token, np.integer) else token
-            value = value.item() if isinstance(value, (np.integer, np.floating)) else value
+            token, value = plain_number(token), plain_number(value)
             if not is_int(token) or token < 0:
                 raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
             if not is_finite_number(value) or abs(value) > _FLOAT32_MAX:

@@ -214,6 +214,50 @@ def test_numpy_numbers_in_sampling_params_act_as_python_numbers(llm: LLM, fresh_
     assert_healthy(llm, fresh_tokens)
 
 
+class TouchyInt(int):
+    """A caller's own int type whose comparisons raise: none of its code may run in the engine."""
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("TouchyInt compared")
+
+    __lt__ = __le__ = __gt__ = __ge__ = __ne__ = __eq__
+    __hash__ = int.__hash__
+
+
+class TouchyFloat(float):
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("TouchyFloat compared")
+
+    __lt__ = __le__ = __gt__ = __ge__ = __ne__ = __eq__
+    __hash__ = float.__hash__
+
+
+@pytest.mark.parametrize("later", [False, True], ids=["built", "set later"])
+def test_int_and_float_subclasses_in_sampling_params_act_as_python_numbers(
+        later: bool, llm: LLM, fresh_tokens: list[list[int]]) -> None:
+    """Subclasses of int and float are numbers (vLLM takes them), kept as exact ints and floats, as
+    numpy's are: their own comparisons raised at the checks, and a ``temperature`` whose ``==``
+    raised passed them and failed its request inside a step (finish_reason abort)."""
+    plain = dict(temperature=1, top_p=0.9, top_k=5, max_tokens=5, min_tokens=2, seed=3, logprobs=2,
+                 presence_penalty=0.5, stop_token_ids=[7], allowed_token_ids=list(range(3, 40)), logit_bias={3: 0.5})
+    touchy = dict(temperature=TouchyInt(1), top_p=TouchyFloat(0.9), top_k=TouchyInt(5), max_tokens=TouchyInt(5),
+                  min_tokens=TouchyInt(2), seed=TouchyInt(3), logprobs=TouchyInt(2), presence_penalty=TouchyFloat(0.5),
+                  stop_token_ids=[TouchyInt(7)], allowed_token_ids=[TouchyInt(t) for t in range(3, 40)],
+                  logit_bias={TouchyInt(3): TouchyFloat(0.5)})
+    params = SamplingParams(**plain)
+    if later:
+        for name, value in touchy.items():
+            setattr(params, name, value)
+    else:
+        params = SamplingParams(**touchy)
+    want, got = llm.generate([PROMPTS[0]] * 2, [SamplingParams(**plain), params], use_tqdm=False)
+    assert got.outputs[0].finish_reason == "length" and got.outputs[0].token_ids == want.outputs[0].token_ids
+    if not later:  # (set later, the request's own copy is the one checked)
+        assert all(type(getattr(params, f)) is type(v) for f, v in plain.items() if not isinstance(v, (list, dict)))
+        assert [type(t) for t in [*params.stop_token_ids, *next(iter(params.logit_bias.items()))]] == [int, int, float]
+    assert_healthy(llm, fresh_tokens)
+
+
 def test_generate_after_shutdown_says_so() -> None:
     llm = make_llm(num_kv_blocks=16)
     llm.shutdown()
