@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
+import torch
 
 import kvscope
 from engine_helpers import greedy, make_llm, token_ids
@@ -108,6 +109,20 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                 r"prompt_token_ids\[1\] is 6.0 \(float\); token ids must be integers"),
     "bool id": (lambda llm: llm.generate({"prompt_token_ids": [5, True]}, use_tqdm=False), TypeError,
                 r"prompt_token_ids\[1\] is True \(bool\)"),
+    # (numpy's and torch's own errors, naming no argument: "only integer scalar arrays can be converted ...")
+    "a 2-D array of ids": (lambda llm: llm.generate({"prompt_token_ids": np.array([[5, 6]])}, use_tqdm=False),
+                           TypeError, r"^prompt_token_ids\[0\] is array\(\[5, 6\]\) \(ndarray\); token ids must be integers"),
+    "an id that is a one-element array": (lambda llm: llm.add_request([5, np.array([6])]), TypeError,
+                                          r"^prompt_token_ids\[1\] is array\(\[6\]\) \(ndarray\)"),
+    "a float tensor of ids": (lambda llm: llm.generate([[5, 6], {"prompt_token_ids": torch.tensor([5.0])}],
+                                                       use_tqdm=False),
+                              TypeError, r"^prompt_token_ids\[0\] is tensor\(5\.\) \(Tensor\)"),
+    # (taken in the set's own order, and a bytearray's bytes as ids, where bytes were refused)
+    "prompt_token_ids as a set": (lambda llm: llm.generate({"prompt_token_ids": {5, 6, 7}}, use_tqdm=False),
+                                  TypeError, r"^prompt\['prompt_token_ids'\] must be a list of token ids, got set"),
+    "prompt_token_ids as a bytearray": (lambda llm: llm.add_request({"prompt_token_ids": bytearray(b"\x05\x06")}),
+                                        TypeError, r"^prompt\['prompt_token_ids'\] must be a list of token ids, "
+                                                   r"got bytearray"),
     "logprobs over the vocabulary": (
         lambda llm: llm.generate([[5, 6]], SamplingParams(logprobs=VOCAB + 1), use_tqdm=False),
         ValueError, rf"logprobs={VOCAB + 1} exceeds the vocabulary size \({VOCAB}\)"),

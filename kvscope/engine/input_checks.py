@@ -7,10 +7,10 @@ raises here with the argument's name, instead of failing later inside a step (wh
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
-from kvscope.arg_checks import check_text
+from kvscope.arg_checks import check_text, is_index
 from kvscope.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # what a prompt dict may hold
@@ -40,7 +40,9 @@ def check_prompt(prompt: Any) -> None:
 
 
 def _check_id_container(ids: Any, name: str) -> None:
-    if isinstance(ids, (str, bytes, dict)) or not (hasattr(ids, "__len__") and hasattr(ids, "__iter__")):
+    """Ids in an order: not text or bytes, nor a set or a mapping (whose order is its own)."""
+    if isinstance(ids, (str, bytes, bytearray, Mapping, Set)) or not (
+            hasattr(ids, "__len__") and hasattr(ids, "__iter__")):
         raise TypeError(f"{name} must be a list of token ids, got {type(ids).__name__}")
 
 
@@ -90,7 +92,7 @@ def _plain_ids(token_ids: Sequence[Any], vocab_size: int) -> list[int] | None:
 def _checked_ids(token_ids: Sequence[Any], vocab_size: int) -> list[int]:
     ids = []
     for pos, t in enumerate(token_ids):
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
+        if not is_index(t):  # (an array of more than one id has __index__, which raises)
             raise TypeError(f"prompt_token_ids[{pos}] is {t!r} ({type(t).__name__}); token ids must be integers")
         ids.append(operator.index(t))
     bad = [t for t in ids if not 0 <= t < vocab_size]
