@@ -14,6 +14,8 @@ from typing import Any
 from kvscope.arg_checks import check_text
 
 Conversation = list[dict[str, Any]]
+# apply_chat_template's arguments that chat() sets itself, and what it does with them
+_CHAT_SETS = {"tokenize": "renders the text and tokenizes it itself", "conversation": "renders the messages it is given"}
 
 
 def as_conversations(messages: Any) -> list[Conversation]:
@@ -69,11 +71,9 @@ def _content(content: Any, name: str) -> str | None:
 def render(tokenizer: Any, conversation: Conversation, options: dict[str, Any]) -> str:
     """The prompt text the chat template makes of ``conversation`` (``options``: from
     :func:`template_options`)."""
-    import jinja2
-
     try:
         text = tokenizer.apply_chat_template(conversation, **options, tokenize=False)
-    except jinja2.TemplateError as exc:
+    except Exception as exc:  # (a template's own error, or Python's out of its code or of a kwarg's value)
         raise ValueError(f"the chat template failed on this conversation: {exc}") from exc
     if not isinstance(text, str):
         raise TypeError(f"the tokenizer's apply_chat_template returned {type(text).__name__}, not the "
@@ -90,9 +90,9 @@ def template_options(tokenizer: Any, chat_template: str | None, add_generation_p
     if chat_template_kwargs is not None and (
             not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat_template_kwargs)):
         raise TypeError(f"chat_template_kwargs must be a dict with str keys, got {_shown(chat_template_kwargs)}")
-    if chat_template_kwargs and "tokenize" in chat_template_kwargs:
-        raise ValueError("chat_template_kwargs may not set 'tokenize': chat() renders the text and "
-                         "tokenizes it itself")
+    taken = next((key for key in _CHAT_SETS if key in (chat_template_kwargs or {})), None)
+    if taken is not None:
+        raise ValueError(f"chat_template_kwargs may not set {taken!r}: chat() {_CHAT_SETS[taken]}")
     options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "tools": tools,
                **(chat_template_kwargs or {})}

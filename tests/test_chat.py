@@ -108,6 +108,14 @@ def test_the_template_s_special_tokens_are_not_doubled(tmp_path):
     (CONVERSATIONS[0], {"chat_template": "{% for %}"}, ValueError, "chat template failed"),
     (CONVERSATIONS[0], {"chat_template_kwargs": ["x"]}, TypeError, "chat_template_kwargs must be a dict"),
     (CONVERSATIONS[0], {"chat_template_kwargs": {"tokenize": True}}, ValueError, "may not set 'tokenize'"),
+    # (Python's own errors out of the template or of transformers, naming neither: "division by zero",
+    # "got multiple values for argument 'conversation'", "'int' object is not iterable")
+    (CONVERSATIONS[0], {"chat_template": "{{ 1 / 0 }}"}, ValueError,
+     r"^the chat template failed on this conversation: division by zero"),
+    (CONVERSATIONS[0], {"chat_template_kwargs": {"conversation": []}}, ValueError,
+     r"^chat_template_kwargs may not set 'conversation': chat\(\) renders the messages it is given"),
+    (CONVERSATIONS[0], {"chat_template_kwargs": {"documents": 5}}, ValueError,
+     r"^the chat template failed on this conversation: 'int' object is not iterable"),
     (CONVERSATIONS[0], {"tools": "f"}, TypeError, "tools must be a list"),
 ])
 def test_bad_conversations_and_options_are_refused_by_name_and_the_engine_serves_on(llm, messages, kwargs, error, named):
