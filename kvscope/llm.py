@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from kvscope.config import EngineConfig
-from kvscope.engine.hooks import HookRegistry
+from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
 from kvscope.engine.interrupts import deferred_interrupts, interrupt_pending
 from kvscope.engine.llm_engine import LLMEngine, PromptType
@@ -396,7 +396,8 @@ class LLM:
         """Call ``fn`` on this thread once the engine step it is in has ended and the engine is
         free, before this thread's next step (outside a step: at once). For a hook that must
         wait without holding the engine: a dashboard paused between two steps of its background
-        run, while the notebook adds, aborts or records."""
+        run, while the notebook adds, aborts or records. A function that raises there is reported
+        as a hook that raises is (a RuntimeWarning with its traceback), and the call goes on."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {fn!r}")
         if self._step_lock.held_here():
@@ -407,7 +408,11 @@ class LLM:
     def _run_between_steps_calls(self) -> None:
         calls = self._between_steps_calls.fns
         while calls:
-            calls.pop(0)()
+            fn = calls.pop(0)
+            try:
+                fn()
+            except Exception:  # (a hook's own code: reported as a hook's error is, and the call stepping goes on)
+                warn_detached(fn, "llm.call_between_steps")
 
     @contextlib.contextmanager
     def _between_steps(self, what: str) -> Iterator[None]:

@@ -273,6 +273,31 @@ def test_int_and_float_subclasses_in_sampling_params_act_as_python_numbers(
     assert_healthy(llm, fresh_tokens)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_function_a_hook_defers_between_steps_that_raises_is_reported_as_a_raising_hook(
+        async_scheduling: bool, fresh_tokens: list[list[int]]) -> None:
+    """``call_between_steps`` from a hook runs its function after the step, inside whichever
+    call stepped the engine: one that raises is reported and the call goes on, as a hook that
+    raises is (its error came out of that call, a generate() then losing all its outputs)."""
+    llm = make_llm(num_kv_blocks=32, async_scheduling=async_scheduling)
+    streamed = llm.add_request(PROMPTS[0], greedy(3))
+    asked: list[bool] = []
+
+    def end(**_: Any) -> None:
+        if not asked:
+            asked.append(True)
+            llm.call_between_steps(lambda: 1 / 0)
+
+    with llm.hooks({"step.end": end}), pytest.warns(
+            RuntimeWarning, match=r"(?s)on 'llm.call_between_steps' raised .*ZeroDivisionError"):
+        assert token_ids(llm.generate(PROMPTS, greedy(6), use_tqdm=False)) == fresh_tokens
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in outs] == [streamed] and token_ids(outs) == [fresh_tokens[0][:3]]
+    assert_healthy(llm, fresh_tokens)
+
+
 def test_generate_after_shutdown_says_so() -> None:
     llm = make_llm(num_kv_blocks=16)
     llm.shutdown()
