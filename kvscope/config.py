@@ -97,7 +97,7 @@ class EngineConfig:
             ("dtype", self.dtype, DTYPES),
             ("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES),
         ):
-            if value not in allowed:
+            if not isinstance(value, str) or value not in allowed:  # (an array's `in` asks its truth value)
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "skip_tokenizer_init",
                      "async_scheduling", "calculate_kv_scales"):

@@ -307,6 +307,11 @@ def test_generate_after_shutdown_says_so() -> None:
 
 
 CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    # (numpy's "The truth value of an array with more than one element is ambiguous", naming no key)
+    "dtype an array": (dict(dtype=np.array(["float32", "float16"])), ValueError,
+                       r"^dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', got array\(\['float32'"),
+    "attention_backend an empty array": (dict(attention_backend=np.array([])), ValueError,
+                                         r"^attention_backend must be one of 'auto', 'torch', 'triton', got array\(\["),
     "tokenizer=123": (dict(tokenizer=123), TypeError,
                       r"^tokenizer must be a local directory or a hub id \(a str or a path\), got int 123"),
     "kv_events_config port 99999": (dict(kv_events_config={"enable_kv_cache_events": True,
