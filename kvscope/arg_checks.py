@@ -55,10 +55,12 @@ def check_text(name: str, value: str) -> None:
         raise ValueError(f"{name} is not valid Unicode text: {exc.reason} at index {exc.start}") from None
 
 
-def check_int(name: str, value: Any, minimum: int = 1) -> int:
-    """``value`` if it is an integer >= ``minimum``; else a ValueError naming ``name``."""
+def check_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` if it is an integer >= ``minimum`` (and <= ``maximum``); else a ValueError naming ``name``."""
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be an integer in {minimum}..{maximum}, got {value!r}")
     return value
 
 

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvscope.arg_checks import MAX_PORT, check_int, check_seed, is_finite_number, tcp_port
+from kvscope.arg_checks import MAX_PORT, check_int, check_seed, check_text, is_finite_number, tcp_port
+from kvscope.attach import MAX_HWM
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -115,7 +116,12 @@ class EngineConfig:
                              f"got {gc!r}")
         check_int("data_parallel_rank", self.data_parallel_rank, minimum=0)
         if self.kv_events_config is not None:
-            self.kv_events_config = KVEventsConfig.from_value(self.kv_events_config)
+            self.kv_events_config = kv = KVEventsConfig.from_value(self.kv_events_config)
+            if kv.publishes:  # (the publisher offsets its ports by the rank once the engine is built)
+                from kvscope.attach.publisher import offset_endpoint
+
+                for endpoint in (kv.endpoint, kv.replay_endpoint):
+                    offset_endpoint(endpoint, self.data_parallel_rank)
 
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
@@ -164,12 +170,14 @@ class KVEventsConfig:
             )
         if self.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(self, name)
-            check_int(f"kv_events_config.{name}", value)
+        # (each a ZMQ high-water mark: the replay socket's is buffer_steps + 1)
+        check_int("kv_events_config.hwm", self.hwm, maximum=MAX_HWM)
+        check_int("kv_events_config.buffer_steps", self.buffer_steps, maximum=MAX_HWM - 1)
+        check_int("kv_events_config.max_queue_size", self.max_queue_size)
         for name in ("endpoint", "replay_endpoint"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value.startswith(_ZMQ_SCHEMES)):
+            if value is not None and not (isinstance(value, str) and value.startswith(_ZMQ_SCHEMES)
+                                          and value.partition("://")[2]):
                 raise ValueError(
                     f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
                 )
@@ -178,8 +186,12 @@ class KVEventsConfig:
             port = tcp_port(value)
             if port is None or not 1 <= port <= MAX_PORT:  # (ZMQ took 99999 without a word)
                 raise ValueError(f"kv_events_config.{name} needs a tcp port in 1..{MAX_PORT} (or *), got {value!r}")
+        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+            raise ValueError(f"kv_events_config.replay_endpoint must differ from endpoint, got {self.endpoint!r} "
+                             "for both (each is a socket of its own)")
         if not isinstance(self.topic, str):
             raise ValueError(f"kv_events_config.topic must be a str, got {self.topic!r}")
+        check_text("kv_events_config.topic", self.topic)  # (sent as UTF-8)
 
     @property
     def publishes(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 import kvscope
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
+from kvscope.config import EngineConfig
 from kvscope.trace import Recorder
 from tiny_models import TINY, tiny_checkpoint
 
@@ -354,6 +355,48 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
 @pytest.mark.parametrize("case", CONFIG_CASES)
 def test_bad_engine_config_is_refused_by_name(case: str) -> None:
     kwargs, error, pattern = CONFIG_CASES[case]
+    with pytest.raises(error, match=pattern):
+        make_llm(**kwargs)
+
+
+def publishing(**kv: Any) -> dict[str, Any]:
+    return {"kv_events_config": {"enable_kv_cache_events": True, "endpoint": "inproc://fuzz", **kv}}
+
+
+# Refused by EngineConfig, before the model is read: the KV-event publisher's were refused by pyzmq,
+# ZMQ or the publisher itself once the weights and the KV pool were in memory, most in their own words.
+EARLY_CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
+    # (OverflowError: value too large to convert to int; ZMQ's high-water marks are C ints)
+    "kv_events_config hwm past a C int": (publishing(hwm=2**31), ValueError,
+                                          r"^kv_events_config.hwm must be an integer in 1..2147483647, got 2147483648"),
+    "kv_events_config buffer_steps past a C int": (
+        publishing(buffer_steps=2**31 - 1, replay_endpoint="inproc://fuzz-replay"), ValueError,
+        r"^kv_events_config.buffer_steps must be an integer in 1..2147483646, got 2147483647"),
+    # (OverflowError: Python int too large to convert to C ssize_t)
+    "kv_events_config buffer_steps=2**63": (publishing(buffer_steps=2**63), ValueError,
+                                            r"^kv_events_config.buffer_steps must be an integer in 1..2147483646"),
+    # (UnicodeEncodeError: 'utf-8' codec can't encode character ...)
+    "kv_events_config topic with a lone surrogate": (publishing(topic="kv\ud800"), ValueError,
+                                                     r"^kv_events_config.topic is not valid Unicode text"),
+    # (ZMQError: Address already in use)
+    "kv_events_config replay_endpoint the same as endpoint": (
+        publishing(endpoint="tcp://*:5999", replay_endpoint="tcp://*:5999"), ValueError,
+        r"^kv_events_config.replay_endpoint must differ from endpoint, got 'tcp://\*:5999' for both"),
+    # (ZMQError: Invalid argument)
+    "kv_events_config endpoint of no address": (publishing(endpoint="inproc://"), ValueError,
+                                                r"^kv_events_config.endpoint must be a tcp://, ipc:// or inproc:// "
+                                                r"address, got 'inproc://'"),
+    "kv_events_config ports past 65535 at this data_parallel_rank": (
+        dict(data_parallel_rank=1000, **publishing(endpoint="tcp://*:65000")), ValueError,
+        r"^endpoint 'tcp://\*:65000' offset by data_parallel_rank=1000 is port 66000, past 65535"),
+}
+
+
+@pytest.mark.parametrize("case", EARLY_CONFIG_CASES)
+def test_bad_engine_config_is_refused_before_the_model_is_read(case: str) -> None:
+    kwargs, error, pattern = EARLY_CONFIG_CASES[case]
+    with pytest.raises(error, match=pattern):
+        EngineConfig.from_kwargs(model=str(tiny_checkpoint()), **kwargs)
     with pytest.raises(error, match=pattern):
         make_llm(**kwargs)
 
