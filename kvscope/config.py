@@ -17,6 +17,7 @@ from kvscope.attach import MAX_HWM
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names for two of them
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3, as in vLLM
 
 
@@ -89,6 +90,7 @@ class EngineConfig:
             if self.cpu_threads > cpus:  # (torch would try to start them all, and may crash)
                 raise ValueError(f"cpu_threads must be at most this machine's {cpus} CPUs, got {self.cpu_threads}")
         check_seed("seed", self.seed)
+        self.dtype = _dtype_name(self.dtype)
         gmu = self.gpu_memory_utilization
         if not is_finite_number(gmu) or not 0.0 < gmu <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
@@ -122,6 +124,17 @@ class EngineConfig:
 
                 for endpoint in (kv.endpoint, kv.replay_endpoint):
                     offset_endpoint(endpoint, self.data_parallel_rank)
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """vLLM's other ways to ask for one of ``DTYPES`` (``"half"``, ``"float"``, a ``torch.dtype``) as
+    its name there; anything else as it is, for the check to refuse."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        return name if name in DTYPES else dtype
+    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")

@@ -6,6 +6,7 @@ import torch
 
 from engine_helpers import bias_logits, drain, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
+from kvscope.config import EngineConfig
 from tiny_models import EOS_ID, tiny_checkpoint
 
 
@@ -359,6 +360,20 @@ def test_unknown_and_invalid_config_keys_raise():
         LLM(path, max_model_len=10**6, device="cpu")
     with pytest.raises(FileNotFoundError, match="never downloads"):
         LLM("some-org/definitely-not-cached-model")
+
+
+@pytest.mark.parametrize("dtype, name", [("half", "float16"), ("float", "float32"), (torch.float16, "float16"),
+                                         (torch.bfloat16, "bfloat16"), (torch.float32, "float32")])
+def test_dtype_takes_vllm_s_other_names_and_torch_dtypes(dtype, name):
+    """vLLM's ``dtype`` is also ``"half"``, ``"float"`` or a ``torch.dtype`` (``LLM(m, dtype=torch.bfloat16)``);
+    kvscope refused them, naming its own four."""
+    assert EngineConfig.from_kwargs(dtype=dtype).dtype == name
+
+
+def test_a_torch_dtype_kvscope_does_not_run_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^dtype must be one of 'auto', 'float32', 'float16', 'bfloat16', "
+                                         r"got torch.float64"):
+        EngineConfig.from_kwargs(dtype=torch.float64)
 
 
 def test_runner_error_is_raised_and_engine_recovers(llm):
