@@ -159,8 +159,8 @@ class LLM:
             )
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
+        else:  # (a None in the list samples as sampling_params=None does)
+            params_list = [self.get_default_sampling_params() if p is None else p for p in sampling_params]
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "

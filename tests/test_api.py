@@ -318,6 +318,21 @@ def test_invalid_sampling_params_raise_naming_the_argument(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_a_none_in_a_list_of_sampling_params_samples_with_the_model_s_defaults(tmp_path):
+    """As ``sampling_params=None`` and ``add_request(prompt)`` do: a None in the list was
+    ``SamplingParams()`` (16 tokens here, at temperature 1), not the model's generation config."""
+    from test_generation_defaults import checkpoint_with
+
+    llm = LLM(checkpoint_with(tmp_path / "m", temperature=0.0, max_new_tokens=5), device="cpu", dtype="float32",
+              block_size=4, num_kv_blocks=32)
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    three = SamplingParams(temperature=0, max_tokens=3)
+    listed = llm.generate(prompts, [None, three], use_tqdm=False)
+    assert token_ids(listed) == [token_ids(llm.generate(prompts[:1], use_tqdm=False))[0],
+                                 token_ids(llm.generate(prompts[1:], three, use_tqdm=False))[0]]
+    assert [len(t) for t in token_ids(listed)] == [5, 3]
+
+
 def test_bad_requests_raise_at_add_request_and_engine_keeps_serving(llm):
     vocab = llm.hf_config.vocab_size
     with pytest.raises(ValueError, match="empty"):
