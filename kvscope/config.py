@@ -175,13 +175,13 @@ class KVEventsConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError(
                 f"kv_events_config.enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}"
             )
-        if self.publisher not in ("zmq", "null"):
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if not isinstance(self.publisher, str) or self.publisher not in ("zmq", "null"):
             raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
         # (each a ZMQ high-water mark: the replay socket's is buffer_steps + 1)
         check_int("kv_events_config.hwm", self.hwm, maximum=MAX_HWM)
@@ -194,6 +194,9 @@ class KVEventsConfig:
                 raise ValueError(
                     f"kv_events_config.{name} must be a tcp://, ipc:// or inproc:// address, got {value!r}"
                 )
+            folder = os.path.dirname(value[len("ipc://"):]) if value and value.startswith("ipc://") else ""
+            if folder and not os.path.isdir(folder):  # (ZMQ's "No such file or directory" once the engine is built)
+                raise ValueError(f"kv_events_config.{name} {value!r} is in no directory: {folder} does not exist")
             if value is None or not value.startswith("tcp://") or value.endswith(":*"):
                 continue
             port = tcp_port(value)

@@ -386,6 +386,16 @@ EARLY_CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "kv_events_config endpoint of no address": (publishing(endpoint="inproc://"), ValueError,
                                                 r"^kv_events_config.endpoint must be a tcp://, ipc:// or inproc:// "
                                                 r"address, got 'inproc://'"),
+    # (ZMQError: No such file or directory for ipc path)
+    "kv_events_config ipc endpoint in no directory": (publishing(endpoint="ipc:///nonexistent/dir/kv.sock"), ValueError,
+                                                      r"^kv_events_config.endpoint 'ipc:///nonexistent/dir/kv.sock' "
+                                                      r"is in no directory: /nonexistent/dir does not exist"),
+    # (numpy's "The truth value of an array with more than one element is ambiguous")
+    "kv_events_config publisher an array": (publishing(publisher=np.array(["zmq", "null"])), ValueError,
+                                            r"^kv_events_config.publisher must be 'zmq' or 'null', got array"),
+    "kv_events_config enable_kv_cache_events an array": (
+        {"kv_events_config": {"enable_kv_cache_events": np.array([True, False])}}, ValueError,
+        r"^kv_events_config.enable_kv_cache_events must be a bool, got array"),
     "kv_events_config ports past 65535 at this data_parallel_rank": (
         dict(data_parallel_rank=1000, **publishing(endpoint="tcp://*:65000")), ValueError,
         r"^endpoint 'tcp://\*:65000' offset by data_parallel_rank=1000 is port 66000, past 65535"),
