@@ -15,7 +15,8 @@ from kvscope.arg_checks import check_text
 
 Conversation = list[dict[str, Any]]
 # apply_chat_template's arguments that chat() sets itself, and what it does with them
-_CHAT_SETS = {"tokenize": "renders the text and tokenizes it itself", "conversation": "renders the messages it is given"}
+_CHAT_SETS = {"tokenize": "renders the text and tokenizes it itself",
+              "conversation": "renders the messages it is given"}
 
 
 def as_conversations(messages: Any) -> list[Conversation]:

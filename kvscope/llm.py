@@ -7,6 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
+from kvscope.arg_checks import check_text
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
@@ -256,8 +257,11 @@ class LLM:
         another thread while a :meth:`generate` runs (it joins that run's next step)."""
         self._check_open()
         check_prompt(prompt)
-        if request_id is not None and not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} {request_id!r}")
+        if request_id is not None:
+            if not isinstance(request_id, str):
+                raise TypeError(f"request_id must be a str (as in vLLM), got {type(request_id).__name__} "
+                                f"{request_id!r}")
+            check_text("request_id", request_id)  # (a trace of it is saved as UTF-8)
         with self._between_steps("LLM.add_request"):
             self._check_open()  # (again: another thread may have shut it down while this one waited)
             return self.llm_engine.add_request(

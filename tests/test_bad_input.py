@@ -151,6 +151,10 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                            ValueError, r"^skip_special_tokens must be a bool, got None"),
     "stop=123 set later": (lambda llm: llm.add_request([5, 6], changed("stop", 123)), ValueError,
                            r"^stop must be .* got 123"),
+    # (it ran, and the trace of it could not be saved: UnicodeEncodeError out of trace.save)
+    "a lone surrogate in request_id": (lambda llm: llm.add_request([5, 6], greedy(2), request_id="r\ud800"),
+                                       ValueError, r"^request_id is not valid Unicode text: surrogates not allowed "
+                                                   r"at index 1"),
     "int request_id": (lambda llm: llm.add_request([5, 6], request_id=5), TypeError,
                        r"request_id must be a str .* got int 5"),
     "abort an int request_id": (lambda llm: llm.abort_request(5), TypeError,
