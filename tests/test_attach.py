@@ -1084,7 +1084,7 @@ def test_metrics_of_several_urls_are_one_time_ordered_table():
         att = attach_to(a, b, metrics_urls=[slow, fast], metrics_interval=MIN_METRICS_INTERVAL)
         try:
             wait_for(lambda: (att.metrics.instance == "p0").sum() >= 3, timeout=30, what="three scrapes of the long page")
-            arrived = [row[0] for row in list(att._metrics)]
+            arrived = att.metric_rows().time_s.tolist()  # (in the order added)
             assert arrived != sorted(arrived), "the premise: rows were added out of time order"
             m = att.metrics
         finally:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from operator import itemgetter
 from typing import Any, Callable, Hashable
 
 import pandas as pd
 
 from kvscope.attach.cache import PrefixCache
+from kvscope.attach.metric_rows import MetricColumns, MetricRows, metrics_frame
 from kvscope.attach.metrics import MetricsScraper
 from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES, FAULTS, Stream, Subscriber
 from kvscope.attach.wire import INT64_MAX, Batch, event_row
@@ -40,7 +40,8 @@ class Attached:
         self.max_events = max_events
         self._events: deque[tuple] = deque()  # (instance, rank, seq, ts, events): rows built when read
         self._num_events = 0
-        self._metrics: deque[tuple] = deque(maxlen=max_events)  # as added: each URL's thread adds its own
+        self._metrics = MetricRows(max_events)  # as added: each URL's thread adds its own
+        self._metrics_table: tuple[int, pd.DataFrame] | None = None  # (rows added when built, src.metrics)
         self._listeners: dict[int, Listener] = {}
         self._keys = itertools.count()
         self._subscriber = Subscriber(streams, topic, self._apply, self._reset, hwm, replay_timeout,
@@ -131,16 +132,26 @@ class Attached:
     @property
     def metrics(self) -> pd.DataFrame:
         """One row per scrape and engine, in ``time_s`` order: vLLM's queue, KV usage, prefix-cache
-        and preemption metrics.
+        and preemption metrics (the last ``max_events`` rows added).
 
         Each URL is scraped in its own thread, which adds a scrape's rows once its page is parsed, so
         rows of different URLs are added out of time order (a long page's after later rows of a short
         one); the sort is stable, so a scrape's rows keep their rank order and each instance its
-        scrape order."""
+        scrape order. The table is built once per change, and each read gets its own copy of it."""
         with self.lock:
-            rows = list(self._metrics)
-        rows.sort(key=itemgetter(0))  # time_s
-        return frame(SCHEMAS["metrics"], rows)
+            added, table = self._metrics.added, self._metrics_table
+            columns = self._metrics.columns() if table is None or table[0] != added else None
+        if columns is not None:
+            table = self._metrics_table = (added, metrics_frame(columns))
+        return table[1].copy()  # (changing one read changes no other)
+
+    def metric_rows(self, start: int = 0, stop: int | None = None) -> MetricColumns:
+        """The metric rows numbered ``start .. stop - 1`` that are still held, as numpy columns in the
+        order added. Rows are numbered from 0 as they are added, over the source's life, so a reader
+        that asks from the number after the last row it read gets only the rows added since
+        (``first`` says which rows were dropped meanwhile)."""
+        with self.lock:
+            return self._metrics.columns(start, stop)
 
     @property
     def faults(self) -> pd.DataFrame:

@@ -1,13 +1,13 @@
 """What the attach views show, computed from an :class:`~kvscope.attach.attached.Attached`'s tables.
 
-Plain functions of the public tables (``blocks``, ``overlap()``, ``faults``, ``metrics``), so the
-views read what the notebook reads and tests can check the numbers without a browser.
+Plain functions of the public tables (``blocks``, ``overlap()``, ``faults``), so the views read
+what the notebook reads and tests can check the numbers without a browser. The metric timeline
+follows ``src.metrics`` row by row instead (:mod:`kvscope.widgets.metric_bins`).
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 import pandas as pd
 
 # The dashboard views a vLLM source cannot fill, and why (its events name blocks by hash only).
@@ -109,21 +109,3 @@ def faults_state(attached: Any) -> list[dict[str, Any]]:
     return [{"instance": name, **{k: int(v) for k, v in row.items() if k not in ("instance", "data_parallel_rank")}}
             for name, (_, row) in zip(names, f.iterrows())]
 
-
-def metric_series(metrics: pd.DataFrame) -> dict[str, dict[str, np.ndarray]]:
-    """Per ``instance`` (and ``/dp<r>`` rank when there are several), the timeline's series:
-    queues, KV usage %, the prefix hit rate % between two scrapes, and preemptions since the last one."""
-    out = {}
-    multi = metrics.data_parallel_rank.nunique() > 1
-    for (instance, rank), g in metrics.groupby(["instance", "data_parallel_rank"], sort=True):
-        g = g.sort_values("time_s")
-        dq, dh = g.prefix_cache_queries.diff().to_numpy(), g.prefix_cache_hits.diff().to_numpy()
-        out[f"{instance}/dp{rank}" if multi else instance] = {
-            "time_s": g.time_s.to_numpy(),
-            "running": g.num_requests_running.to_numpy(),
-            "waiting": g.num_requests_waiting.to_numpy(),
-            "kv_usage_pct": 100 * g.kv_cache_usage_perc.to_numpy(),
-            "hit_rate_pct": np.divide(100 * dh, dq, out=np.full_like(dq, np.nan), where=dq > 0),
-            "preemptions": g.num_preemptions.diff().to_numpy(),
-        }
-    return out

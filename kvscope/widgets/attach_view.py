@@ -24,6 +24,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.arg_checks import check_int
 from kvscope.widgets import attach_snapshot as snap
+from kvscope.widgets.metric_bins import MetricBins
 from kvscope.widgets.options import check_interval, view_names
 from kvscope.widgets.views import CSS, esm_source
 
@@ -64,9 +65,12 @@ def _js(value: Any) -> str:
 
 
 class MetricsTimelineView(go.FigureWidget):
-    """Per instance, from the Prometheus scrapes: queues, KV usage, prefix hit rate, preemptions."""
+    """Per instance, from the Prometheus scrapes: queues, KV usage, prefix hit rate, preemptions.
 
-    def __init__(self, height: int = 420) -> None:
+    Its series (:class:`~kvscope.widgets.metric_bins.MetricBins`) take in only the rows added
+    since the last update, so an update costs those and the points drawn, not the whole table."""
+
+    def __init__(self, height: int = 420, max_points: int = 1500) -> None:
         fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
                             subplot_titles=("requests running / waiting", "KV usage and prefix hit rate (%)",
                                             "preemptions per scrape"))
@@ -75,9 +79,20 @@ class MetricsTimelineView(go.FigureWidget):
         fig.update_xaxes(title_text="time (s since attach)", row=3, col=1)
         super().__init__(fig)
         self._keys: list[str] = []
+        self._max_points = max_points
+        self._bins: MetricBins | None = None
+
+    @property
+    def bins(self) -> MetricBins | None:
+        """The series drawn (None until the first :meth:`show`)."""
+        return self._bins
 
     def show(self, attached: Any, t0: float) -> None:
-        series = snap.metric_series(attached.metrics)
+        """Draw ``attached``'s metrics, times from ``t0`` (a new source or ``t0`` starts the series anew)."""
+        if self._bins is None or self._bins.attached is not attached or self._bins.origin != t0:
+            self._bins = MetricBins(attached, t0, self._max_points)
+        self._bins.update()
+        series = self._bins.series()
         with self.batch_update():
             if list(series) != self._keys:  # a new instance: one trace per (instance, series)
                 self.data = []
@@ -88,7 +103,7 @@ class MetricsTimelineView(go.FigureWidget):
             for i, s in enumerate(series.values()):
                 for j, (col, *_rest) in enumerate(METRIC_PLOTS):
                     trace_obj = self.data[i * len(METRIC_PLOTS) + j]
-                    trace_obj.x, trace_obj.y = s["time_s"] - t0, s[col]
+                    trace_obj.x, trace_obj.y = s["time_s"], s[col]
 
 
 class AttachDashboard:
