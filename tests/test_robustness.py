@@ -929,6 +929,37 @@ def test_ctrl_c_at_every_transition_aborts_the_call_and_the_engine_serves_on(poi
         assert_healthy(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("point", HOOK_POINTS)
+def test_a_hook_that_raises_keyboard_interrupt_or_system_exit_stops_the_call_as_ctrl_c_does(
+        point: str, async_scheduling: bool) -> None:
+    """A hook that raises ``KeyboardInterrupt`` or ``SystemExit`` itself (a way to stop a run
+    from a notebook), at the 1st, 2nd, 5th and 9th firing of each hook point: the call raises
+    that very exception once the engine is consistent, as a Ctrl-C there does, and the hook is
+    not reported as failed. Inside a transition it used to leave a block to nobody or a request
+    in no queue, and every later step failed."""
+    llm = make_llm(async_scheduling=async_scheduling, **CONFIG)
+    for kind in (KeyboardInterrupt, SystemExit):
+        for k in (1, 2, 5, 9):
+            calls, stop = [0], kind(f"stop at {k}")
+
+            def hook(**_) -> None:
+                calls[0] += 1
+                if calls[0] == k:
+                    raise stop
+
+            raised = None
+            with warnings.catch_warnings(record=True) as caught, llm.hooks({point: hook}):
+                warnings.simplefilter("always")
+                try:
+                    llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+                except kind as exc:
+                    raised = exc
+            assert (raised is stop) == (calls[0] >= k) and raised in (None, stop)
+            assert not [w for w in caught if "raised and was detached" in str(w.message)]
+            assert_healthy(llm)
+
+
 @pytest.mark.parametrize("call", ["step", "generate"])
 def test_ctrl_c_just_after_the_engine_step_loses_no_streamed_output(call: str) -> None:
     """A SIGINT that lands the moment ``LLMEngine.step`` has returned, before ``LLM.step`` or
