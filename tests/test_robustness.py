@@ -960,6 +960,33 @@ def test_a_hook_that_raises_keyboard_interrupt_or_system_exit_stops_the_call_as_
             assert_healthy(llm)
 
 
+@pytest.mark.parametrize("point", ["step.scheduled", "block.allocated", "block.freed"])
+def test_a_hook_that_raises_keyboard_interrupt_in_another_thread_stops_that_threads_call(point: str) -> None:
+    """The same from a generate() in a thread that is not the main one (where no Ctrl-C ever
+    arrives, so nothing was held there): that thread's call raises the hook's exception, the
+    engine serves on."""
+    llm = make_llm(**CONFIG)
+    stop, got = KeyboardInterrupt("stop"), []
+
+    def hook(**_) -> None:
+        if not got:
+            got.append("fired")
+            raise stop
+
+    def generate() -> None:
+        try:
+            llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+        except KeyboardInterrupt as exc:
+            got.append(exc)
+
+    with llm.hooks({point: hook}):
+        thread = threading.Thread(target=generate)
+        thread.start()
+        thread.join()
+    assert got == ["fired", stop]
+    assert_healthy(llm)
+
+
 @pytest.mark.parametrize("call", ["step", "generate"])
 def test_ctrl_c_just_after_the_engine_step_loses_no_streamed_output(call: str) -> None:
     """A SIGINT that lands the moment ``LLMEngine.step`` has returned, before ``LLM.step`` or
