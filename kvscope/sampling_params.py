@@ -145,6 +145,8 @@ class SamplingParams:
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        for i, text in enumerate(self._stop_list):  # (a lone surrogate never matches, and a trace cannot save it)
+            check_text("stop" if isinstance(self.stop, str) else f"stop[{i}]", text)
         if self._stop_list and not self.detokenize:  # (vLLM refuses it too)
             raise ValueError(f"stop strings need the text, which detokenize=False leaves out: pass "
                              f"detokenize=True to use stop={self.stop!r}, or stop on stop_token_ids")

@@ -86,6 +86,11 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                        r"^bad_words\[1\] is not valid Unicode text: surrogates not allowed at index 1"),
     "a lone surrogate in a bad word set later": (lambda llm: llm.add_request("hi", changed("bad_words", ["\udfff"])),
                                                  ValueError, r"^bad_words\[0\] is not valid Unicode text"),
+    # (it could never match the text, and a trace's save failed encoding it)
+    "a lone surrogate in a stop string": (lambda llm: SamplingParams(stop=["ok", "b\udc80"]), ValueError,
+                                          r"^stop\[1\] is not valid Unicode text"),
+    "a lone surrogate in a stop string set later": (lambda llm: llm.add_request("hi", changed("stop", "\ud800")),
+                                                    ValueError, r"^stop is not valid Unicode text"),
     # (its truth value raised after the requests were queued, and they ran on unasked)
     "use_tqdm an array": (lambda llm: llm.generate([[5, 6]], greedy(2), use_tqdm=np.array([1, 2])), TypeError,
                           r"^use_tqdm must be a bool or a tqdm-like callable, got ndarray"),
