@@ -202,7 +202,8 @@ class KVEventsConfig:
             port = tcp_port(value)
             if port is None or not 1 <= port <= MAX_PORT:  # (ZMQ took 99999 without a word)
                 raise ValueError(f"kv_events_config.{name} needs a tcp port in 1..{MAX_PORT} (or *), got {value!r}")
-        if self.replay_endpoint is not None and self.replay_endpoint == self.endpoint:
+        if (self.replay_endpoint is not None and self.replay_endpoint == self.endpoint
+                and not self.endpoint.endswith(":*")):  # (a * port binds one of its own for each)
             raise ValueError(f"kv_events_config.replay_endpoint must differ from endpoint, got {self.endpoint!r} "
                              "for both (each is a socket of its own)")
         if not isinstance(self.topic, str):
