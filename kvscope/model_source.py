@@ -24,7 +24,7 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
                 "or pass model=<local HF directory>"
             )
         return str(BUNDLED_MODEL)
-    path = Path(model).expanduser()
+    path = _local_path(model, "model")
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model directory {path} has no config.json")
@@ -32,6 +32,19 @@ def resolve_model_dir(model: str | os.PathLike | None) -> str:
     if path.exists():
         raise ValueError(f"model={str(model)!r} is a file; pass a HF-format model directory")
     return _cached_hub_snapshot(str(model), "model")
+
+
+def _local_path(value: str | os.PathLike, arg: str) -> Path:
+    """``value`` as a local path, refused naming ``arg`` where the system cannot even look it up
+    (a name too long for the filesystem, say), which ``is_dir`` would raise as a bare OSError."""
+    path = Path(value).expanduser()
+    try:
+        path.exists()
+    except OSError as exc:
+        text = str(value)
+        shown = repr(text) if len(text) <= 80 else f"{text[:40] + '...'!r} ({len(text)} characters)"
+        raise ValueError(f"{arg}={shown} is not a path this system can look up: {exc.strerror}") from None
+    return path
 
 
 def _cached_hub_snapshot(repo_id: str, arg: str) -> str:
@@ -64,7 +77,7 @@ def resolve_tokenizer_dir(tokenizer: str | None, model_dir: str) -> str:
     transformers loads a directory without vocabulary files as an empty tokenizer, and every
     text prompt then tokenizes to nothing; refuse it here instead, naming the fix.
     """
-    path = Path(tokenizer or model_dir).expanduser()
+    path = _local_path(tokenizer, "tokenizer") if tokenizer else Path(model_dir)
     if tokenizer and not path.is_dir():
         if path.exists():
             raise ValueError(f"tokenizer={tokenizer!r} is a file; pass a directory with tokenizer files")

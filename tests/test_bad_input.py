@@ -478,6 +478,16 @@ def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name() -> None:
         token_ids(make_llm(num_kv_blocks=16).generate(PROMPTS, greedy(4), use_tqdm=False))
 
 
+@pytest.mark.parametrize("arg", ["model", "tokenizer"])
+def test_a_path_the_system_cannot_look_up_is_refused_by_name(arg: str) -> None:
+    """A model or tokenizer path too long for the filesystem is refused naming the argument (it
+    raised the filesystem's bare OSError, naming nothing of the caller's)."""
+    too_long = "x" * 5000
+    with pytest.raises(ValueError, match=rf"^{arg}='x{{40}}\.\.\.' \(5000 characters\) is not a path this "
+                                         r"system can look up: File name too long"):
+        make_llm(**{arg: too_long}) if arg == "tokenizer" else LLM(too_long, device="cpu")
+
+
 def test_dashboard_of_none_names_what_it_takes() -> None:
     pytest.importorskip("anywidget")
     with pytest.raises(TypeError, match=r"dashboard source must be an LLM \(live\) or a kvscope.Trace"):
