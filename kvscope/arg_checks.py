@@ -73,6 +73,7 @@ def check_seed(name: str, value: Any) -> int:
 
 
 MAX_PORT = 65535  # the largest tcp port (ZMQ takes more without a word, modulo 65536)
+MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 
 
 def tcp_port(address: str) -> int | None:
@@ -80,3 +81,23 @@ def tcp_port(address: str) -> int | None:
     (``*``, ZMQ's any port, too): what the KV-event config, the publisher and ``attach`` check."""
     host, _, port = address[len("tcp://"):].rpartition(":")
     return int(port) if host and port.isdecimal() else None
+
+
+def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """vLLM's rule: rank r publishes on the endpoint's port + r (``inproc://x`` gets ``_dp<r>``).
+
+    The sum must stay a port: ZMQ takes 65536 and up without a word, modulo 65536."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    port = tcp_port(endpoint) if endpoint.startswith("tcp://") else None
+    if port is None:
+        raise ValueError(
+            f"endpoint {endpoint!r} needs a numeric tcp port to offset by data_parallel_rank={data_parallel_rank}"
+        )
+    offset = port + data_parallel_rank
+    if offset > MAX_PORT:
+        raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
+                         f"past {MAX_PORT}")
+    return f"{endpoint.rpartition(':')[0]}:{offset}"

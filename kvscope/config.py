@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvscope.arg_checks import MAX_PORT, check_int, check_seed, check_text, is_finite_number, tcp_port
-from kvscope.attach import MAX_HWM
+from kvscope.arg_checks import (MAX_HWM, MAX_PORT, check_int, check_seed, check_text, is_finite_number, offset_endpoint,
+                                tcp_port)
 
 SCHEDULING_POLICIES = ("unified", "prefill_first")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -120,8 +120,6 @@ class EngineConfig:
         if self.kv_events_config is not None:
             self.kv_events_config = kv = KVEventsConfig.from_value(self.kv_events_config)
             if kv.publishes:  # (the publisher offsets its ports by the rank once the engine is built)
-                from kvscope.attach.publisher import offset_endpoint
-
                 for endpoint in (kv.endpoint, kv.replay_endpoint):
                     offset_endpoint(endpoint, self.data_parallel_rank)
 

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-from kvscope.arg_checks import MAX_PORT, check_int, is_finite_number, tcp_port
+from kvscope.arg_checks import MAX_HWM, MAX_PORT, check_int, is_finite_number, offset_endpoint, tcp_port
 from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from kvscope.attach.wire import INT64_MAX
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 Endpoints = Union[str, Sequence[str], Mapping[str, str]]
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _URL_SCHEMES = ("http://", "https://")
-MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
 MIN_MESSAGE_BYTES = 1024  # a smaller limit could refuse even an empty batch under a long topic
 MIN_METRICS_INTERVAL = 0.1  # seconds: a shorter interval polls /metrics back to back, a dead URL in a busy loop
@@ -51,7 +50,6 @@ def attach(
     ``max_message_bytes`` bounds each message frame: ZMQ refuses a larger one at its header, unread.
     """
     from kvscope.attach.attached import Attached
-    from kvscope.attach.publisher import offset_endpoint
     from kvscope.attach.subscriber import Stream
 
     for arg, value, low, limit in (

@@ -13,30 +13,10 @@ import time
 from collections import deque
 from typing import Any
 
-from kvscope.arg_checks import MAX_PORT, tcp_port
+from kvscope.arg_checks import offset_endpoint
 from kvscope.attach._deps import require
 from kvscope.attach.wire import END_SEQ, Codec, cleared, removed, seq_bytes, stored
 from kvscope.trace.events import AllBlocksCleared, BlockRemoved, BlockStored
-
-
-def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
-    """vLLM's rule: rank r publishes on the endpoint's port + r (``inproc://x`` gets ``_dp<r>``).
-
-    The sum must stay a port: ZMQ takes 65536 and up without a word, modulo 65536."""
-    if not endpoint or data_parallel_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{data_parallel_rank}"
-    port = tcp_port(endpoint) if endpoint.startswith("tcp://") else None
-    if port is None:
-        raise ValueError(
-            f"endpoint {endpoint!r} needs a numeric tcp port to offset by data_parallel_rank={data_parallel_rank}"
-        )
-    offset = port + data_parallel_rank
-    if offset > MAX_PORT:
-        raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
-                         f"past {MAX_PORT}")
-    return f"{endpoint.rpartition(':')[0]}:{offset}"
 
 
 def _binds(endpoint: str) -> bool:
