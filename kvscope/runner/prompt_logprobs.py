@@ -11,7 +11,7 @@ host when the step's result is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ import torch
 from kvscope.engine.scheduler_output import ScheduledRequest
 from kvscope.outputs import Logprob
 from kvscope.runner.sampler import chosen_and_top, logprob_row
+from kvscope.runner.token_counts import Upload
 
 
 def prompt_positions(cu_seqlens_q: np.ndarray, rows: Sequence[ScheduledRequest], which: np.ndarray) -> np.ndarray:
@@ -44,7 +45,7 @@ class PromptLogprobs:
 
     @classmethod
     def of(cls, logits: Iterable[torch.Tensor | None], rows: Sequence[ScheduledRequest], which: np.ndarray,
-           upload: Callable[[list[int], torch.dtype], torch.Tensor]) -> "PromptLogprobs | None":
+           upload: Upload) -> "PromptLogprobs | None":
         """From the logits of :func:`prompt_positions`' positions, slice after slice (each is
         reduced before the next is computed, so a long prompt never holds all its logits at
         once); None on a worker rank, which only takes every slice (each is a collective).
