@@ -25,7 +25,9 @@ tl = pytest.importorskip("triton.language")
 
 from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
+from kvscope.kernels import launch
 from kvscope.kernels import triton_sampling as ts
+from kvscope.kernels.launch import _arg_key
 from kvscope.runner.sampler import Sampler
 from test_sampling import EDGE_BATCHES, check_any_valid_batch_samples
 from test_logit_adjustments import check_draws_follow_the_adjusted_distribution
@@ -346,6 +348,35 @@ def test_interpreted_engine_on_the_kernels_reproduces_a_seeded_request():
     assert token_ids(outs)[0] == alone
     other_seed = dataclasses.replace(p, seed=4321)
     assert token_ids(_engine_on_the_kernels().generate([[7, 8, 9]], other_seed, use_tqdm=False))[0] != alone
+
+
+@interpreted_only
+def test_interpreted_engine_launches_no_variant_its_start_up_compile_did_not(monkeypatch: pytest.MonkeyPatch):
+    """The CPU twin of test_gpu_engine.py's start-up compile test, for the sampling and penalty
+    kernels: every launch a bfloat16 engine's run makes, keyed as Triton picks a compiled variant
+    (:func:`kvscope.kernels.launch._arg_key`), was made by :meth:`Sampler.compile_kernels`. The
+    rows are of every kind; an adjusted row's draw reads float32 logits, not the model's dtype."""
+    made: set[tuple] = set()
+    run = launch.Launcher.__call__
+
+    def recording(self, grid, *args):
+        unspecialized = self._fn.kwargs["do_not_specialize"] or ()  # (Triton keys these by type alone)
+        made.add((self._fn.__name__, tuple(sorted(self._options.items())),
+                  *(type(a) if name in unspecialized else _arg_key(a, isinstance(a, bool))
+                    for name, a in zip(self._fn.arg_names, args))))
+        run(self, grid, *args)
+
+    monkeypatch.setattr(launch.Launcher, "__call__", recording)
+    llm = _engine_on_the_kernels(dtype="bfloat16")
+    llm.llm_engine.executor.sampler.compile_kernels(llm.llm_engine.executor.vocab_size, torch.bfloat16)
+    started = set(made)
+    kinds = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.2), dict(temperature=0.8, seed=3),
+             dict(temperature=0.8, top_k=5), dict(temperature=0.8, repetition_penalty=1.2),
+             dict(temperature=0, logit_bias={5: 2.0}), dict(temperature=0.7, presence_penalty=0.5, top_p=0.9)]
+    params = [SamplingParams(max_tokens=4 + i, ignore_eos=True, **kind) for i, kind in enumerate(kinds)]
+    llm.generate([[1 + i, 2, 3][: 1 + i % 3] for i in range(len(kinds))], params, use_tqdm=False)
+    assert {key[0] for key in made} == {"_chunk_mass_kernel", "_pick_kernel", "_penalize_kernel"}
+    assert made <= started, sorted(made - started, key=str)
 
 
 @pytest.mark.slow

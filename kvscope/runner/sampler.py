@@ -248,9 +248,11 @@ class Sampler:
         return t
 
     def compile_kernels(self, vocab: int, dtype: torch.dtype) -> None:
-        """Compile the Triton sampling kernels' variants now (start-up), not in the first steps."""
+        """Compile the Triton sampling kernels' variants now (start-up), not in the first steps:
+        for the model's logits, and for the float32 logits that adjusted rows draw from."""
         if self.kernels is not None:
-            self.kernels.compile_variants(vocab, dtype, self.device)
+            for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+                self.kernels.compile_variants(vocab, logits_dtype, self.device)
         if self.penalty_kernels is not None:
             self.penalty_kernels.compile_variants(vocab, self.device)
 
