@@ -351,11 +351,14 @@ def test_interpreted_engine_on_the_kernels_reproduces_a_seeded_request():
 
 
 @interpreted_only
-def test_interpreted_engine_launches_no_variant_its_start_up_compile_did_not(monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_interpreted_engine_launches_no_variant_its_start_up_compile_did_not(monkeypatch: pytest.MonkeyPatch,
+                                                                            async_scheduling: bool):
     """The CPU twin of test_gpu_engine.py's start-up compile test, for the sampling and penalty
     kernels: every launch a bfloat16 engine's run makes, keyed as Triton picks a compiled variant
     (:func:`kvscope.kernels.launch._arg_key`), was made by :meth:`Sampler.compile_kernels`. The
-    rows are of every kind; an adjusted row's draw reads float32 logits, not the model's dtype."""
+    rows are of every kind, stepped synchronously and not; an adjusted row's draw reads float32
+    logits, not the model's dtype."""
     made: set[tuple] = set()
     run = launch.Launcher.__call__
 
@@ -367,7 +370,7 @@ def test_interpreted_engine_launches_no_variant_its_start_up_compile_did_not(mon
         run(self, grid, *args)
 
     monkeypatch.setattr(launch.Launcher, "__call__", recording)
-    llm = _engine_on_the_kernels(dtype="bfloat16")
+    llm = _engine_on_the_kernels(dtype="bfloat16", async_scheduling=async_scheduling)
     llm.llm_engine.executor.sampler.compile_kernels(llm.llm_engine.executor.vocab_size, torch.bfloat16)
     started = set(made)
     kinds = [dict(temperature=0), dict(temperature=0.8), dict(temperature=1.2), dict(temperature=0.8, seed=3),

@@ -40,8 +40,9 @@ def _fresh(seqs: list[_Seq]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_every_read_equals_counts_built_from_whole_histories(seed):
     """Random rounds over a changing set of sequences: each round some get an output on the
     host, some sample one still in flight (which a later round hands to the host, or loses, as
-    a rolled-back step does), some finish and are forgotten, new ones come; a random batch of
-    the live ones, in random order, is read, sometimes twice."""
+    a rolled-back step does), some finish and are forgotten, new ones come; in some rounds every
+    one has an output in flight; a random batch of the live ones, in random order, is read,
+    sometimes twice."""
     rng = random.Random(seed)
     counts = TokenCounts(torch.device("cpu"), lambda values, dtype: torch.as_tensor(values, dtype=dtype))
     live: dict[int, _Seq] = {}
@@ -68,6 +69,9 @@ def test_every_read_equals_counts_built_from_whole_histories(seed):
                 s.flying = rng.randrange(VOCAB)
         if not live:
             continue
+        if rng.random() < 0.3:  # every row with an output in flight, as at each async decode step
+            for s in live.values():
+                s.flying = rng.randrange(VOCAB) if s.flying is None else s.flying
         batch = rng.sample(sorted(live), rng.randrange(1, len(live) + 1))
         seqs = [live[k] for k in batch]
         flying = [i for i, s in enumerate(seqs) if s.flying is not None]

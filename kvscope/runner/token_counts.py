@@ -29,7 +29,7 @@ class Histories:
 
     keys: Sequence[int]  # each row's sequence (``seq_id``)
     histories: Sequence[History]
-    in_flight: Sequence[int]  # the rows (positions here) with one more output, still on the device
+    in_flight: Sequence[int]  # the rows (positions here, ascending) with one more output, still on the device
     in_flight_tokens: torch.Tensor | None  # int64 [len(in_flight)]: those outputs (None: no row has one)
 
 
@@ -80,15 +80,18 @@ class TokenCounts:
     def locate(self, batch: Histories, vocab: int) -> "Located":
         """Where the rows of ``batch`` are in the pool, each row updated first with the outputs
         the host gained since its last read: what a kernel that reads the pool in place needs
-        (:func:`kvscope.kernels.triton_penalties.penalize_`), where :meth:`read` copies."""
+        (:func:`kvscope.kernels.triton_penalties.penalize_`), where :meth:`read` copies.
+
+        A steady step's rows each gained one output: the host's lists go up in one upload, and
+        with every row's output in flight (async scheduling) those outputs are ``in_flight`` as
+        they are."""
         if self._mask.shape[1] != vocab:
             self._resize(0, vocab)
         rows: list[int] = []
         fresh: list[int] = []  # rows made now: set from their prompts
         prompt_rows: list[int] = []
         prompt_tokens: list[int] = []
-        add_rows: list[int] = []  # outputs not counted yet
-        add_tokens: list[int] = []
+        added: list[int] = []  # outputs not counted yet, as ``row * vocab + token``
         counted = self._counted
         for key, h in zip(batch.keys, batch.histories):
             ids, p = h.token_ids, h.num_prompt_tokens
@@ -101,26 +104,33 @@ class TokenCounts:
                 counted[row] = 0
             n, known = counted[row], len(ids) - p
             if n < known:
-                add_rows += [row] * (known - n)
-                add_tokens += ids[p + n:]
+                base = row * vocab
+                added += [base + t for t in ids[p + n:]]
                 counted[row] = known
             rows.append(row)
-        up = self._upload
+        n = len(rows)
+        every_row_flying = 0 < n == len(batch.in_flight)  # (ascending: every position in order)
+        ints = self._upload(rows + added + ([] if every_row_flying else list(batch.in_flight)), torch.int64)
+        pool_rows = ints[:n]
         if fresh:
-            at = up(fresh, torch.int64)
+            up = self._upload
             # (values made on the device: ``t[index] = scalar`` copies the scalar from the host,
             # which waits for the device's queued work)
+            at = up(fresh, torch.int64)
             self._mask.index_put_((at,), self._mask.new_zeros(()))
             self._counts.index_put_((at,), self._counts.new_zeros(()))
             self._mask.index_put_((up(prompt_rows, torch.int64), up(prompt_tokens, torch.int64)),
                                   self._mask.new_ones(()))
-        if add_rows:
-            self._counts.index_put_((up(add_rows, torch.int64), up(add_tokens, torch.int64)),
-                                    self._counts.new_ones(()), accumulate=True)
-        in_flight = torch.full((len(rows),), -1, dtype=torch.int64, device=self.device)
-        if batch.in_flight:
-            in_flight.index_put_((up(list(batch.in_flight), torch.int64),), batch.in_flight_tokens)
-        return Located(self._mask, self._counts, up(rows, torch.int64), in_flight)
+        if added:  # (index_add_ adds a pair given twice twice, in one kernel)
+            flat = self._counts.view(-1)
+            flat.index_add_(0, ints[n:n + len(added)], flat.new_ones(()).expand(len(added)))
+        if every_row_flying:
+            in_flight = batch.in_flight_tokens
+        else:
+            in_flight = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+            if batch.in_flight:
+                in_flight.index_put_((ints[n + len(added):],), batch.in_flight_tokens)
+        return Located(self._mask, self._counts, pool_rows, in_flight)
 
     def forget(self, keys: Sequence[int]) -> None:
         """Free the rows of these sequences (finished ones); unknown keys are ignored."""
