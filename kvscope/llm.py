@@ -5,6 +5,7 @@ import contextlib
 import os
 import threading
 import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from kvscope.arg_checks import check_text
@@ -104,9 +105,17 @@ class LLM:
         self._sampling_defaults = read_defaults(self.config.generation_config, model_dir)
         self.model_dir = model_dir
         self.hf_config = hf_config
-        executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
+        publisher = _kv_event_publisher(self.config)  # (before the weights: a port in use fails at once)
+        with _closed_on_failure() as closers:
+            if publisher is not None:
+                closers.append(publisher.close)
+            executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
+            self._start_engine(executor, tokenizer, max_model_len, publisher)
+
+    def _start_engine(self, executor: Any, tokenizer: Any, max_model_len: int, publisher: Any) -> None:
+        """The engine over ``executor``, and the KV events of ``publisher`` (bound already) from it."""
         self.llm_engine = LLMEngine(
-            self.config, executor, tokenizer, max_model_len, sorted(_eos_ids(model_dir, tokenizer))
+            self.config, executor, tokenizer, max_model_len, sorted(_eos_ids(self.model_dir, tokenizer))
         )
         # One generate() or step() at a time (other threads' wait; a hook re-enters on its
         # thread), and outputs of streamed requests that finished while generate() stepped.
@@ -120,7 +129,11 @@ class LLM:
         self._undelivered: dict[str, RequestOutput] = {}
         self._generating: set[str] = set()  # ids of requests a generate() call runs
         self.llm_engine.held_outputs = self._undelivered  # (kept, never replaced: the engine holds it)
-        self.kv_events = _kv_event_publisher(self.llm_engine, self.config)
+        self.kv_events = None
+        if publisher is not None:
+            from kvscope.attach.publisher import EngineKVEvents
+
+            self.kv_events = EngineKVEvents(self.llm_engine, publisher)
 
     # ------------------------------------------------------------ vLLM API
     def get_tokenizer(self) -> Any:
@@ -493,15 +506,39 @@ class _ThreadsCalls(threading.local):
         self.fns: list[Callable[[], None]] = []
 
 
-def _kv_event_publisher(engine: LLMEngine, config: EngineConfig) -> Any:
-    """``kv_events_config`` enabled: publish the engine's KV events in vLLM's format (kvscope.attach)."""
+def _kv_event_publisher(config: EngineConfig) -> Any:
+    """``kv_events_config`` enabled: the sockets that publish the engine's KV events in vLLM's
+    format (kvscope.attach), bound. An endpoint ZMQ refuses raises a ValueError naming the
+    setting and the address, where ZMQ's own error names neither."""
     kv = config.kv_events_config
     if kv is None or not kv.publishes:
         return None
-    from kvscope.attach.publisher import EngineKVEvents, KVEventPublisher
+    from kvscope.attach.publisher import EndpointError, KVEventPublisher
 
-    return EngineKVEvents(engine, KVEventPublisher(
-        kv.endpoint, kv.replay_endpoint, kv.buffer_steps, kv.hwm, kv.topic, config.data_parallel_rank))
+    try:
+        return KVEventPublisher(kv.endpoint, kv.replay_endpoint, kv.buffer_steps, kv.hwm, kv.topic,
+                                config.data_parallel_rank)
+    except EndpointError as exc:
+        raise ValueError(f"kv_events_config.{exc}") from exc.__cause__
+
+
+@contextlib.contextmanager
+def _closed_on_failure() -> Iterator[list[Callable[[], None]]]:
+    """A list for the closers of what start-up has built so far; if the block raises, they run,
+    newest first, and the error goes on: a failed ``LLM(...)`` leaves no port bound (a retry
+    binds it again). A closer that raises too is only warned about, so the caller sees the
+    error that stopped start-up."""
+    closers: list[Callable[[], None]] = []
+    try:
+        yield closers
+    except BaseException:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception as exc:  # (the start-up error is the one to report)
+                warnings.warn(f"closing a failed LLM's {close.__qualname__} raised {exc!r}", RuntimeWarning,
+                              stacklevel=3)
+        raise
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

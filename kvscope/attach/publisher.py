@@ -24,6 +24,23 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class EndpointError(ValueError):
+    """An endpoint ZMQ would not bind or connect (a port in use, an address not on this host),
+    named by the argument that gave it: ZMQ's own error names neither. Its cause is ZMQ's error."""
+
+
+def _open(sock: Any, binds: bool, setting: str, endpoint: str, address: str) -> None:
+    """Bind or connect ``sock`` to ``address`` (``endpoint``, moved by the data-parallel rank)."""
+    import zmq
+
+    try:
+        (sock.bind if binds else sock.connect)(address)
+    except zmq.ZMQError as exc:
+        where = repr(endpoint) if address == endpoint else f"{endpoint!r} ({address!r} at this data_parallel_rank)"
+        raise EndpointError(f"{setting} {where} cannot be {'bound' if binds else 'connected to'}: "
+                            f"{zmq.strerror(exc.errno)}") from exc
+
+
 class KVEventPublisher:
     """Publishes batches of vLLM-schema events; ``endpoint`` / ``replay_endpoint`` are the bound addresses.
 
@@ -50,19 +67,17 @@ class KVEventPublisher:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
-            endpoint = offset_endpoint(endpoint, data_parallel_rank)
-            if _binds(endpoint) if bind is None else bind:
-                self._pub.bind(endpoint)
-                endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-            else:
-                self._pub.connect(endpoint)
-            self.endpoint = endpoint
+            address = offset_endpoint(endpoint, data_parallel_rank)
+            binds = _binds(address) if bind is None else bind
+            _open(self._pub, binds, "endpoint", endpoint, address)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if binds else address
             if replay_endpoint is not None:
                 self._router = self._ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
                 # a ROUTER drops what a peer's queue cannot hold: room for one whole answer and its end
                 self._router.setsockopt(zmq.SNDHWM, buffer_steps + 1)
-                self._router.bind(offset_endpoint(replay_endpoint, data_parallel_rank))
+                _open(self._router, True, "replay_endpoint", replay_endpoint,
+                      offset_endpoint(replay_endpoint, data_parallel_rank))
                 self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         except Exception:  # a port in use, an address refused: unbind the rest, so that a retry can have it
             self._close_sockets()

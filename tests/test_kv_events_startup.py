@@ -1,0 +1,106 @@
+"""``LLM(kv_events_config=...)`` start-up: the publisher's sockets are bound before any weight
+loads, an endpoint ZMQ refuses is reported by its setting and address, and a start-up that
+fails leaves no port bound, so a retry can bind the same port.
+
+Real engines on the tiny CPU checkpoints; ``kvscope.llm._make_executor`` is only wrapped, to see
+whether (and what) it built.
+"""
+from __future__ import annotations
+
+import errno
+import re
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("pandas")
+zmq = pytest.importorskip("zmq")
+
+import kvscope  # noqa: E402
+import kvscope.llm as llm_module  # noqa: E402
+from attach_helpers import applied, wait_for  # noqa: E402
+from engine_helpers import greedy, make_llm  # noqa: E402
+from kvscope.attach.publisher import KVEventPublisher  # noqa: E402
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every executor ``LLM(...)`` builds from now on (the real one, only recorded)."""
+    executors: list[Any] = []
+    make = llm_module._make_executor
+
+    def recorded(*args: Any) -> Any:
+        executors.append(make(*args))
+        return executors[-1]
+
+    monkeypatch.setattr(llm_module, "_make_executor", recorded)
+    return executors
+
+
+@pytest.fixture
+def occupied() -> Iterator[tuple[Any, int]]:
+    """A PUB socket bound to a free port on every interface, and that port."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://*")
+    try:
+        yield sock, port
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def free_port() -> int:
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock.bind_to_random_port("tcp://*")
+
+
+def publishing(**kv: Any) -> dict[str, Any]:
+    return {"enable_kv_cache_events": True, "topic": "kv-events", **kv}
+
+
+def test_an_endpoint_in_use_fails_before_the_weights_load_and_a_retry_publishes(built, occupied) -> None:
+    sock, port = occupied
+    endpoint, replay = f"tcp://*:{port}", f"tcp://*:{free_port()}"
+    config = publishing(endpoint=endpoint, replay_endpoint=replay)
+    with pytest.raises(ValueError) as info:
+        make_llm(block_size=4, num_kv_blocks=24, kv_events_config=config)
+    assert str(info.value) == f"kv_events_config.endpoint {endpoint!r} cannot be bound: Address already in use"
+    assert isinstance(info.value.__cause__, zmq.ZMQError) and info.value.__cause__.errno == errno.EADDRINUSE
+    assert built == []  # no weight read, no worker spawned
+
+    sock.close()  # the port is free again: the same settings now build an engine that publishes on it
+    with make_llm(block_size=4, num_kv_blocks=24, kv_events_config=config) as llm:
+        att = kvscope.attach(f"tcp://127.0.0.1:{port}", topic="kv-events",
+                             replay_endpoints=f"tcp://127.0.0.1:{replay.rpartition(':')[2]}", replay_timeout=1.0)
+        try:
+            llm.generate([list(range(5, 25))], greedy(4), use_tqdm=False)
+            pub = llm.kv_events.publisher
+            assert pub._seq > 0
+            wait_for(applied(att, att.streams[0].name, pub._seq - 1), what="every batch")
+            assert att.block_hashes(att.streams[0].name) == set(llm.llm_engine.block_manager.hash_to_block) != set()
+        finally:
+            att.close()
+
+
+def test_a_replay_endpoint_not_on_this_host_is_named_and_the_endpoint_released(built) -> None:
+    port = free_port()
+    replay = "tcp://192.0.2.1:*"  # TEST-NET-1: on no interface of this host
+    with pytest.raises(ValueError, match=rf"^kv_events_config\.replay_endpoint {re.escape(repr(replay))} cannot be "
+                                         rf"bound: {re.escape(zmq.strerror(errno.EADDRNOTAVAIL))}$") as info:
+        make_llm(kv_events_config=publishing(endpoint=f"tcp://*:{port}", replay_endpoint=replay))
+    assert isinstance(info.value.__cause__, zmq.ZMQError)
+    assert built == []
+    KVEventPublisher(f"tcp://*:{port}").close()  # the PUB socket bound before it was unbound
+
+
+def test_a_data_parallel_rank_names_the_port_it_moved_to(occupied) -> None:
+    _, port = occupied
+    endpoint = f"tcp://*:{port - 1}"
+    with pytest.raises(ValueError, match=rf"^kv_events_config\.endpoint {re.escape(repr(endpoint))} "
+                                         rf"\('tcp://\*:{port}' at this data_parallel_rank\) cannot be bound"):
+        make_llm(kv_events_config=publishing(endpoint=endpoint), data_parallel_rank=1)
+
