@@ -26,7 +26,8 @@ class SamplingParams:
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
     top-k log-probabilities of every generated token (plus the chosen one), and
     ``prompt_logprobs=k`` those of every prompt token after the first (vLLM's: such a request
-    computes its whole prompt, the prefix cache left unread).
+    computes its whole prompt, the prefix cache left unread). As in vLLM, ``-1`` for either asks
+    for the whole vocabulary's, and ``seed=-1`` is no seed.
 
     ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
     ``max_model_len``), as vLLM's does.
@@ -109,6 +110,8 @@ class SamplingParams:
         check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if is_int(self.seed) and self.seed == -1:  # vLLM's: -1 is no seed
+            self.seed = None
         if self.seed is not None:
             check_seed("seed", self.seed)
             if self.seed + self.n - 1 >= 2**64:  # (child i draws with seed + i)
@@ -116,8 +119,8 @@ class SamplingParams:
                                  f"seed..seed+n-1, got seed={self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
-            if k is not None and (not is_int(k) or k < 0):
-                raise ValueError(f"{name} must be an integer >= 0 or None, got {k!r}")
+            if k is not None and (not is_int(k) or k < -1):
+                raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {k!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):  # (the tokenizer refused a non-bool mid-run)
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -203,6 +206,12 @@ class SamplingParams:
     def bad_words_token_ids(self) -> list[list[int]] | None:
         """The token ids of each bad word, as ``update_from_tokenizer`` found them."""
         return self._bad_words_token_ids
+
+    def update_from_vocabulary(self, vocab_size: int) -> None:
+        """vLLM's ``-1`` log-probs, the whole vocabulary's, as the count the sampler takes."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) == -1:
+                setattr(self, name, vocab_size)
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """vLLM's: each bad word as token ids, both as it starts a text and as it follows a space

@@ -268,6 +268,34 @@ def test_logprobs_are_log_softmax_of_the_model(llm):
         assert v == pytest.approx(ref[t].item(), abs=1e-4)
 
 
+def test_logprobs_of_minus_one_are_the_whole_vocabulary_as_in_vllm(llm):
+    """vLLM's ``logprobs=-1`` and ``prompt_logprobs=-1``: every token's log-prob, as asking for
+    the vocabulary's size gives them."""
+    vocab = llm.llm_engine.vocab_size
+    prompt = [20, 21, 22, 23]
+    whole, sized = (llm.generate([prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=3, ignore_eos=True,
+                                                           logprobs=k, prompt_logprobs=k), use_tqdm=False)[0]
+                    for k in (-1, vocab))
+    assert whole.outputs[0].token_ids == sized.outputs[0].token_ids
+    for got, want in ((whole.outputs[0].logprobs, sized.outputs[0].logprobs),
+                      (whole.prompt_logprobs[1:], sized.prompt_logprobs[1:])):
+        assert [len(row) for row in got] == [vocab] * len(want)
+        assert [{t: lp.logprob for t, lp in row.items()} for row in got] == \
+            [{t: lp.logprob for t, lp in row.items()} for row in want]
+
+
+def test_a_seed_of_minus_one_is_no_seed_as_in_vllm(llm):
+    """vLLM's ``seed=-1``: the request draws as an unseeded one does (two such runs differ),
+    where any other seed, negative ones too, repeats its draws."""
+    def run(seed: int) -> list[int]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert SamplingParams(seed=-1).seed is None
+    assert run(-1) != run(-1)
+    assert run(-2) == run(-2)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_logprobs_are_vllm_logprob_objects_with_rank_and_decoded_token(async_scheduling):
     """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 + the tokens strictly likelier, counted on
@@ -304,7 +332,8 @@ BAD_PARAMS = [
     (dict(min_p=float("nan")), "min_p"),
     (dict(top_k=-3), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(n=0), "n must be an integer >= 1"),
     (dict(n=1.5), "n must be an integer >= 1"),

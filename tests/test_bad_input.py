@@ -151,7 +151,7 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "top_k=-5 set later": (lambda llm: llm.add_request([5, 6], changed("top_k", -5)), ValueError,
                            r"^top_k must be an integer >= -1"),
     "logprobs=1.5 set later": (lambda llm: llm.add_request([5, 6], changed("logprobs", 1.5)), ValueError,
-                               r"^logprobs must be an integer >= 0 or None, got 1.5"),
+                               r"^logprobs must be an integer >= 0, -1 \(the whole vocabulary\) or None, got 1.5"),
     "skip_special_tokens=None set later": (lambda llm: llm.add_request([5, 6], changed("skip_special_tokens", None)),
                                            ValueError, r"^skip_special_tokens must be a bool, got None"),
     "stop=123 set later": (lambda llm: llm.add_request([5, 6], changed("stop", 123)), ValueError,

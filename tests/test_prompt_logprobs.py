@@ -113,7 +113,7 @@ def test_they_match_single_rank_at_tensor_parallel_2(async_scheduling):
                                                  all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a))
 
 
-@pytest.mark.parametrize("value, error", [(-1, "prompt_logprobs must be an integer >= 0"),
+@pytest.mark.parametrize("value, error", [(-2, "prompt_logprobs must be an integer >= 0"),
                                           (1.5, "prompt_logprobs must be an integer >= 0"),
                                           (True, "prompt_logprobs must be an integer >= 0")])
 def test_bad_values_are_refused_by_name(value, error):

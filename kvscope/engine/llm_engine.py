@@ -172,6 +172,7 @@ class LLMEngine:
         """A validated request under a free id, not queued yet."""
         text, token_ids = self._tokenize(prompt)
         params.update_from_tokenizer(self.tokenizer)  # (each child's copy too: bad words as token ids)
+        params.update_from_vocabulary(self.vocab_size)
         keep = params.truncate_prompt_tokens
         if keep is not None:  # (vLLM's left truncation: the prompt's last tokens)
             token_ids = token_ids[-(self.max_model_len if keep == -1 else keep):]
