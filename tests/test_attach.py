@@ -982,17 +982,20 @@ def test_a_rank_whose_port_would_pass_65535_is_refused():
 
 
 def test_a_publisher_that_fails_to_bind_leaves_no_port_bound():
-    """The replay port is taken: the publisher fails, and its live port is free for the retry at once
-    (a notebook keeps the failed call's frames, so nothing would close it)."""
-    from kvscope.attach.publisher import KVEventPublisher
+    """The replay port is taken: the publisher fails, naming the argument and the address (ZMQ's
+    error as the cause), and its live port is free for the retry at once (a notebook keeps the
+    failed call's frames, so nothing would close it)."""
+    from kvscope.attach.publisher import EndpointError, KVEventPublisher
 
     ctx = zmq.Context.instance()
     taken, probe = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
     taken_port, port = taken.bind_to_random_port("tcp://127.0.0.1"), probe.bind_to_random_port("tcp://127.0.0.1")
     probe.close(linger=0)
     try:
-        with pytest.raises(zmq.ZMQError, match="Address already in use") as err:
+        with pytest.raises(EndpointError, match=f"^replay_endpoint 'tcp://127.0.0.1:{taken_port}' cannot be "
+                                                "bound: Address already in use$") as err:
             KVEventPublisher(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{taken_port}", bind=True)
+        assert isinstance(err.value.__cause__, zmq.ZMQError)
         with pytest.raises(ValueError, match="past 65535") as err_offset:
             KVEventPublisher(f"tcp://127.0.0.1:{port}", "tcp://127.0.0.1:65535", data_parallel_rank=1, bind=True)
         with KVEventPublisher(f"tcp://127.0.0.1:{port}", bind=True) as retry:
