@@ -110,6 +110,7 @@ class LLM:
             if publisher is not None:
                 closers.append(publisher.close)
             executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
+            closers.append(executor.shutdown)
             self._start_engine(executor, tokenizer, max_model_len, publisher)
 
     def _start_engine(self, executor: Any, tokenizer: Any, max_model_len: int, publisher: Any) -> None:
@@ -525,9 +526,9 @@ def _kv_event_publisher(config: EngineConfig) -> Any:
 @contextlib.contextmanager
 def _closed_on_failure() -> Iterator[list[Callable[[], None]]]:
     """A list for the closers of what start-up has built so far; if the block raises, they run,
-    newest first, and the error goes on: a failed ``LLM(...)`` leaves no port bound (a retry
-    binds it again). A closer that raises too is only warned about, so the caller sees the
-    error that stopped start-up."""
+    newest first, and the error goes on: a failed ``LLM(...)`` leaves no worker running and no
+    port bound (a retry binds it again). A closer that raises too is only warned about, so the
+    caller sees the error that stopped start-up."""
     closers: list[Callable[[], None]] = []
     try:
         yield closers

@@ -1,6 +1,6 @@
 """``LLM(kv_events_config=...)`` start-up: the publisher's sockets are bound before any weight
 loads, an endpoint ZMQ refuses is reported by its setting and address, and a start-up that
-fails leaves no port bound, so a retry can bind the same port.
+fails leaves nothing behind (no worker running, no port bound), so a retry can bind the same port.
 
 Real engines on the tiny CPU checkpoints; ``kvscope.llm._make_executor`` is only wrapped, to see
 whether (and what) it built.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import re
+import sys
 from typing import Any, Iterator
 
 import pytest
@@ -104,3 +105,22 @@ def test_a_data_parallel_rank_names_the_port_it_moved_to(occupied) -> None:
                                          rf"\('tcp://\*:{port}' at this data_parallel_rank\) cannot be bound"):
         make_llm(kv_events_config=publishing(endpoint=endpoint), data_parallel_rank=1)
 
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_a_start_up_that_fails_after_the_weights_loaded_shuts_down_and_unbinds(
+        built, monkeypatch, tensor_parallel_size: int) -> None:
+    """The KV events cannot attach (their recorder does not import, as without pandas) once the
+    weights are loaded: the weights are released, tensor-parallel workers stopped, both ports
+    unbound, and the import's error is what the caller sees."""
+    endpoint, replay = f"tcp://*:{free_port()}", f"tcp://*:{free_port()}"
+    monkeypatch.setitem(sys.modules, "kvscope.trace.recorder", None)
+    with pytest.raises(ImportError, match="kvscope.trace.recorder"):
+        make_llm(tensor_parallel_size=tensor_parallel_size, num_kv_blocks=16,
+                 kv_events_config=publishing(endpoint=endpoint, replay_endpoint=replay))
+    (executor,) = built
+    if tensor_parallel_size == 1:
+        assert executor.model is None and executor.kv_cache is None
+    else:
+        procs = executor._ranks.procs
+        assert procs and executor._ranks.closed and not any(p.is_alive() for p in procs)
+    KVEventPublisher(endpoint, replay).close()  # both ports free for a retry
