@@ -72,7 +72,7 @@ def qwen3_shaped(layers: int, vocab: int, seqs: int, seq_len: int) -> dict[str, 
         runs = {}
         for name, kv in VARIANTS.items():
             llm = LLM(tmp, skip_tokenizer_init=True, device="cpu", dtype="float32",
-                      kv_cache_memory_bytes=64 << 20, **kv)
+                      kv_cache_memory_bytes=64 << 20, max_logprobs=-1, **kv)
             runs[name] = teacher_forced(llm, data)
             llm.shutdown()
     return {name: compare(runs["auto"], runs[name]) for name in list(VARIANTS)[1:]}
@@ -95,7 +95,7 @@ def demo_perplexity(max_docs: int) -> dict[str, float]:
     runs = {}
     for name, kv in VARIANTS.items():
         llm = LLM(str(REPO / "assets" / "kvscope-demo"), device="cpu", dtype="float32",
-                  kv_cache_memory_bytes=64 << 20, **kv)
+                  kv_cache_memory_bytes=64 << 20, max_logprobs=-1, **kv)
         docs = heldout_documents(llm.get_tokenizer(), max_docs)
         runs[name] = teacher_forced(llm, docs)
         figures[f"perplexity_{name}"] = torch.exp(-runs[name][0].mean()).item()

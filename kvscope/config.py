@@ -46,6 +46,7 @@ class EngineConfig:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
+    max_logprobs: int = 20  # vLLM's: the most log-probs a request may ask for (-1: the whole vocabulary)
     cpu_threads: int | None = None
     async_scheduling: bool = False
     generation_config: str = "auto"  # vLLM's: the model's sampling defaults, "vllm" for none, or a directory
@@ -90,6 +91,7 @@ class EngineConfig:
             if self.cpu_threads > cpus:  # (torch would try to start them all, and may crash)
                 raise ValueError(f"cpu_threads must be at most this machine's {cpus} CPUs, got {self.cpu_threads}")
         check_seed("seed", self.seed)
+        check_int("max_logprobs", self.max_logprobs, minimum=-1)
         self.dtype = _dtype_name(self.dtype)
         gmu = self.gpu_memory_utilization
         if not is_finite_number(gmu) or not 0.0 < gmu <= 1.0:

@@ -268,9 +268,10 @@ def test_logprobs_are_log_softmax_of_the_model(llm):
         assert v == pytest.approx(ref[t].item(), abs=1e-4)
 
 
-def test_logprobs_of_minus_one_are_the_whole_vocabulary_as_in_vllm(llm):
+def test_logprobs_of_minus_one_are_the_whole_vocabulary_as_in_vllm():
     """vLLM's ``logprobs=-1`` and ``prompt_logprobs=-1``: every token's log-prob, as asking for
-    the vocabulary's size gives them."""
+    the vocabulary's size gives them (on an engine whose ``max_logprobs`` is -1, no cap)."""
+    llm = make_llm(block_size=4, max_logprobs=-1)
     vocab = llm.llm_engine.vocab_size
     prompt = [20, 21, 22, 23]
     whole, sized = (llm.generate([prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=3, ignore_eos=True,
@@ -282,6 +283,25 @@ def test_logprobs_of_minus_one_are_the_whole_vocabulary_as_in_vllm(llm):
         assert [len(row) for row in got] == [vocab] * len(want)
         assert [{t: lp.logprob for t, lp in row.items()} for row in got] == \
             [{t: lp.logprob for t, lp in row.items()} for row in want]
+
+
+@pytest.mark.parametrize("cap", [20, 3])
+def test_max_logprobs_caps_what_a_request_may_ask_for_as_in_vllm(cap):
+    """vLLM's ``max_logprobs`` (default 20): a request asking for more log-probs, or prompt
+    log-probs, or for the whole vocabulary's (-1), is refused naming the cap, and the engine
+    serves on; the cap itself is served."""
+    llm = make_llm(block_size=4) if cap == 20 else make_llm(block_size=4, max_logprobs=cap)
+    assert llm.config.max_logprobs == cap
+    for name in ("logprobs", "prompt_logprobs"):
+        for k in (cap + 1, -1):
+            with pytest.raises(ValueError, match=rf"^{name}=\d+ exceeds max_logprobs={cap}, the engine's cap"):
+                llm.generate([[20, 21, 22]], greedy(3, **{name: k}), use_tqdm=False)
+    out = llm.generate([[20, 21, 22]], greedy(3, logprobs=cap, prompt_logprobs=cap), use_tqdm=False)[0]
+    assert [len(row) for row in out.outputs[0].logprobs] == [cap] * 3
+    for token, row in zip((21, 22), out.prompt_logprobs[1:]):  # the top ``cap`` and the prompt's own token
+        assert token in row and len(row) in (cap, cap + 1)
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
 
 
 def test_a_seed_of_minus_one_is_no_seed_as_in_vllm(llm):

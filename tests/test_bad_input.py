@@ -31,7 +31,7 @@ def fresh_tokens() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return make_llm(num_kv_blocks=32)
+    return make_llm(num_kv_blocks=32, max_logprobs=-1)
 
 
 def assert_healthy(llm: LLM, fresh_tokens: list[list[int]]) -> None:
@@ -331,6 +331,7 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "cpu_threads=10**6": (dict(cpu_threads=10**6), ValueError,
                           r"^cpu_threads must be at most this machine's \d+ CPUs, got 1000000"),
     "seed=10**30": (dict(seed=10**30), ValueError, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    "max_logprobs=-2": (dict(max_logprobs=-2), ValueError, r"^max_logprobs must be an integer >= -1, got -2"),
     "num_kv_blocks=10**9": (dict(num_kv_blocks=10**9), ValueError,
                             r"num_kv_blocks=1000000000 needs .* GiB of KV cache .* more than"),
     # (a budget below one block still holds one: a block of 10**11 slots asked for hundreds of TiB)

@@ -81,7 +81,7 @@ def test_fp8_engine_tracks_the_unquantized_one() -> None:
     seqs = torch.randint(3, 320, (4, 40), generator=gen).tolist()
     runs = {}
     for kv in ("auto", "fp8"):
-        llm = make_llm(kv_cache_dtype=kv, kv_cache_memory_bytes=SMALL_POOL)
+        llm = make_llm(kv_cache_dtype=kv, kv_cache_memory_bytes=SMALL_POOL, max_logprobs=-1)
         runs[kv] = teacher_forced(llm, seqs)
         llm.shutdown()
     f = compare(runs["auto"], runs["fp8"])
@@ -190,7 +190,7 @@ def test_gpu_fp8_triton_engine_matches_the_torch_backend() -> None:
     for backend, eager in (("triton", False), ("torch", True)):
         llm = LLM(str(tiny_checkpoint("qwen3")), device="cuda", dtype="float32", kv_cache_dtype="fp8",
                   calculate_kv_scales=True, attention_backend=backend, enforce_eager=eager,
-                  num_kv_blocks=256)
+                  num_kv_blocks=256, max_logprobs=-1)
         runs.append(teacher_forced(llm, seqs))
         llm.shutdown()
     f = compare(*runs)

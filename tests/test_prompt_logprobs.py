@@ -122,7 +122,7 @@ def test_bad_values_are_refused_by_name(value, error):
 
 
 def test_more_than_the_vocabulary_is_refused_and_the_engine_serves_on():
-    llm = make_llm(block_size=4)
+    llm = make_llm(block_size=4, max_logprobs=-1)
     with pytest.raises(ValueError, match=r"prompt_logprobs=321 exceeds the vocabulary size \(320\)"):
         llm.add_request([5, 6, 7], greedy(2, prompt_logprobs=321))
     rid = llm.add_request([5, 6, 7], greedy(2, prompt_logprobs=320))

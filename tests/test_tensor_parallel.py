@@ -155,7 +155,7 @@ def test_vocabulary_not_divisible_by_tp_is_padded_and_matches_single_rank_and_tr
     path = tiny_checkpoint("qwen3", tie, vocab_size=vocab)
     prompts, _ = _workload()
     params = greedy(8, logprobs=vocab)
-    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_logprobs=-1)
     single = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
     with LLM(str(path), tensor_parallel_size=2, **kw) as llm:
         sharded = llm.generate(prompts, params, use_tqdm=False)

@@ -47,9 +47,10 @@ def _check_id_container(ids: Any, name: str) -> None:
 
 
 def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_size: int,
-                      eos_token_ids: frozenset[int]) -> list[int]:
+                      eos_token_ids: frozenset[int], max_logprobs: int = -1) -> list[int]:
     """The prompt's token ids as plain ints, after checking them and ``params`` against the
-    vocabulary (``eos_token_ids``: the ones that end this request).
+    vocabulary (``eos_token_ids``: the ones that end this request) and the engine's
+    ``max_logprobs`` (vLLM's cap; -1 for none).
 
     numpy integers are accepted (converted); floats and bools are refused as not token ids,
     rather than reported as "outside the vocabulary". A request whose ``min_tokens`` holds back
@@ -62,6 +63,9 @@ def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_si
         k = getattr(params, name)
         if k is not None and k > vocab_size:
             raise ValueError(f"{name}={k} exceeds the vocabulary size ({vocab_size})")
+        if k is not None and k > max_logprobs >= 0:
+            raise ValueError(f"{name}={k} exceeds max_logprobs={max_logprobs}, the engine's cap (vLLM's, "
+                             f"default 20): raise it with LLM(..., max_logprobs=...), -1 for the whole vocabulary")
     bad_words = [t for word in params.bad_words_token_ids or () for t in word]
     for name, tokens in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                          ("logit_bias", params.logit_bias), ("bad_words", bad_words)):

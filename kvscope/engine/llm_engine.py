@@ -180,7 +180,7 @@ class LLMEngine:
         if n == 0:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        token_ids = check_request_ids(token_ids, params, self.vocab_size, eos)
+        token_ids = check_request_ids(token_ids, params, self.vocab_size, eos, self.config.max_logprobs)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise ValueError(

@@ -233,13 +233,15 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def _dummy_sampling(self) -> None:
-        """Penalties, min-p, top-k, top-p and 20 log-probs (vLLM's default cap,
-        ``max_logprobs``) on every row a step can sample: float32 copies, masks, a softmax and a
+        """Penalties, min-p, top-k, top-p and as many log-probs as a request may ask for
+        (``max_logprobs``) on every row a step can sample: float32 copies, masks, a softmax and a
         sort of ``[rows, vocab]``, and the penalties' token counts of as many sequences. A
         sampler of its own draws, so the engine's random streams are untouched."""
         rows = self.max_rows
         hidden = self._dummy_hidden()
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=min(20, self.vocab_size),
+        cap = self.config.max_logprobs
+        logprobs = self.vocab_size if cap == -1 else min(cap, self.vocab_size)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=logprobs,
                                 presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
         one_token = TokenHistory([0], 1)
 
