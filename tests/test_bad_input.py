@@ -369,6 +369,41 @@ def test_bad_engine_config_is_refused_by_name(case: str) -> None:
         make_llm(**kwargs)
 
 
+_POOL_UNDER_A_LIMIT = """
+import resource, sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+from engine_helpers import make_llm
+from kvscope.config import EngineConfig
+from kvscope.runner.model_runner import kv_block_bytes
+from tiny_models import tiny_checkpoint
+from transformers import AutoConfig
+import torch
+block = kv_block_bytes(AutoConfig.from_pretrained(tiny_checkpoint("qwen3")), 1, 16, torch.float32)
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), resource.RLIM_INFINITY))
+try:
+    make_llm(num_kv_blocks=(3 << 30) // block)
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="an address-space limit (RLIMIT_AS) on Linux")
+def test_a_pool_the_host_cannot_allocate_now_is_refused_by_name() -> None:
+    """A pool within the host's memory (so the start-up check passes) that the allocator refuses
+    now, here under a 1 GiB address-space limit on a process asking for 3 GiB, is refused
+    naming ``num_kv_blocks``, where the allocator's own error named no setting. In a process of
+    its own: the limit would hold for the rest of this one."""
+    import subprocess
+
+    tests = Path(__file__).parent
+    code = _POOL_UNDER_A_LIMIT.format(tests=str(tests), repo=str(tests.parent))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("REFUSED num_kv_blocks="), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "asks for a KV pool of 3.00 GiB" in proc.stdout and "could not allocate now; lower num_kv_blocks" in proc.stdout
+
+
 def publishing(**kv: Any) -> dict[str, Any]:
     return {"kv_events_config": {"enable_kv_cache_events": True, "endpoint": "inproc://fuzz", **kv}}
 

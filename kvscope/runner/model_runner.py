@@ -301,11 +301,27 @@ class ModelRunner:
             self.model(ids, ids)
 
     def _allocate_pool(self, tp_size: int) -> None:
+        """The KV pool, in one piece. An allocation the device refuses now (memory taken by
+        others, a limit on this process) is reported naming the setting that sized the pool:
+        the allocator's own error names none."""
         layers, kv_heads, head_dim = kv_geometry(self.hf_config, tp_size)
-        self.kv_cache = torch.zeros(
-            2, layers, self.num_kv_blocks, self.block_size, kv_heads, head_dim,
-            dtype=self.kv_cache_dtype, device=self.device,
-        )
+        try:
+            self.kv_cache = torch.zeros(
+                2, layers, self.num_kv_blocks, self.block_size, kv_heads, head_dim,
+                dtype=self.kv_cache_dtype, device=self.device,
+            )
+        except (RuntimeError, MemoryError) as e:
+            short = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in short:
+                raise
+            c = self.config
+            setting = (f"num_kv_blocks={c.num_kv_blocks}" if c.num_kv_blocks is not None
+                       else f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}" if self.device.type != "cuda"
+                       else f"gpu_memory_utilization={c.gpu_memory_utilization}")
+            need = self.num_kv_blocks * kv_block_bytes(self.hf_config, tp_size, self.block_size, self.kv_cache_dtype)
+            raise ValueError(f"{setting} asks for a KV pool of {need / 2**30:.2f} GiB ({self.num_kv_blocks} blocks), "
+                             f"which {self.device} could not allocate now; lower {setting.split('=')[0]} "
+                             f"({short})") from e
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
