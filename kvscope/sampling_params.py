@@ -27,7 +27,7 @@ class SamplingParams:
     top-k log-probabilities of every generated token (plus the chosen one), and
     ``prompt_logprobs=k`` those of every prompt token after the first (vLLM's: such a request
     computes its whole prompt, the prefix cache left unread). As in vLLM, ``-1`` for either asks
-    for the whole vocabulary's, and ``seed=-1`` is no seed.
+    for the whole vocabulary's, ``True`` is 1, and ``seed=-1`` is no seed.
 
     ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
     ``max_model_len``), as vLLM's does.
@@ -119,6 +119,9 @@ class SamplingParams:
                                  f"seed..seed+n-1, got seed={self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
+            if k is True:  # vLLM's: the chosen token's and the top one's
+                k = 1
+                setattr(self, name, k)
             if k is not None and (not is_int(k) or k < -1):
                 raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {k!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):

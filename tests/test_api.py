@@ -285,6 +285,20 @@ def test_logprobs_of_minus_one_are_the_whole_vocabulary_as_in_vllm():
             [{t: lp.logprob for t, lp in row.items()} for row in want]
 
 
+def test_logprobs_of_true_are_one_as_in_vllm(llm):
+    """vLLM's ``logprobs=True`` and ``prompt_logprobs=True``: one log-prob besides the token's
+    own, as ``1`` gives."""
+    prompt = [20, 21, 22, 23]
+    flagged, one = (llm.generate([prompt], SamplingParams(temperature=1.0, seed=4, max_tokens=3, ignore_eos=True,
+                                                           logprobs=k, prompt_logprobs=k), use_tqdm=False)[0]
+                    for k in (True, 1))
+    assert flagged.outputs[0].token_ids == one.outputs[0].token_ids
+    for got, want in ((flagged.outputs[0].logprobs, one.outputs[0].logprobs),
+                      (flagged.prompt_logprobs[1:], one.prompt_logprobs[1:])):
+        assert [{t: lp.logprob for t, lp in row.items()} for row in got] == \
+            [{t: lp.logprob for t, lp in row.items()} for row in want]
+
+
 @pytest.mark.parametrize("cap", [20, 3])
 def test_max_logprobs_caps_what_a_request_may_ask_for_as_in_vllm(cap):
     """vLLM's ``max_logprobs`` (default 20): a request asking for more log-probs, or prompt

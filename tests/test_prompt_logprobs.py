@@ -115,7 +115,7 @@ def test_they_match_single_rank_at_tensor_parallel_2(async_scheduling):
 
 @pytest.mark.parametrize("value, error", [(-2, "prompt_logprobs must be an integer >= 0"),
                                           (1.5, "prompt_logprobs must be an integer >= 0"),
-                                          (True, "prompt_logprobs must be an integer >= 0")])
+                                          (False, "prompt_logprobs must be an integer >= 0")])
 def test_bad_values_are_refused_by_name(value, error):
     with pytest.raises(ValueError, match=error):
         SamplingParams(prompt_logprobs=value)
