@@ -47,7 +47,7 @@ def _check_id_container(ids: Any, name: str) -> None:
 
 
 def check_request_ids(token_ids: Sequence[Any], params: SamplingParams, vocab_size: int,
-                      eos_token_ids: frozenset[int], max_logprobs: int = -1) -> list[int]:
+                      eos_token_ids: frozenset[int], max_logprobs: int) -> list[int]:
     """The prompt's token ids as plain ints, after checking them and ``params`` against the
     vocabulary (``eos_token_ids``: the ones that end this request) and the engine's
     ``max_logprobs`` (vLLM's cap; -1 for none).
