@@ -16,6 +16,17 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condi
         time.sleep(0.01)
 
 
+def free_port() -> int:
+    """A tcp port free on this host now: bound, then released before this returns (the socket's
+    own context is terminated, which waits for ZMQ to close it; ``close`` alone leaves that to
+    the I/O thread, and a bind right after may still find the port in use)."""
+    import zmq
+
+    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock.bind_to_random_port("tcp://*")
+
+
 def publisher(**kw):
     from kvscope.attach.publisher import KVEventPublisher
 

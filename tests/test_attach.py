@@ -13,8 +13,8 @@ pytest.importorskip("zmq")
 pd = pytest.importorskip("pandas")
 
 import zmq  # noqa: E402
-from attach_helpers import (applied, attach_to, metrics_server, mute_and_good, probed, publisher,  # noqa: E402
-                            raw_stream, wait_for)
+from attach_helpers import (applied, attach_to, free_port, metrics_server, mute_and_good, probed,  # noqa: E402
+                            publisher, raw_stream, wait_for)
 
 import kvscope  # noqa: E402
 from kvscope.attach import MIN_MESSAGE_BYTES, MIN_METRICS_INTERVAL  # noqa: E402
@@ -944,16 +944,14 @@ def test_data_parallel_ranks_publish_on_port_plus_rank():
 
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560" and offset_endpoint("inproc://x", 1) == "inproc://x_dp1"
     for _ in range(50):  # a base port whose neighbour is free too
-        probe = zmq.Context.instance().socket(zmq.PUB)
-        base = probe.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
-        probe.close(linger=0)
+        base = free_port()
         pubs = []
         try:
             for r in (0, 1):
                 pubs.append(KVEventPublisher(f"tcp://127.0.0.1:{base}", topic="kv-events", data_parallel_rank=r,
                                              bind=True))
             break
-        except zmq.ZMQError:
+        except ValueError:  # (the neighbour taken, an EndpointError; or past 65535)
             for p in pubs:
                 p.close()
     assert [p.endpoint for p in pubs] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
@@ -987,10 +985,8 @@ def test_a_publisher_that_fails_to_bind_leaves_no_port_bound():
     failed call's frames, so nothing would close it)."""
     from kvscope.attach.publisher import EndpointError, KVEventPublisher
 
-    ctx = zmq.Context.instance()
-    taken, probe = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
-    taken_port, port = taken.bind_to_random_port("tcp://127.0.0.1"), probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)
+    taken = zmq.Context.instance().socket(zmq.ROUTER)
+    taken_port, port = taken.bind_to_random_port("tcp://127.0.0.1"), free_port()
     try:
         with pytest.raises(EndpointError, match=f"^replay_endpoint 'tcp://127.0.0.1:{taken_port}' cannot be "
                                                 "bound: Address already in use$") as err:

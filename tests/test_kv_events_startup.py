@@ -20,7 +20,7 @@ zmq = pytest.importorskip("zmq")
 
 import kvscope  # noqa: E402
 import kvscope.llm as llm_module  # noqa: E402
-from attach_helpers import applied, wait_for  # noqa: E402
+from attach_helpers import applied, free_port, wait_for  # noqa: E402
 from engine_helpers import greedy, make_llm  # noqa: E402
 from kvscope.attach.publisher import KVEventPublisher  # noqa: E402
 
@@ -51,12 +51,6 @@ def occupied() -> Iterator[tuple[Any, int]]:
     finally:
         sock.close()
         ctx.term()
-
-
-def free_port() -> int:
-    with zmq.Context() as ctx, ctx.socket(zmq.PUB) as sock:
-        sock.setsockopt(zmq.LINGER, 0)
-        return sock.bind_to_random_port("tcp://*")
 
 
 def publishing(**kv: Any) -> dict[str, Any]:
