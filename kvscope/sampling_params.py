@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import enum
+import warnings
 from dataclasses import dataclass, field
 
 from kvscope.arg_checks import check_int, check_seed, check_text, is_finite_number, is_int, plain_number
 
 MASKED, SEEDED, ADJUSTED = 1, 2, 4  # SamplingParams.sampling_flags: top-k/top-p/min-p, a seed, adjusted logits
+MIN_TEMPERATURE = 0.01  # vLLM's: a temperature above 0 but under this samples at this one
 _FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: the sampler's logits are float32
 
 
@@ -20,7 +22,8 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature=0`` means greedy.
+    """How to pick tokens for one request. ``temperature=0`` means greedy; as in vLLM, a
+    temperature above 0 and under ``MIN_TEMPERATURE`` (0.01) samples at 0.01, with a warning.
 
     ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
@@ -92,6 +95,10 @@ class SamplingParams:
         if self.temperature > _FLOAT32_MAX:
             raise ValueError(f"temperature must be at most {_FLOAT32_MAX:.6g} (the sampler divides in "
                              f"float32), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # (vLLM's clamp: 1 / T would make logits overflow)
+            warnings.warn(f"temperature={self.temperature!r} is under {MIN_TEMPERATURE}, which vLLM samples at; "
+                          f"sampling at {MIN_TEMPERATURE} (temperature=0 is greedy)", UserWarning, stacklevel=3)
+            self.temperature = MIN_TEMPERATURE
         if not is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_finite_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
