@@ -2,10 +2,14 @@
 matches (file and function in vllm-project/vllm) and runs it through a real engine."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from engine_helpers import make_llm, token_ids
-from kvscope import SamplingParams
+from kvscope import LLM, SamplingParams
+from tiny_models import EOS_ID, tiny_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -39,3 +43,32 @@ def test_a_temperature_above_0_and_under_0_01_samples_at_0_01():
                              logit_bias={b: gap}) for seed in range(16)]
     assert drawn == token_ids(llm.generate([PROMPT] * 16, at_001, use_tqdm=False))
     assert {t for [t] in drawn} == {a, b}
+
+
+def checkpoint_with(path, **generation) -> str:
+    """A copy of the tiny qwen3 checkpoint whose generation_config.json also sets ``generation``."""
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **generation}))
+    return str(path)
+
+
+@pytest.mark.parametrize("skip_tokenizer_init", [False, True])
+def test_the_generation_config_s_other_eos_ids_stop_as_stop_token_ids(tmp_path, skip_tokenizer_init):
+    """vLLM's ``SamplingParams.update_from_generation_config`` (vllm/sampling_params.py, called by
+    ``InputProcessor.process_inputs``) keeps the tokenizer's EOS as the request's EOS and adds the
+    generation config's other ``eos_token_id`` values to its ``stop_token_ids``, so ``check_stop``
+    (vllm/v1/core/sched/utils.py) reports the one that ended it as ``stop_reason``; without a
+    tokenizer every one of them is a stop token id. kvscope took them all for EOS (no
+    ``stop_reason``)."""
+    other = 17
+    llm = LLM(checkpoint_with(tmp_path / "m", eos_token_id=[EOS_ID, other]), device="cpu", dtype="float32",
+              skip_tokenizer_init=skip_tokenizer_init)
+    params = [SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[t]) for t in (other, EOS_ID)]
+    by_other, by_eos = (o.outputs[0] for o in llm.generate([PROMPT, PROMPT], params, use_tqdm=False))
+    assert (by_other.token_ids, by_other.finish_reason, by_other.stop_reason, by_other.text) == ([other], "stop", other, "")
+    assert (by_eos.token_ids, by_eos.finish_reason) == ([EOS_ID], "stop")
+    assert by_eos.stop_reason == (EOS_ID if skip_tokenizer_init else None)
+    assert params[0].stop_token_ids == []  # (the request's own copy took them)
+    ignoring = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[other], ignore_eos=True)
+    assert llm.generate([PROMPT], ignoring, use_tqdm=False)[0].outputs[0].token_ids == [other] * 4

@@ -179,7 +179,7 @@ class LLMEngine:
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt is empty: a request needs at least one prompt token")
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        eos = frozenset() if params.ignore_eos else self._take_other_eos_ids(params)
         token_ids = check_request_ids(token_ids, params, self.vocab_size, eos, self.config.max_logprobs)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
@@ -211,6 +211,17 @@ class LLMEngine:
             max_total_tokens=n + max_tokens,
             final_only=params.output_kind is RequestOutputKind.FINAL_ONLY,
         )
+
+    def _take_other_eos_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The EOS ids that end a request as EOS (no ``stop_reason``): the tokenizer's alone, as in
+        vLLM's ``update_from_generation_config``. The generation config's other EOS ids join the
+        request's ``stop_token_ids`` (``params`` is its own copy), so the one that ends it is its
+        ``stop_reason``; without a tokenizer, all of them do."""
+        eos = self.eos_token_ids.intersection([getattr(self.tokenizer, "eos_token_id", None)])
+        others = sorted(t for t in self.eos_token_ids - eos if t < self.vocab_size and t not in params.stop_token_ids)
+        if others:
+            params.stop_token_ids = params.stop_token_ids + others
+        return eos
 
     def _queue(self, req: Request) -> None:
         self.requests[req.request_id] = req
