@@ -108,8 +108,9 @@ class SamplingParams:
             if not is_finite_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
-        if not is_finite_number(rp) or not 0.0 < rp <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {rp!r}")
+        if not is_finite_number(rp) or not 0.0 < rp <= _FLOAT32_MAX:  # (vLLM's: any finite number > 0)
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (at most {_FLOAT32_MAX:.6g}: the "
+                             f"sampler scales float32 logits by it), got {rp!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if self.max_tokens is not None:

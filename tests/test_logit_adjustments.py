@@ -154,7 +154,8 @@ def test_penalties_without_a_history_leave_the_logits_as_they_are():
 @pytest.mark.parametrize("kwargs, name", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(presence_penalty=float("nan")), "presence_penalty"),
     (dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=2.5), "repetition_penalty"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"), (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
 ])
 def test_penalties_out_of_vllm_s_ranges_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -9,7 +9,8 @@ import pytest
 
 from engine_helpers import make_llm, token_ids
 from kvscope import LLM, SamplingParams
-from tiny_models import EOS_ID, tiny_checkpoint
+from test_logit_adjustments import reference_tokens
+from tiny_models import EOS_ID, load_hf_model, tiny_checkpoint
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -72,3 +73,16 @@ def test_the_generation_config_s_other_eos_ids_stop_as_stop_token_ids(tmp_path, 
     assert params[0].stop_token_ids == []  # (the request's own copy took them)
     ignoring = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[other], ignore_eos=True)
     assert llm.generate([PROMPT], ignoring, use_tqdm=False)[0].outputs[0].token_ids == [other] * 4
+
+
+def test_a_repetition_penalty_above_2_penalizes_as_below_it():
+    """vLLM's ``SamplingParams._verify_args`` (vllm/sampling_params.py) takes any finite
+    ``repetition_penalty`` above 0 (kvscope refused one above 2, vLLM's old limit). A prompt token
+    biased up is drawn again at 2 but not at 8, and the greedy tokens at 8 are the torch
+    reference's (transformers' logits, the penalty divides the positive ones)."""
+    llm = make_llm()
+    rows = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=rp, logit_bias={5: 10.0})
+            for rp in (2.0, 8.0)]
+    at_2, at_8 = token_ids(llm.generate([PROMPT, PROMPT], rows, use_tqdm=False))
+    assert at_2 == [5] * 12 and 5 not in at_8
+    assert at_8 == reference_tokens(load_hf_model(tiny_checkpoint("qwen3")), PROMPT, rows[1], max_new=12)
