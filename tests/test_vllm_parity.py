@@ -86,3 +86,20 @@ def test_a_repetition_penalty_above_2_penalizes_as_below_it():
     at_2, at_8 = token_ids(llm.generate([PROMPT, PROMPT], rows, use_tqdm=False))
     assert at_2 == [5] * 12 and 5 not in at_8
     assert at_8 == reference_tokens(load_hf_model(tiny_checkpoint("qwen3")), PROMPT, rows[1], max_new=12)
+
+
+def test_of_two_stop_strings_in_one_token_s_text_the_first_listed_stops():
+    """vLLM's ``check_stop_strings`` (vllm/v1/engine/detokenizer.py) takes the stop strings in
+    list order and stops at the first one found in the new text, wherever another one lies;
+    kvscope stopped at the one that started earliest. One token whose text holds both: the
+    later-starting one, listed first, cuts the text and is the ``stop_reason``."""
+    llm = make_llm()
+    tokenizer = llm.get_tokenizer()
+    token, text = next((t, s) for t in range(3, llm.hf_config.vocab_size) if len(s := tokenizer.decode([t])) >= 3
+                       and len(set(s)) == len(s) and s.strip() == s)
+    stop = [text[-1], text[:2]]
+    for include, want in ((False, text[:-1]), (True, text)):
+        params = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[token], stop=stop,
+                                include_stop_str_in_output=include)
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.stop_reason, out.finish_reason) == (want, text[-1], "stop")

@@ -639,14 +639,16 @@ class LLMEngine:
     # ------------------------------------------------------------ text
     def _hit_stop_string(self, req: Request) -> bool:
         """Search only the text added since the last check (and each stop string's reach back
-        into it); on a hit, cut the streamed text at the earliest stop string (as vLLM: the
-        final text extends the text streamed so far)."""
+        into it); on a hit, cut the streamed text at the first stop string of the list found
+        there, as vLLM's ``check_stop_strings`` does, wherever another one lies in the same new
+        text (the final text extends the text streamed so far)."""
         checked = len(req.streamed_text)
         text = self._stream_text(req)
-        found = [(i, s) for s in req.stop_strings if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
-        if not found:
+        found = next(((i, s) for s in req.stop_strings if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0),
+                     None)
+        if found is None:
             return False
-        i, s = min(found)
+        i, s = found
         req.text = text[: i + len(s)] if req.params.include_stop_str_in_output else text[:i]
         req.stop_reason = s
         return True
