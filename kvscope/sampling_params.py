@@ -1,6 +1,7 @@
 """vLLM-compatible sampling parameters, validated when constructed."""
 from __future__ import annotations
 
+import copy
 import enum
 import warnings
 from dataclasses import dataclass, field
@@ -185,6 +186,10 @@ class SamplingParams:
             value = getattr(self, name)
             setattr(self, name, [plain_number(t) for t in value] if isinstance(value, (list, tuple))
                     else plain_number(value))
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy, whose lists and dicts can change without touching this one's."""
+        return copy.deepcopy(self)
 
     @property
     def stop_strings(self) -> list[str]:

@@ -103,3 +103,18 @@ def test_of_two_stop_strings_in_one_token_s_text_the_first_listed_stops():
                                 include_stop_str_in_output=include)
         out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
         assert (out.text, out.stop_reason, out.finish_reason) == (want, text[-1], "stop")
+
+
+def test_clone_is_a_deep_copy_that_samples_as_the_original():
+    """vLLM's ``SamplingParams.clone`` (vllm/sampling_params.py) deep-copies the params, as
+    callers do to change one request's copy."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, stop_token_ids=[7],
+                            logit_bias={9: 1.5})
+    copied = params.clone()
+    assert copied == params and copied is not params
+    copied.stop_token_ids.append(8)
+    copied.logit_bias[9] = -2.0
+    assert (params.stop_token_ids, params.logit_bias) == ([7], {9: 1.5})
+    assert token_ids(llm.generate([PROMPT], params.clone(), use_tqdm=False)) == \
+        token_ids(llm.generate([PROMPT], params, use_tqdm=False))
