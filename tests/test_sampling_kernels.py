@@ -203,13 +203,14 @@ def check_sampler_paths_agree(device: str) -> None:
     rows = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=1.3, seed=5),
             SamplingParams(temperature=0.7), SamplingParams(temperature=2.0), SamplingParams(temperature=0.7, seed=6)]
     index = [3, 1, 4, 1, 5, 9]
-    rows[3] = SamplingParams(temperature=1e-300)  # greedy: 1 / T overflows float32
-    fused = Sampler(8, torch.device(device), use_triton=True).sample(logits, rows, index).to_output().tokens
     whole = [dataclasses.replace(p, top_k=257) for p in rows]
+    top1 = [dataclasses.replace(p, top_k=1) for p in rows]
+    for each in (rows, whole, top1):  # greedy in the sampler: 1 / T overflows float32 (set past
+        each[3].temperature = 1e-300  # SamplingParams, which raises one under 0.01 to 0.01 as vLLM does)
+    fused = Sampler(8, torch.device(device), use_triton=True).sample(logits, rows, index).to_output().tokens
     masked = Sampler(8, torch.device(device), use_triton=True).sample(logits, whole, index).to_output().tokens
     assert fused == masked
     assert fused[1] == int(logits[1].argmax()) and fused[3] == int(logits[3].argmax())
-    top1 = [dataclasses.replace(p, top_k=1) for p in rows]
     assert Sampler(8, torch.device(device), use_triton=True).sample(logits, top1, index).to_output().tokens \
         == logits.argmax(-1).tolist()
     # A penalized row (no history yet: its penalties change nothing) sends every row's logits to
