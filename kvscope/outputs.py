@@ -31,7 +31,9 @@ class RequestMetrics:
 
 class Logprob(float):
     """One token's log-probability, as vLLM's ``Logprob``: ``.logprob`` (the value), ``.rank``
-    (1 for the likeliest token; ties share the best rank) and ``.decoded_token`` (its text, None
+    (as vLLM counts it, the tokens at least as likely as this one, itself included: 1 for the
+    likeliest, and tokens that tie share the worse rank; a top-``k`` entry is ranked by its
+    place, 1..k) and ``.decoded_token`` (its text, None
     without a tokenizer). It is the float itself too, so code that reads the value as a number
     keeps working."""
 

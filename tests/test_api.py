@@ -332,8 +332,8 @@ def test_a_seed_of_minus_one_is_no_seed_as_in_vllm(llm):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_logprobs_are_vllm_logprob_objects_with_rank_and_decoded_token(async_scheduling):
-    """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 + the tokens strictly likelier, counted on
-    transformers' log-softmax) and ``.decoded_token`` (the tokenizer's text of the token alone),
+    """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (the tokens at least as likely, counted on
+    transformers' log-softmax; no two tie here) and ``.decoded_token`` (the tokenizer's text of the token alone),
     for a drawn token outside the top-k too, and for prompt log-probs."""
     llm = make_llm(block_size=4, async_scheduling=async_scheduling)
     prompt = [20, 21, 22, 40]

@@ -118,3 +118,38 @@ def test_clone_is_a_deep_copy_that_samples_as_the_original():
     assert (params.stop_token_ids, params.logit_bias) == ([7], {9: 1.5})
     assert token_ids(llm.generate([PROMPT], params.clone(), use_tqdm=False)) == \
         token_ids(llm.generate([PROMPT], params, use_tqdm=False))
+
+
+def test_a_tied_token_s_rank_counts_the_tokens_as_likely_as_it_as_vllm_does(tmp_path):
+    """vLLM's ``Logprob.rank``: ``batched_count_greater_than`` (vllm/v1/sample/ops/logprobs.py)
+    counts the tokens whose log-prob is at least the token's own, so tokens that tie share the
+    worse rank (kvscope counted 1 + the tokens strictly likelier); and a row is built as
+    ``append_logprobs_for_next_position`` (vllm/v1/engine/logprobs.py) builds it: the token's own
+    entry first, then the top k ranked 1..k by place, a top token keeping its place. A checkpoint
+    whose LM head gives tokens 40 and 41 the same row ties them at every position (bf16 logits
+    tie often on GPUs)."""
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "tied")
+    (weights_file,) = path.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["lm_head.weight"][41] = weights["lm_head.weight"][40]
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    llm = LLM(str(path), device="cpu", dtype="float32", max_logprobs=-1)
+    prompt = [5, 40, 6, 41, 7]
+
+    def rows(k: int) -> list[tuple[int, dict]]:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=k, prompt_logprobs=k,
+                                allowed_token_ids=[40])
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        return [(t, out.prompt_logprobs[i]) for i, t in enumerate(prompt) if i] + \
+            list(zip(out.outputs[0].token_ids, out.outputs[0].logprobs))
+
+    for (token, whole), (same, alone) in zip(rows(-1), rows(0)):
+        assert same == token and list(alone) == [token] and next(iter(whole)) == token
+        if token in (40, 41):
+            assert whole[40].logprob == whole[41].logprob  # (the tie the test is about)
+        assert alone[token].rank == sum(lp.logprob >= alone[token].logprob for lp in whole.values()), token
+        assert [lp.rank for lp in sorted(whole.values(), key=lambda lp: lp.rank)] == list(range(1, len(whole) + 1))
+        assert all(a.logprob >= b.logprob for a, b in zip(sorted(whole.values(), key=lambda lp: lp.rank),
+                                                         sorted(whole.values(), key=lambda lp: lp.rank)[1:]))

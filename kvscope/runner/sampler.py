@@ -141,10 +141,11 @@ class DeviceSample:
 
 def logprob_row(token: int, logprob: float, rank: int, top_values: list[float], top_ids: list[int],
                 k: int) -> dict[int, Logprob]:
-    """One position's log-probs as vLLM gives them: the top ``k`` (ranked 1..k), then ``token``'s
-    own (its rank counted over the vocabulary)."""
-    row = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), start=1)}
-    row[token] = Logprob(logprob, rank)
+    """One position's log-probs as vLLM gives them: ``token``'s own first (its rank counted over
+    the vocabulary), then the top ``k`` ranked 1..k by place, which is the rank a top token
+    keeps, ``token`` too."""
+    row = {token: Logprob(logprob, rank)}
+    row.update((t, Logprob(v, r)) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), start=1))
     return row
 
 
@@ -171,10 +172,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 def chosen_and_top(logprobs: torch.Tensor, chosen: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of ``logprobs``: the ``chosen`` token's log-prob, the top ``max(k, 1)`` values and
-    ids, and the chosen token's rank (1 + the tokens strictly likelier, as vLLM counts it)."""
+    ids, and the chosen token's rank: as vLLM counts it, the tokens at least as likely, itself
+    included (tokens that tie share the worse rank)."""
     value = logprobs.gather(1, chosen.unsqueeze(1))
     top = logprobs.topk(max(k, 1), dim=-1)
-    return value.squeeze(1), top.values, top.indices, (logprobs > value).sum(dim=-1) + 1
+    return value.squeeze(1), top.values, top.indices, (logprobs >= value).sum(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
