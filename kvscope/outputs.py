@@ -60,11 +60,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # vLLM's: "stop", "length", "abort" (by the caller) or "error"
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    error: str | None = None  # why a request that failed alone inside a step ended ("abort")
+    error: str | None = None  # why a request that failed alone inside a step ended ("error")
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -76,7 +76,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish_request(self, request: Request, reason: str) -> None:
-        """End ``request`` ("stop", "length" or "abort"): out of its queue, its blocks released."""
+        """End ``request`` ("stop", "length", "abort" or "error"): out of its queue, its blocks released."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.block_manager.free_request(request)
@@ -379,7 +379,7 @@ class Scheduler:
             if errors and seq_id in errors:  # this request failed alone
                 req.num_pending -= 1
                 req.error = errors[seq_id]
-                self.finish_request(req, "abort")
+                self.finish_request(req, "error")  # (vLLM's: a request-level internal error)
                 finished.append(req)
                 continue
             token = tokens[seq_id]

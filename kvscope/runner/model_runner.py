@@ -595,7 +595,7 @@ class ModelRunner:
 
         When the batch's draw fails, its rows are drawn one at a time (``Sampler.sample_each``):
         a row that fails by itself is drawn greedily so the others keep their places, and its
-        error goes back to the scheduler, which ends the request with ``finish_reason="abort"``;
+        error goes back to the scheduler, which ends the request with ``finish_reason="error"``;
         a fault of the whole batch that no row causes alone costs no row at all.
         """
         def stop_token_ids_of(i: int) -> frozenset[int]:
