@@ -21,6 +21,9 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's other names fo
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; "fp8" is e4m3, as in vLLM
 
 
+CPU_KV_CACHE_BYTES = 256 * 1024 * 1024  # a CPU pool's bytes per rank when kv_cache_memory_bytes is None
+
+
 @dataclass
 class EngineConfig:
     """All engine settings. Pass them as keyword arguments to ``LLM(...)``."""
@@ -31,7 +34,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int | None = None  # vLLM's: the KV pool's bytes per rank (None: see kv_cache_budget)
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -79,7 +82,8 @@ class EngineConfig:
         check_int("block_size", self.block_size)
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks)
-        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens)
         check_int("max_num_seqs", self.max_num_seqs)
         if self.max_model_len is not None:
@@ -124,6 +128,14 @@ class EngineConfig:
             if kv.publishes:  # (the publisher offsets its ports by the rank once the engine is built)
                 for endpoint in (kv.endpoint, kv.replay_endpoint):
                     offset_endpoint(endpoint, self.data_parallel_rank)
+
+    def kv_cache_budget(self, on_cuda: bool) -> int | None:
+        """The KV pool's bytes per rank: ``kv_cache_memory_bytes`` (vLLM's, on any device); unset,
+        ``CPU_KV_CACHE_BYTES`` on CPU, and None on CUDA, where the pool takes what
+        ``gpu_memory_utilization`` leaves."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return None if on_cuda else CPU_KV_CACHE_BYTES
 
 
 def _dtype_name(dtype: Any) -> Any:

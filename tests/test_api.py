@@ -6,7 +6,7 @@ import torch
 
 from engine_helpers import bias_logits, drain, greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
-from kvscope.config import EngineConfig
+from kvscope.config import CPU_KV_CACHE_BYTES, EngineConfig
 from tiny_models import EOS_ID, tiny_checkpoint
 
 
@@ -316,6 +316,19 @@ def test_max_logprobs_caps_what_a_request_may_ask_for_as_in_vllm(cap):
         assert token in row and len(row) in (cap, cap + 1)
     assert not llm.has_unfinished_requests()
     llm.check_invariants()
+
+
+def test_kv_cache_memory_bytes_unset_gives_a_cpu_pool_its_default_budget():
+    """vLLM's ``kv_cache_memory_bytes`` defaults to None; on CPU the pool then takes
+    ``CPU_KV_CACHE_BYTES``, as setting it to that does, and a set value sizes the pool."""
+    from kvscope.runner.model_runner import kv_block_bytes
+
+    default, same, small = (make_llm(**kw) for kw in ({}, dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES),
+                                                       dict(kv_cache_memory_bytes=1 << 20)))
+    assert default.config.kv_cache_memory_bytes is None
+    block = kv_block_bytes(default.hf_config, 1, default.config.block_size, default.llm_engine.executor.kv_cache_dtype)
+    assert [llm.llm_engine.block_manager.num_blocks for llm in (default, same, small)] == \
+        [CPU_KV_CACHE_BYTES // block, CPU_KV_CACHE_BYTES // block, (1 << 20) // block]
 
 
 def test_a_seed_of_minus_one_is_no_seed_as_in_vllm(llm):

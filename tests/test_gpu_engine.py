@@ -348,6 +348,26 @@ def test_a_pool_sized_at_full_memory_leaves_room_for_sampling_every_row(tmp_path
     llm.shutdown()
 
 
+def test_kv_cache_memory_bytes_sizes_a_gpu_pool_as_in_vllm(checkpoint):
+    """vLLM's ``kv_cache_memory_bytes`` is the KV pool's bytes per GPU, over
+    ``gpu_memory_utilization``; kvscope's used to size a CPU pool only, and a GPU pool took what
+    ``gpu_memory_utilization`` left, the setting unread. The engine still generates as one
+    sized by the utilization does."""
+    from kvscope.runner.model_runner import kv_block_bytes
+
+    budget = 3 << 20
+    llm = LLM(checkpoint, device="cuda", dtype="float32", kv_cache_memory_bytes=budget)
+    runner = llm.llm_engine.executor
+    block = kv_block_bytes(llm.hf_config, 1, llm.config.block_size, runner.kv_cache_dtype)
+    assert llm.llm_engine.block_manager.num_blocks == budget // block
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == budget // block * block
+    prompts = _prompts(6)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16,
+                                                                                 ignore_eos=True), use_tqdm=False)]
+    llm.shutdown()
+    assert got == _generate(checkpoint, prompts, max_tokens=16, dtype="float32", gpu_memory_utilization=0.3)
+
+
 def test_a_largest_step_past_gpu_memory_is_refused_by_name(checkpoint):
     """Token budget and max_num_seqs both meant as "no limit": the start-up profile of the
     largest step they allow cannot run, and the error names them (torch's or numpy's bare

@@ -189,8 +189,9 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         block_bytes = kv_block_bytes(self.hf_config, tp_size, self.block_size, self.kv_cache_dtype)
-        if self.device.type != "cuda":
-            return max(1, self.config.kv_cache_memory_bytes // block_bytes)
+        budget = self.config.kv_cache_budget(self.device.type == "cuda")
+        if budget is not None:
+            return max(1, budget // block_bytes)
         try:
             self._warm_up()
             short = None
@@ -315,8 +316,9 @@ class ModelRunner:
             if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "allocate" not in short:
                 raise
             c = self.config
+            budget = c.kv_cache_budget(self.device.type == "cuda")
             setting = (f"num_kv_blocks={c.num_kv_blocks}" if c.num_kv_blocks is not None
-                       else f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}" if self.device.type != "cuda"
+                       else f"kv_cache_memory_bytes={budget}" if budget is not None
                        else f"gpu_memory_utilization={c.gpu_memory_utilization}")
             need = self.num_kv_blocks * kv_block_bytes(self.hf_config, tp_size, self.block_size, self.kv_cache_dtype)
             raise ValueError(f"{setting} asks for a KV pool of {need / 2**30:.2f} GiB ({self.num_kv_blocks} blocks), "
