@@ -57,6 +57,10 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = executor.vocab_size
+        # vLLM's split (``update_from_generation_config``): the tokenizer's EOS ends a request as
+        # EOS, the others join each request's stop token ids (all of them without a tokenizer)
+        self._eos_as_eos = self.eos_token_ids.intersection([getattr(tokenizer, "eos_token_id", None)])
+        self._eos_as_stop = sorted(t for t in self.eos_token_ids - self._eos_as_eos if t < self.vocab_size)
         self.hooks = HookRegistry()
         self.block_manager = BlockManager(
             executor.num_kv_blocks, config.block_size, config.enable_prefix_caching, self.hooks
@@ -217,11 +221,10 @@ class LLMEngine:
         vLLM's ``update_from_generation_config``. The generation config's other EOS ids join the
         request's ``stop_token_ids`` (``params`` is its own copy), so the one that ends it is its
         ``stop_reason``; without a tokenizer, all of them do."""
-        eos = self.eos_token_ids.intersection([getattr(self.tokenizer, "eos_token_id", None)])
-        others = sorted(t for t in self.eos_token_ids - eos if t < self.vocab_size and t not in params.stop_token_ids)
+        others = [t for t in self._eos_as_stop if t not in params.stop_token_ids]
         if others:
             params.stop_token_ids = params.stop_token_ids + others
-        return eos
+        return self._eos_as_eos
 
     def _queue(self, req: Request) -> None:
         self.requests[req.request_id] = req
