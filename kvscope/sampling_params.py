@@ -24,7 +24,8 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. ``temperature=0`` means greedy; as in vLLM, a
-    temperature above 0 and under ``MIN_TEMPERATURE`` (0.01) samples at 0.01, with a warning.
+    temperature above 0 and under ``MIN_TEMPERATURE`` (0.01) samples at 0.01, with a warning,
+    and greedy params read back ``top_p=1.0``, ``top_k=0`` and ``min_p=0.0``, whatever was given.
 
     ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
@@ -171,9 +172,16 @@ class SamplingParams:
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        if self.temperature == 0:  # (vLLM's test is under 1e-5: after the clamp above, only 0)
+            self._reset_for_greedy()
         self.sampling_flags = ((MASKED if self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 else 0)
                                | (SEEDED if self.seed is not None else 0)
                                | (ADJUSTED if self.adjusts_logits else 0))
+
+    def _reset_for_greedy(self) -> None:
+        """vLLM's: greedy ignores top-p, top-k and min-p, so (once checked) they read back as
+        the values that disable them."""
+        self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _plain_numbers(self) -> None:
         """Every number as an exact Python int or float (numpy's, and int or float subclasses: see

@@ -34,8 +34,9 @@ def test_prompts_without_sampling_params_sample_with_the_model_s_defaults(tmp_pa
     llm = make(path)
     truth = GenerationConfig.from_pretrained(path)
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.max_tokens, defaults.top_k, defaults.top_p, defaults.min_p) == \
-        (truth.temperature, truth.max_new_tokens, truth.top_k, truth.top_p, truth.min_p)
+    assert (defaults.temperature, defaults.max_tokens) == (truth.temperature, truth.max_new_tokens)
+    # (greedy: as vLLM's, the params read back the top-p, top-k and min-p that disable them)
+    assert (defaults.top_k, defaults.top_p, defaults.min_p) == (0, 1.0, 0.0)
     by_default = llm.generate(PROMPTS, use_tqdm=False)
     assert token_ids(by_default) == token_ids(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5),
                                                            use_tqdm=False))
@@ -51,9 +52,10 @@ def test_generation_config_vllm_ignores_them_and_a_directory_replaces_them(tmp_p
     assert make(path, generation_config="vllm").get_default_sampling_params() == SamplingParams()
     other = tmp_path / "other"
     other.mkdir()
-    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.3, "max_new_tokens": 3}))
+    sampling = {"temperature": 0.3, "top_k": 7, "top_p": 0.9, "min_p": 0.05}
+    (other / "generation_config.json").write_text(json.dumps({**sampling, "max_new_tokens": 3}))
     defaults = make(path, generation_config=str(other)).get_default_sampling_params()
-    assert defaults == SamplingParams(temperature=0.3, max_tokens=3)
+    assert defaults == SamplingParams(max_tokens=3, **sampling)
     plain = make(str(tiny_checkpoint("qwen3"))).get_default_sampling_params()
     assert plain == SamplingParams()  # (the file sets no sampling)
     assert token_ids(make(path, generation_config="vllm").generate(PROMPTS, use_tqdm=False)) != \

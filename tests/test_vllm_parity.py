@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engine_helpers import make_llm, token_ids
+from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
 from test_logit_adjustments import reference_tokens
 from tiny_models import EOS_ID, load_hf_model, tiny_checkpoint
@@ -153,3 +153,24 @@ def test_a_tied_token_s_rank_counts_the_tokens_as_likely_as_it_as_vllm_does(tmp_
         assert [lp.rank for lp in sorted(whole.values(), key=lambda lp: lp.rank)] == list(range(1, len(whole) + 1))
         assert all(a.logprob >= b.logprob for a, b in zip(sorted(whole.values(), key=lambda lp: lp.rank),
                                                          sorted(whole.values(), key=lambda lp: lp.rank)[1:]))
+
+
+def test_greedy_params_read_back_vllm_s_neutral_top_p_top_k_and_min_p():
+    """vLLM's ``SamplingParams.__post_init__`` (vllm/sampling_params.py) sets ``top_p=1.0``,
+    ``top_k=0`` and ``min_p=0.0`` once a temperature under ``_SAMPLING_EPS`` (greedy) has passed
+    ``_verify_args``; kvscope kept the values given, which greedy ignores. The object reads them
+    back, and so does the request's own copy of params set to temperature 0 after they were
+    built; the tokens are greedy's."""
+    llm = make_llm()
+    seen = []
+    llm.hooks.add("request.added", lambda **e: seen.append(e["params"]))
+    filtered = {"top_p": 0.5, "top_k": 3, "min_p": 0.2}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, **filtered)
+    assert (params.top_p, params.top_k, params.min_p) == (1.0, 0, 0.0)
+    later = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, **filtered)
+    later.temperature = 0
+    outs = llm.generate([PROMPT, PROMPT], [params, later], use_tqdm=False)
+    assert [(p.top_p, p.top_k, p.min_p) for p in seen] == [(1.0, 0, 0.0)] * 2
+    assert token_ids(outs) == token_ids(llm.generate([PROMPT], greedy(6), use_tqdm=False)) * 2
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\]"):  # (checked before it is reset)
+        SamplingParams(temperature=0, top_p=1.5)
