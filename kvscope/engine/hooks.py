@@ -117,26 +117,33 @@ class HookHandle:
 class HookRegistry:
     def __init__(self) -> None:
         self._hooks: dict[str, dict[int, Hook]] = {}
+        self._tiers: dict[int, int] = {}  # key -> 0 (first), 1 (after_first) or 2: a point's hooks fire by tier
         self._keys = itertools.count()
         self._sinks: dict[int, tuple[list, bool]] = {}  # key -> (sink, columns)
         self.block_sinks: tuple[list, ...] = ()  # every sink; read by the block manager per event
         self._tuple_sinks: tuple[list[BlockEvent], ...] = ()
         self._column_sinks: tuple[list, ...] = ()
 
-    def add(self, name: str, fn: Hook, first: bool = False) -> HookHandle:
+    def add(self, name: str, fn: Hook, first: bool = False, after_first: bool = False) -> HookHandle:
         """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``. ``first``: before
         the hooks already there (a recorder closes step n's record before a ``step.end`` hook
-        that steps the engine again can start step n+1)."""
+        that steps the engine again can start step n+1). ``after_first``: after every ``first``
+        hook, before the others, in the order added (a recorder's listeners, which may step the
+        engine again, so only once every recorder has closed its record of step n)."""
         if name not in HOOK_POINTS:
             raise ValueError(f"unknown hook point {name!r}; known hook points: {', '.join(HOOK_POINTS)}")
         if not callable(fn):
             raise TypeError(f"hook for {name!r} must be callable, got {type(fn).__name__}")
         key = next(self._keys)
+        tier = 0 if first else 1 if after_first else 2
+        self._tiers[key] = tier
         fns = self._hooks.setdefault(name, {})
-        if first:
-            self._hooks[name] = {key: fn, **fns}
-        else:
-            fns[key] = fn
+        items = list(fns.items())
+        at = 0 if tier == 0 else sum(self._tiers[k] <= tier for k in fns)
+        items.insert(at, (key, fn))
+        # (reordered in place: a firing under way checks this dict for the hooks removed meanwhile)
+        fns.clear()
+        fns.update(items)
         return HookHandle(self, name, key)
 
     @contextlib.contextmanager
@@ -174,6 +181,7 @@ class HookRegistry:
             self._sinks.pop(key, None)
             self._sinks_changed()
             return
+        self._tiers.pop(key, None)
         fns = self._hooks.get(name)
         if fns is not None:
             fns.pop(key, None)
@@ -191,6 +199,7 @@ class HookRegistry:
         for fns in self._hooks.values():  # (emptied, so a firing under way calls none of them)
             fns.clear()
         self._hooks.clear()
+        self._tiers.clear()
         self._sinks.clear()
         self._sinks_changed()
 

@@ -172,6 +172,8 @@ class Recorder:
             hooks.add("request.added", self._on_added),
             hooks.add("request.finished", self._on_finished),
             hooks.add("step.end", self._on_step_end, first=True),
+            # (a listener may step the engine again: only once every recorder has recorded step n)
+            hooks.add("step.end", self._call_listeners, after_first=True),
         ]
         frozen_heap.hold()  # (see frozen_heap: no full collection walks the heap while recording)
         self._holds_heap = True
@@ -290,6 +292,13 @@ class Recorder:
         if self._snapshots is not None:
             rec.pool = self._snapshots.take(self.engine)
         self._append(rec)
+
+    def _call_listeners(self, info: "StepInfo") -> None:
+        """Hand each listener the record of the step that just ended (none if it left the ring
+        buffer already, or went unrecorded: a step stepped by a ``first`` hook of the user's)."""
+        rec = next((r for r in reversed(self.records) if r.step == info.step), None)
+        if rec is None:
+            return
         for key, (fn, _) in list(self._listeners.items()):
             try:
                 fn(rec)

@@ -1,0 +1,74 @@
+"""Bugs a robustness fuzz of hooks, threads, Ctrl-C and odd input found, each pinned by the
+smallest case that showed it (the fuzz scripts themselves live outside the repository)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from engine_helpers import greedy, make_llm, token_ids
+from kvscope import Trace
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_listener_that_steps_the_engine_leaves_every_recording_in_step_order(tmp_path, async_scheduling: bool) -> None:
+    """Two recordings at once (a dashboard's and the user's, say), and the newer one's listener
+    runs a ``generate`` (as a ``step.end`` hook may). The listener used to be called inside its
+    recorder's ``step.end`` hook, before the older recorder had recorded the step: that one then
+    recorded the nested steps first, its steps went 2, 3, 1, 4, and ``Trace.load`` refused its
+    save as not a whole one."""
+    llm = make_llm(async_scheduling=async_scheduling)
+    nested: list[list[list[int]]] = []
+
+    def listener(record) -> None:
+        if not nested:
+            nested.append([])
+            nested[0] = token_ids(llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a listener that raised would only be detached)
+        with llm.record("blocks") as older, llm.record("blocks") as newer:
+            newer.add_listener(listener)
+            outer = token_ids(llm.generate([[3, 4, 5, 6]], greedy(4), use_tqdm=False))
+    assert outer == token_ids(make_llm().generate([[3, 4, 5, 6]], greedy(4), use_tqdm=False)) and nested[0]
+    for name, trace in (("older", older), ("newer", newer)):
+        assert trace.step_ids == sorted(trace.step_ids) == newer.step_ids
+        Trace.load(trace.save(tmp_path / name))
+
+
+def test_a_hook_removed_by_an_earlier_one_is_not_called_when_a_first_hook_came_in_that_firing() -> None:
+    """A ``first=True`` hook added during a firing (a recording started from ``step.end``) used
+    to replace the point's table of hooks, so a hook that an earlier one then removed was still
+    called in that firing, against the documented contract."""
+    llm = make_llm()
+    calls, handles = [], {}
+
+    def earlier(**_) -> None:
+        calls.append("earlier")
+        if "later" in handles:
+            llm.hooks.add("step.end", lambda **_: None, first=True)
+            handles.pop("later").remove()
+
+    llm.hooks.add("step.end", earlier)
+    handles["later"] = llm.hooks.add("step.end", lambda **_: calls.append("later"))
+    llm.generate([[3, 4]], greedy(1), use_tqdm=False)
+    assert calls == ["earlier"]
+
+
+def test_hooks_fire_by_tier_first_then_after_first_then_the_others() -> None:
+    """``first`` hooks (newest first), then ``after_first`` ones and then the rest (each in the
+    order added), whatever order they were added in."""
+    llm = make_llm()
+    order = []
+
+    def hook(name: str, **kw: bool):
+        llm.hooks.add("step.end", lambda **_: order.append(name), **kw)
+
+    hook("plain 1")
+    hook("after 1", after_first=True)
+    hook("first 1", first=True)
+    hook("plain 2")
+    hook("after 2", after_first=True)
+    hook("first 2", first=True)
+    llm.generate([[3, 4]], greedy(1), use_tqdm=False)
+    assert order == ["first 2", "first 1", "after 1", "after 2", "plain 1", "plain 2"]
