@@ -25,7 +25,8 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick tokens for one request. ``temperature=0`` means greedy; as in vLLM, a
     temperature above 0 and under ``MIN_TEMPERATURE`` (0.01) samples at 0.01, with a warning,
-    and greedy params read back ``top_p=1.0``, ``top_k=0`` and ``min_p=0.0``, whatever was given.
+    and greedy params read back ``top_p=1.0``, ``top_k=0`` and ``min_p=0.0``, whatever was given;
+    greedy refuses ``n > 1``, whose completions would all be the same.
 
     ``top_k`` of 0 or -1 disables top-k (vLLM accepts both); ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest one (0 disables it); ``logprobs=k`` returns the
@@ -174,6 +175,10 @@ class SamplingParams:
         self.stop_token_ids = ids
         if self.temperature == 0:  # (vLLM's test is under 1e-5: after the clamp above, only 0)
             self._reset_for_greedy()
+            if self.n > 1:  # (vLLM's _verify_greedy_sampling: the n completions would all be the same)
+                raise ValueError(f"n must be 1 with greedy sampling (temperature=0), got n={self.n}: greedy "
+                                 f"draws the same tokens for every completion; pass a temperature above 0 "
+                                 f"for n different ones")
         self.sampling_flags = ((MASKED if self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 else 0)
                                | (SEEDED if self.seed is not None else 0)
                                | (ADJUSTED if self.adjusts_logits else 0))

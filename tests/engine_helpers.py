@@ -22,6 +22,10 @@ def make_llm(arch: str = "qwen3", tie: bool = False, validate: bool = True, **co
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    """The greedy tokens; with ``n > 1``, which greedy refuses (as vLLM does), drawn at
+    ``top_k=1``, so that every completion is the greedy one."""
+    if kw.get("n", 1) > 1:
+        return SamplingParams(temperature=1.0, top_k=1, max_tokens=max_tokens, ignore_eos=True, **kw)
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 

@@ -39,7 +39,8 @@ def test_each_child_equals_a_request_of_its_own_with_seed_plus_its_index(async_s
     assert len({tuple(t) for t in completions(outs[0])}) > 1  # (the seeds do differ)
 
 
-def test_greedy_children_each_equal_the_greedy_request():
+def test_top_k_1_children_each_equal_the_greedy_request():
+    """(Greedy refuses n > 1, as vLLM does; ``greedy(6, n=2)`` draws at top_k=1.)"""
     llm = make_llm(**CONFIG)
     outs = llm.generate(PROMPTS, greedy(6, n=2), use_tqdm=False)
     single = token_ids(make_llm(**CONFIG).generate(PROMPTS, greedy(6), use_tqdm=False))

@@ -174,3 +174,20 @@ def test_greedy_params_read_back_vllm_s_neutral_top_p_top_k_and_min_p():
     assert token_ids(outs) == token_ids(llm.generate([PROMPT], greedy(6), use_tqdm=False)) * 2
     with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\]"):  # (checked before it is reset)
         SamplingParams(temperature=0, top_p=1.5)
+
+
+def test_n_above_1_with_greedy_sampling_is_refused():
+    """vLLM's ``SamplingParams._verify_greedy_sampling`` (vllm/sampling_params.py, called from
+    ``__post_init__`` at a temperature under ``_SAMPLING_EPS``) raises "n must be 1 when using
+    greedy sampling"; kvscope ran n children that all drew the same tokens. Params set to
+    temperature 0 after they were built are refused when added, and nothing is queued."""
+    refused = r"^n must be 1 with greedy sampling \(temperature=0\), got n=2"
+    with pytest.raises(ValueError, match=refused):
+        SamplingParams(n=2, temperature=0)
+    assert SamplingParams(n=2, temperature=0.5).n == 2
+    llm = make_llm()
+    later = SamplingParams(n=2, temperature=0.5, max_tokens=4)
+    later.temperature = 0
+    with pytest.raises(ValueError, match=refused):
+        llm.generate([PROMPT], later, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
