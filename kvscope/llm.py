@@ -509,13 +509,15 @@ class _ThreadsCalls(threading.local):
 
 def _kv_event_publisher(config: EngineConfig) -> Any:
     """``kv_events_config`` enabled: the sockets that publish the engine's KV events in vLLM's
-    format (kvscope.attach), bound. An endpoint ZMQ refuses raises a ValueError naming the
-    setting and the address, where ZMQ's own error names neither."""
+    format (kvscope.attach), bound, once pandas (the events' recorder's) is known to import. An
+    endpoint ZMQ refuses raises a ValueError naming the setting and the address, where ZMQ's own
+    error names neither."""
     kv = config.kv_events_config
     if kv is None or not kv.publishes:
         return None
-    from kvscope.attach.publisher import EndpointError, KVEventPublisher
+    from kvscope.attach.publisher import EndpointError, EngineKVEvents, KVEventPublisher
 
+    EngineKVEvents.require_dependencies()
     try:
         return KVEventPublisher(kv.endpoint, kv.replay_endpoint, kv.buffer_steps, kv.hwm, kv.topic,
                                 config.data_parallel_rank)

@@ -1,5 +1,5 @@
-"""``LLM(kv_events_config=...)`` start-up: the publisher's sockets are bound before any weight
-loads, an endpoint ZMQ refuses is reported by its setting and address, and a start-up that
+"""``LLM(kv_events_config=...)`` start-up: pandas is imported and the publisher's sockets are
+bound before any weight loads, an endpoint ZMQ refuses is reported by its setting and address, and a start-up that
 fails leaves nothing behind (no worker running, no port bound), so a retry can bind the same port.
 
 Real engines on the tiny CPU checkpoints; ``kvscope.llm._make_executor`` is only wrapped, to see
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import re
+import shutil
+import subprocess
 import sys
 from typing import Any, Iterator
 
@@ -23,6 +25,7 @@ import kvscope.llm as llm_module  # noqa: E402
 from attach_helpers import applied, free_port, wait_for  # noqa: E402
 from engine_helpers import greedy, make_llm  # noqa: E402
 from kvscope.attach.publisher import KVEventPublisher  # noqa: E402
+from tiny_models import tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture
@@ -118,3 +121,28 @@ def test_a_start_up_that_fails_after_the_weights_loaded_shuts_down_and_unbinds(
         procs = executor._ranks.procs
         assert procs and executor._ranks.closed and not any(p.is_alive() for p in procs)
     KVEventPublisher(endpoint, replay).close()  # both ports free for a retry
+
+
+def test_without_pandas_the_kv_events_are_refused_before_the_weights_load(tmp_path) -> None:
+    """The KV events' recorder needs pandas (the attach extra). Without it, ``LLM(...)`` is
+    refused at once, naming what to install, where it failed only once the weights had loaded.
+    A checkpoint without its weights tells the two apart: reaching them fails otherwise."""
+    weightless = shutil.copytree(tiny_checkpoint("qwen3"), tmp_path / "weightless")
+    for weights in weightless.glob("*.safetensors"):
+        weights.unlink()
+    config = publishing(endpoint=f"tcp://*:{free_port()}")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):  # (pandas here: the weights are read)
+        kvscope.LLM(str(weightless), device="cpu", dtype="float32", kv_events_config=config)
+    script = f"""
+import sys
+sys.modules["pandas"] = None  # (import pandas raises ImportError)
+import kvscope
+try:
+    kvscope.LLM({str(weightless)!r}, device="cpu", dtype="float32", kv_events_config={config!r})
+except Exception as exc:
+    print(type(exc).__name__, exc, sep=": ")
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    refused = r'ImportError: kv_events_config needs pandas\b.*; install it with pip install "kvscope\[attach\]"\n'
+    assert re.fullmatch(refused, run.stdout), run.stdout

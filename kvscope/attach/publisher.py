@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from kvscope.arg_checks import offset_endpoint
-from kvscope.attach._deps import require
+from kvscope.attach._deps import INSTALL, require
 from kvscope.attach.wire import END_SEQ, Codec, cleared, removed, seq_bytes, stored
 from kvscope.trace.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -157,6 +157,16 @@ class EngineKVEvents:
     registry the engine hands it) and turns each step record into vLLM's events with the same
     code as ``trace.kv_events()``; like any recorder, it leaves async scheduling on.
     """
+
+    @staticmethod
+    def require_dependencies() -> None:
+        """Import pandas, which the recorder needs: ``LLM`` calls this before the weights load,
+        so that a missing one is refused at once, not once they have loaded."""
+        try:
+            import pandas  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(f"kv_events_config needs pandas, which does not import ({exc}): its events come "
+                              f"from a kvscope recorder, which uses it; install it with {INSTALL}") from exc
 
     def __init__(self, engine: Any, publisher: KVEventPublisher) -> None:
         from kvscope.trace.recorder import Recorder
