@@ -361,17 +361,22 @@ class LLM:
                 f"recording a trace needs pandas and pyarrow ({exc}); install them with "
                 "pip install 'kvscope[notebook]'"
             ) from exc
-        with self._between_steps("llm.record"):  # (another thread may be stepping the engine)
-            if self.llm_engine.in_step:  # (this thread, from a hook: its first record would be half a step)
-                raise RuntimeError("llm.record was called from inside a kvscope hook while the engine was in a "
-                                   "step; start a recording between steps or from a step.end hook")
-            recorder = Recorder(self.llm_engine, level, max_steps, model=self.model_dir)
-            trace = recorder.start()
+        # A Ctrl-C in start() or stop() is held until the recorder is whole: landing in either, it
+        # left the recorder attached for good (its hooks fed on every step, the heap frozen).
+        recorder = None
         try:
+            with self._between_steps("llm.record"):  # (another thread may be stepping the engine)
+                if self.llm_engine.in_step:  # (this thread, from a hook: its first record would be half a step)
+                    raise RuntimeError("llm.record was called from inside a kvscope hook while the engine was in a "
+                                       "step; start a recording between steps or from a step.end hook")
+                with deferred_interrupts():  # (one held here lands inside the try, and stops it)
+                    recorder = Recorder(self.llm_engine, level, max_steps, model=self.model_dir)
+                    trace = recorder.start()
             yield trace
         finally:
-            with self._between_steps("leaving llm.record"):
-                recorder.stop()
+            if recorder is not None:  # (stop() also detaches what a start() that raised had attached)
+                with deferred_interrupts(), self._between_steps("leaving llm.record"):
+                    recorder.stop()
 
     @contextlib.contextmanager
     def _one_call(self, what: str) -> Iterator[None]:

@@ -2,6 +2,8 @@
 smallest case that showed it (the fuzz scripts themselves live outside the repository)."""
 from __future__ import annotations
 
+import gc
+import signal
 import warnings
 
 import pytest
@@ -72,3 +74,34 @@ def test_hooks_fire_by_tier_first_then_after_first_then_the_others() -> None:
     hook("first 2", first=True)
     llm.generate([[3, 4]], greedy(1), use_tqdm=False)
     assert order == ["first 2", "first 1", "after 1", "after 2", "plain 1", "plain 2"]
+
+
+@pytest.mark.parametrize("where", ["start", "stop"])
+def test_a_ctrl_c_while_a_recording_starts_or_stops_leaves_no_recorder_attached(
+        where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT landing inside ``Recorder.start`` (a big pool's baseline takes a while) or
+    ``Recorder.stop`` (packing the last chunk): ``llm.record`` raises KeyboardInterrupt, and the
+    recorder is detached. It used to stay attached for good: its hooks and block sink fed on
+    every later step, and the heap stayed frozen for the garbage collector."""
+    from kvscope.trace.recorder import Recorder
+
+    llm = make_llm()
+    real = getattr(Recorder, where)
+
+    def interrupted(self):  # (a SIGINT lands at the next bytecode: at start()'s end, at stop()'s beginning)
+        if where == "stop":
+            signal.raise_signal(signal.SIGINT)
+        done = real(self)
+        if where == "start":
+            signal.raise_signal(signal.SIGINT)
+        return done
+
+    monkeypatch.setattr(Recorder, where, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with llm.record("blocks"):
+            llm.generate([[3, 4]], greedy(2), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.hooks._hooks and not llm.hooks.block_sinks and gc.get_freeze_count() == 0
+    with llm.record("blocks") as trace:
+        llm.generate([[3, 4]], greedy(2), use_tqdm=False)
+    assert trace.step_ids
