@@ -294,8 +294,7 @@ class LLM:
         with self._one_call("LLM.step"), deferred_interrupts():
             with self._one_step():
                 self._check_open()
-                outputs = self.llm_engine.step()
-            self._keep(outputs)
+                self._keep(self.llm_engine.step())  # (kept before other threads get in between steps)
             if interrupt_pending():  # the caller gets KeyboardInterrupt instead: the next step delivers them
                 return []
             return self._take_undelivered()
@@ -332,8 +331,12 @@ class LLM:
                 self.llm_engine.abort_request(rid)  # (one that already finished is still delivered)
 
     def has_unfinished_requests(self) -> bool:
-        return self.llm_engine.has_unfinished_requests() or any(
-            rid not in self._generating for rid in self._undelivered)
+        """Whether :meth:`step` has anything left to report. Read between two steps: from another
+        thread while a :meth:`generate` steps, the kept outputs change under it (iterating them
+        raised "dictionary changed size"), and a request moving between queues is in none."""
+        with self._between_steps("LLM.has_unfinished_requests"):
+            return self.llm_engine.has_unfinished_requests() or any(  # (a copy: generate() pops its own)
+                rid not in self._generating for rid in list(self._undelivered))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached free blocks; True when no cached block is left (False: running

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
+import threading
+import time
 import warnings
+from typing import Callable
 
 import pytest
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import Trace
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -105,3 +116,56 @@ def test_a_ctrl_c_while_a_recording_starts_or_stops_leaves_no_recorder_attached(
     with llm.record("blocks") as trace:
         llm.generate([[3, 4]], greedy(2), use_tqdm=False)
     assert trace.step_ids
+
+
+def test_has_unfinished_requests_from_another_thread_while_generate_steps_never_raises() -> None:
+    """A notebook polls ``has_unfinished_requests()`` while a background ``generate`` runs: it
+    iterated the outputs kept for ``step()`` while the generating thread added and popped them,
+    and raised ``RuntimeError: dictionary changed size during iteration``. Thread switches are
+    forced as often as CPython allows, so the race shows within a few calls."""
+    llm = make_llm()
+    errors, done = [], threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                llm.has_unfinished_requests()
+            except Exception as exc:  # (the bug: any error at all from a poll)
+                errors.append(exc)
+                return
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for i in range(60):
+            llm.generate([[3, 4, 5 + i]] * 8, greedy(2), use_tqdm=False)
+            if errors:
+                break
+    finally:
+        done.set()
+        poller.join()
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+
+
+def test_has_unfinished_requests_from_another_thread_counts_an_output_step_has_not_kept_yet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asked from another thread while ``step()`` holds a streamed request's final output that
+    it has not kept yet (the request already left the engine), it said False, and a loop of that
+    thread stopped with the output undelivered. It now waits for the step, and says True."""
+    llm = make_llm()
+    llm.add_request([3, 4, 5], greedy(1))
+    keep, answers = llm._keep, []
+
+    def keep_after_a_look(outputs) -> None:
+        look = threading.Thread(target=lambda: answers.append(llm.has_unfinished_requests()))
+        look.start()
+        look.join(0.5)  # (it waits for this step, so it ends only once the outputs are kept)
+        keep(outputs)
+
+    monkeypatch.setattr(llm, "_keep", keep_after_a_look)
+    finished = [o for o in llm.step() if o.finished]
+    wait_for(lambda: answers)
+    assert answers == [True] and len(finished) == 1 and not llm.has_unfinished_requests()
