@@ -138,12 +138,14 @@ class HookRegistry:
         tier = 0 if first else 1 if after_first else 2
         self._tiers[key] = tier
         fns = self._hooks.setdefault(name, {})
-        items = list(fns.items())
         at = 0 if tier == 0 else sum(self._tiers[k] <= tier for k in fns)
-        items.insert(at, (key, fn))
-        # (reordered in place: a firing under way checks this dict for the hooks removed meanwhile)
-        fns.clear()
-        fns.update(items)
+        if at == len(fns):  # (the usual case, one atomic store: another thread may be firing)
+            fns[key] = fn
+        else:  # (reordered in place: a firing under way checks this dict for the hooks removed meanwhile)
+            items = list(fns.items())
+            items.insert(at, (key, fn))
+            fns.clear()
+            fns.update(items)
         return HookHandle(self, name, key)
 
     @contextlib.contextmanager
