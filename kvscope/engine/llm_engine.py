@@ -118,7 +118,7 @@ class LLMEngine:
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         # The request's own copy, checked again: a SamplingParams may be changed after it was
         # built (and after this request was added), as vLLM's requests clone theirs.
         params = (dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) if final_only
