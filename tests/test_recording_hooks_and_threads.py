@@ -1,5 +1,7 @@
-"""Bugs a robustness fuzz of hooks, threads, Ctrl-C and odd input found, each pinned by the
-smallest case that showed it (the fuzz scripts themselves live outside the repository)."""
+"""Recordings, hooks and threads meeting: the order hooks fire in when recordings and their
+listeners step the engine, a Ctrl-C while a recording starts or stops, and
+``has_unfinished_requests`` read from another thread. Each case is the smallest one a
+robustness fuzz found failing (the fuzz scripts live outside the repository)."""
 from __future__ import annotations
 
 import gc
