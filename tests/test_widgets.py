@@ -101,6 +101,15 @@ def tables_of(trace, step) -> dict[str, list[int]]:
     return {rid: g["physical_block"].tolist() for rid, g in df.groupby("request_id", sort=False)}
 
 
+def assert_rows_match(trace, step: int, rows: list[dict]) -> None:
+    """Decoded table rows (blocks, refcounts, tokens per request) as the trace has them at ``step``."""
+    arrays = trace.pool_arrays(step)
+    assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
+    for r in rows:
+        assert r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
+        assert r["num_tokens"] == int(arrays["num_tokens"][r["blocks"]].sum())
+
+
 def check_views(dash: Dashboard, step: int, browser: BrowserPool) -> None:
     """Every view at ``step`` against the trace read directly; the pool as the browser holds it."""
     trace, v = dash.trace, dash.views
@@ -325,10 +334,8 @@ def test_a_view_is_usable_alone():
     pool = BlockPoolView(trace, step=2)
     assert pool.step == 2 and (BrowserPool(pool).state == trace.pool_arrays(2)["state"]).all()
     tables = BlockTablesView(trace, step=2)  # alone, it sends its own tables
-    arrays, rows = trace.pool_arrays(2), decode_tables(tables.table_ids, tables.tables)
-    assert tables.pool is None and {r["id"]: r["blocks"] for r in rows} == tables_of(trace, 2)
-    assert all(r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
-               and r["num_tokens"] == arrays["num_tokens"][r["blocks"]].sum() for r in rows)
+    assert tables.pool is None
+    assert_rows_match(trace, 2, decode_tables(tables.table_ids, tables.tables))
     sent = []
     pool.send = lambda content, buffers=None: sent.append(content)
     b = int(np.flatnonzero(trace.pool_arrays(2)["num_tokens"])[0])
@@ -759,12 +766,7 @@ def test_a_block_tables_view_alone_sends_its_tables_as_one_binary_buffer():
     for step, (state, paths, buffers) in zip(trace.step_ids[1:], log, strict=True):
         assert state["step"] == step and "tables" not in state and paths in ([], [["tables"]])
         held.update(state, **{path[0]: buf for path, buf in zip(paths, buffers)})  # (a trait is sent when it changed)
-        rows = decode_tables(held["table_ids"], held["tables"])
-        arrays = trace.pool_arrays(step)
-        assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
-        for r in rows:
-            assert r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
-            assert r["num_tokens"] == int(arrays["num_tokens"][r["blocks"]].sum())
+        assert_rows_match(trace, step, decode_tables(held["table_ids"], held["tables"]))
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")
@@ -791,11 +793,7 @@ console.log(JSON.stringify(input.map(([ids, b64]) => kvsDecodeTables(ids, Uint8A
     decoded = json.loads(run.stdout)
     assert any(len(rows) > 1 for rows in decoded) and any(max(r["refs"]) > 1 for rows in decoded for r in rows)
     for step, rows in zip(trace.step_ids, decoded):
-        arrays = trace.pool_arrays(step)
-        assert {r["id"]: r["blocks"] for r in rows} == tables_of(trace, step)
-        for r in rows:
-            assert r["refs"] == arrays["ref_count"][r["blocks"]].tolist()
-            assert r["num_tokens"] == int(arrays["num_tokens"][r["blocks"]].sum())
+        assert_rows_match(trace, step, rows)
 
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the view's JavaScript")
