@@ -1472,6 +1472,25 @@ def test_missing_extra_names_the_install_command(monkeypatch):
         kvscope.attach("tcp://127.0.0.1:1")
 
 
+@pytest.mark.parametrize("missing", ["zmq", "msgspec", "pandas"])
+def test_a_missing_module_of_the_extra_is_named_alone_with_what_needs_it(monkeypatch, missing):
+    """The ImportError names the one module that is missing, not the others of the extra (it said
+    "pyzmq and msgspec" whichever it was, and a missing pandas reached attach unexplained), and
+    what needs it: ``kvscope.attach`` or ``kv_events_config`` (``LLM`` asks before the weights load)."""
+    from kvscope.attach.publisher import EngineKVEvents
+
+    monkeypatch.setitem(sys.modules, missing, None)
+    others = [module for module in ("zmq", "msgspec", "pandas") if module != missing]
+    for call, needed_by in ((lambda: kvscope.attach("tcp://127.0.0.1:1"), "kvscope.attach"),
+                            (EngineKVEvents.require_dependencies, "kv_events_config")):
+        with pytest.raises(ImportError) as err:
+            call()
+        message = str(err.value)
+        assert not any(other in message for other in others), message
+        assert message.startswith(f"{needed_by} needs {missing}"), message
+        assert message.endswith('install it with pip install "kvscope[attach]"'), message
+
+
 # ----------------------------------------------------------------------------- kvscope as a publisher
 def replay_kv_events(kv) -> list[set]:
     """The cached-hash set after each step of ``trace.kv_events()`` that has events (one batch each)."""

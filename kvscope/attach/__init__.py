@@ -14,6 +14,7 @@ import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
 from kvscope.arg_checks import MAX_HWM, MAX_PORT, check_int, is_finite_number, offset_endpoint, tcp_port
+from kvscope.attach._deps import MODULES, require
 from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from kvscope.attach.wire import INT64_MAX
 
@@ -49,6 +50,8 @@ def attach(
     With ``data_parallel_size=n`` each address stands for ranks 0..n-1 on port + r, as vLLM binds them.
     ``max_message_bytes`` bounds each message frame: ZMQ refuses a larger one at its header, unread.
     """
+    for module in MODULES:  # before attached imports pandas: a missing one is named with the extra
+        require(module, "kvscope.attach")
     from kvscope.attach.attached import Attached
     from kvscope.attach.subscriber import Stream
 

@@ -5,14 +5,17 @@ import importlib
 from types import ModuleType
 
 INSTALL = 'pip install "kvscope[attach]"'
+MODULES = ("zmq", "msgspec", "pandas")  # what the extra installs, by import name
+_PACKAGES = {"zmq": "pyzmq"}  # an import name that is not its pip package's name
 
 
-def require(module: str) -> ModuleType:
-    """Import ``module`` (``zmq``, ``msgspec``), or raise an ImportError naming the extra to install."""
+def require(module: str, needed_by: str) -> ModuleType:
+    """Import ``module``, or raise an ImportError naming it, ``needed_by`` (the feature or argument
+    that asked for it) and the extra to install: the reader must know which piece is missing and why."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(
-            f"kvscope.attach needs {module!r} (pyzmq and msgspec), which is not installed ({exc}); "
-            f"install it with {INSTALL}"
-        ) from exc
+        package = _PACKAGES.get(module)
+        named = f"{module} (the {package} package)" if package else module
+        raise ImportError(f"{needed_by} needs {named}, which does not import ({exc}); "
+                          f"install it with {INSTALL}") from exc

@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from kvscope.arg_checks import offset_endpoint
-from kvscope.attach._deps import INSTALL, require
+from kvscope.attach._deps import MODULES, require
 from kvscope.attach.wire import END_SEQ, Codec, cleared, removed, seq_bytes, stored
 from kvscope.trace.events import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -50,7 +50,7 @@ class KVEventPublisher:
     def __init__(self, endpoint: str = "tcp://*:5557", replay_endpoint: str | None = None,
                  buffer_steps: int = 10_000, hwm: int = 100_000, topic: str = "",
                  data_parallel_rank: int = 0, bind: bool | None = None) -> None:
-        zmq = require("zmq")
+        zmq = require("zmq", "KVEventPublisher")
         self._zmq = zmq
         self._codec = Codec()
         self.topic = topic.encode()
@@ -160,13 +160,11 @@ class EngineKVEvents:
 
     @staticmethod
     def require_dependencies() -> None:
-        """Import pandas, which the recorder needs: ``LLM`` calls this before the weights load,
-        so that a missing one is refused at once, not once they have loaded."""
-        try:
-            import pandas  # noqa: F401
-        except ImportError as exc:
-            raise ImportError(f"kv_events_config needs pandas, which does not import ({exc}): its events come "
-                              f"from a kvscope recorder, which uses it; install it with {INSTALL}") from exc
+        """Import the attach extra (pandas too: the events come from a kvscope recorder): ``LLM``
+        calls this before the weights load, so that a missing one is refused at once, naming
+        ``kv_events_config``, not once they have loaded."""
+        for module in MODULES:
+            require(module, "kv_events_config")
 
     def __init__(self, engine: Any, publisher: KVEventPublisher) -> None:
         from kvscope.trace.recorder import Recorder

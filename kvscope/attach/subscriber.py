@@ -122,7 +122,7 @@ class Subscriber:
     def __init__(self, streams: list[Stream], topic: str, apply: ApplyFn, reset: ResetFn,
                  hwm: int = 100_000, replay_timeout: float = 2.0, idle_probe: float = 1.0,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        zmq = require("zmq")
+        zmq = require("zmq", "kvscope.attach")
         self._zmq = zmq
         self.max_message_bytes = max_message_bytes
         self.streams, self.apply, self.reset = streams, apply, reset

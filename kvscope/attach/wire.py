@@ -73,7 +73,7 @@ def event_structs(array_like: bool) -> types.SimpleNamespace:
     Fields are typed as vLLM declares them (a hash is an int or bytes, ``ExternalBlockHash``), and
     integers bounded to what an int64 column holds: an event that breaks these would otherwise
     reach the cache (an unhashable hash) or the tables (an int they cannot hold) and fail there."""
-    msgspec = require("msgspec")
+    msgspec = require("msgspec", "kvscope.attach.wire")
     opts = dict(gc=False, array_like=array_like)
     Hash = Union[int, bytes]
     Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
@@ -123,7 +123,7 @@ class Codec:
     """
 
     def __init__(self) -> None:
-        msgspec = require("msgspec")
+        msgspec = require("msgspec", "kvscope.attach.wire")
         self._typed = [msgspec.msgpack.Decoder(event_structs(a).KVEventBatch).decode for a in (False, True)]
         self._raw = msgspec.msgpack.Decoder().decode
         self._encode = msgspec.msgpack.Encoder().encode
