@@ -89,6 +89,46 @@ def test_hooks_fire_by_tier_first_then_after_first_then_the_others() -> None:
     assert order == ["first 2", "first 1", "after 1", "after 2", "plain 1", "plain 2"]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_listener_that_raises_keyboard_interrupt_lets_the_recordings_other_listeners_have_the_step(
+        async_scheduling: bool) -> None:
+    """Two listeners stop the run with ``KeyboardInterrupt`` at the 2nd recorded step, between
+    two that only watch. The interrupt stopped the recorder's loop over its listeners, so the
+    listeners after it missed that one step; now each gets it, and the call raises the first
+    interrupt once all have run, as for a hook's. No listener is reported or detached, and the
+    engine serves on unharmed."""
+    llm = make_llm(async_scheduling=async_scheduling)
+    seen: dict[str, list[int]] = {name: [] for name in ("before", "stop 1", "stop 2", "after")}
+    stops = {"stop 1": KeyboardInterrupt("stop 1"), "stop 2": KeyboardInterrupt("stop 2")}
+
+    def listener(name: str) -> Callable[[object], None]:
+        def fn(record) -> None:
+            seen[name].append(record.step)
+            if name in stops and len(seen["before"]) == 2:  # (the 2nd recorded step: "before" runs first)
+                raise stops[name]
+        return fn
+
+    with warnings.catch_warnings(record=True) as caught, llm.record("blocks") as trace:
+        warnings.simplefilter("always")
+        for name in seen:
+            trace.add_listener(listener(name))
+        with pytest.raises(KeyboardInterrupt) as raised:
+            llm.generate([[3, 4, 5, 6]], greedy(4), use_tqdm=False)
+        again = token_ids(llm.generate([[7, 8, 9]], greedy(3), use_tqdm=False))
+    assert raised.value is stops["stop 1"]
+    assert not [w for w in caught if "raised and was detached" in str(w.message)]
+    assert all(steps == trace.step_ids for steps in seen.values()), seen
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    fresh = make_llm()
+    assert again == token_ids(fresh.generate([[7, 8, 9]], greedy(3), use_tqdm=False))
+    prompt = [[3, 4, 5, 6]]
+    assert token_ids(llm.generate(prompt, greedy(4), use_tqdm=False)) == token_ids(
+        fresh.generate(prompt, greedy(4), use_tqdm=False))
+
+
 @pytest.mark.parametrize("where", ["start", "stop"])
 def test_a_ctrl_c_while_a_recording_starts_or_stops_leaves_no_recorder_attached(
         where: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -211,7 +211,9 @@ class Recorder:
         packed before it is called, one pack per step. ``block_events=False`` says ``fn`` leaves
         them alone (it may find them ``None``), so the recording keeps packing them a chunk of
         steps at a time; a read of the trace still finds every record's events.
-        A listener that raises is reported with a RuntimeWarning and detached, like a hook.
+        A listener that raises is reported with a RuntimeWarning and detached, like a hook; one
+        that raises ``KeyboardInterrupt`` or ``SystemExit`` stops the call as a hook's does, once
+        every listener has had the step.
         """
         if not callable(fn):
             raise TypeError(f"listener must be callable, got {type(fn).__name__}")
@@ -295,16 +297,26 @@ class Recorder:
 
     def _call_listeners(self, info: "StepInfo") -> None:
         """Hand each listener the record of the step that just ended (none if it left the ring
-        buffer already, or went unrecorded: a step stepped by a ``first`` hook of the user's)."""
+        buffer already, or went unrecorded: a step stepped by a ``first`` hook of the user's).
+
+        A listener's ``KeyboardInterrupt`` or ``SystemExit`` is a stop, not a fault: the other
+        listeners still get the record, then the first one is raised, for the hook registry to
+        hold as a Ctrl-C."""
         rec = next((r for r in reversed(self.records) if r.step == info.step), None)
         if rec is None:
             return
+        stop: BaseException | None = None
         for key, (fn, _) in list(self._listeners.items()):
             try:
                 fn(rec)
             except Exception:
                 warn_detached(fn, "trace listener")
                 self._listeners.pop(key, None)
+            except BaseException as exc:
+                if stop is None:
+                    stop = exc
+        if stop is not None:
+            raise stop
 
     def _step_rows(self, info: "StepInfo") -> Scheduled:
         """Step n's rows: built once, when they were launched, in this
