@@ -298,12 +298,14 @@ class Recorder:
     def _call_listeners(self, info: "StepInfo") -> None:
         """Hand each listener the record of the step that just ended (none if it left the ring
         buffer already, or went unrecorded: a step stepped by a ``first`` hook of the user's).
+        The search stops at the first older record: those after the step's own are of steps run
+        inside its ``step.end``, so later ones.
 
         A listener's ``KeyboardInterrupt`` or ``SystemExit`` is a stop, not a fault: the other
         listeners still get the record, then the first one is raised, for the hook registry to
         hold as a Ctrl-C."""
-        rec = next((r for r in reversed(self.records) if r.step == info.step), None)
-        if rec is None:
+        rec = next((r for r in reversed(self.records) if r.step <= info.step), None)
+        if rec is None or rec.step != info.step:
             return
         stop: BaseException | None = None
         for key, (fn, _) in list(self._listeners.items()):
