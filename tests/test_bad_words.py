@@ -3,11 +3,17 @@ torch reference that bans a word's last token after its other tokens, under asyn
 (the newest output still on the device), chunked prefill, preemption and parallel sampling."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from engine_helpers import bias_logits, greedy, make_llm, token_ids
 from kvscope import SamplingParams
+from kvscope.engine.scheduler_output import TokenHistory
+from kvscope.runner.bad_words import BadWords
+from kvscope.runner.logit_adjustments import Adjustments
+from kvscope.runner.token_counts import Histories, TokenCounts
 from test_logit_adjustments import CONFIGS
 from tiny_models import load_hf_model, tiny_checkpoint
 
@@ -114,3 +120,106 @@ def test_bad_words_without_a_tokenizer_are_refused_at_add_request():
         llm.add_request([5, 6, 7], greedy(3, bad_words=["ab"]))
     assert not llm.has_unfinished_requests()
     assert token_ids(llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False))[0]
+
+
+def _upload(values, dtype: torch.dtype) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=dtype)
+
+
+def _banned(words: list[list[int]], outputs: list[int]) -> set[int]:
+    """The tokens ``words`` ban after ``outputs`` (the one in flight included)."""
+    return {w[-1] for w in words if len(w) - 1 <= len(outputs) and outputs[len(outputs) - len(w) + 1:] == w[:-1]}
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_each_ban_is_every_word_matched_with_the_newest_outputs(seed):
+    """Random words (several banning one token, some repeated) over random histories, with
+    outputs in flight for every row, some or none, for a whole batch and for a part of it, and
+    without any history: each ban against the words matched one by one."""
+    rng = random.Random(seed)
+    vocab, alphabet = 9, 3  # (few tokens: words match often)
+    for _ in range(30):
+        size = rng.randrange(1, 9)
+        histories = []
+        for _ in range(size):
+            prompt = rng.randrange(0, 3)
+            histories.append(TokenHistory([rng.randrange(alphabet) for _ in range(prompt + rng.randrange(5))], prompt))
+        everyone = rng.random() < 0.3
+        flying = [i for i in range(size) if everyone or rng.random() < 0.5]
+        flown = [rng.randrange(alphabet) for _ in flying]
+        batch = Histories(list(range(size)), histories, flying, torch.tensor(flown) if flying else None)
+        part = sorted(rng.sample(range(size), rng.randrange(1, size + 1))) if rng.random() < 0.5 else None
+        rows = list(range(size)) if part is None else part
+        words = [[[rng.randrange(alphabet) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(4))]
+                 for _ in rows]
+        logits = torch.randn(len(rows), vocab)
+        without = rng.random() < 0.15
+        got = BadWords(words, _upload).ban(logits.clone(), None if without else batch, _upload, part)
+        want = logits.clone()
+        for k, i in enumerate(rows):
+            h = histories[i]
+            outputs = [] if without else h.token_ids[h.num_prompt_tokens:] + (
+                [flown[flying.index(i)]] if i in flying else [])
+            for token in _banned(words[k], outputs):
+                want[k, token] = float("-inf")
+        assert torch.equal(got, want)
+
+
+class _Tokenizer:
+    """Each space-separated piece of a word is one token: ``"t4 t1"`` is ``[4, 1]``."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [int(piece[1:]) for piece in text.split()]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_looks_up_each_rows_tokens_once_and_adjusts_each_row_as_alone(seed):
+    """Rows with penalties, bad words, both, a bias alone and nothing, over steps whose rows
+    gain outputs on the host and in flight: the batch asks for its rows' tokens once a step,
+    for the rows with penalties or bad words only, and adjusts each row as a batch of that
+    row alone does."""
+    rng = random.Random(seed)
+    vocab, alphabet = 12, 4
+    words = ["t1", "t2 t3", "t0 t1 t2", "t3 t3"]
+    kinds = [dict(repetition_penalty=1.7, frequency_penalty=0.4), dict(bad_words=words[:3]),
+             dict(presence_penalty=0.9, bad_words=words[1:]), dict(logit_bias={2: 1.5}), dict()]
+    params = []
+    for _ in range(9):
+        p = SamplingParams(temperature=0.0, **rng.choice(kinds))
+        p.update_from_tokenizer(_Tokenizer())
+        params.append(p)
+    prompts = [[rng.randrange(alphabet) for _ in range(rng.randrange(1, 4))] for _ in params]
+    histories = [TokenHistory(prompt, len(prompt)) for prompt in prompts]
+    flying: dict[int, int] = {}  # row -> its output in flight
+    asked: list[list[int]] = []
+
+    def history_of(which: list[int], rows: list[int] | None = None) -> Histories:
+        rows = which if rows is None else rows
+        at = [k for k, i in enumerate(rows) if i in flying]
+        tokens = torch.tensor([flying[rows[k]] for k in at]) if at else None
+        return Histories(rows, [histories[i] for i in rows], at, tokens)
+
+    def asking(which: list[int]) -> Histories:
+        asked.append(which)
+        return history_of(which)
+
+    batch = Adjustments.of(params, vocab, torch.device("cpu"), _upload)
+    alone = [Adjustments.of([p], vocab, torch.device("cpu"), _upload) for p in params]
+    counts = TokenCounts(torch.device("cpu"), _upload)
+    own_counts = [TokenCounts(torch.device("cpu"), _upload) for _ in params]
+    for _ in range(12):
+        for i, h in enumerate(histories):
+            if i in flying and rng.random() < 0.8:
+                h.token_ids.append(flying.pop(i))  # (or else it is lost)
+            h.token_ids.extend(rng.randrange(alphabet) for _ in range(rng.choice((0, 1, 1, 2))))
+            if rng.random() < 0.6:
+                flying[i] = rng.randrange(alphabet)
+            else:
+                flying.pop(i, None)
+        logits = torch.randn(len(params), vocab)
+        asked.clear()
+        got = batch.apply(logits, asking, counts, _upload)
+        assert asked == [[i for i, p in enumerate(params) if p.penalizes or p.bad_words]]
+        for i, adjustments in enumerate(alone):
+            want = adjustments.apply(logits[i:i + 1], lambda _, i=i: history_of([0], [i]), own_counts[i], _upload)
+            assert torch.equal(got[i:i + 1], want), (i, params[i])

@@ -85,6 +85,36 @@ def test_every_read_equals_counts_built_from_whole_histories(seed):
     assert len(counts) == 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_part_of_a_batch_reads_as_those_rows_alone(seed):
+    """Rows ``part`` of a batch (what a batch reads when its rows with bad words are not all
+    its penalized rows): each read equals counts built afresh for those rows alone, whether
+    every row, some or none has an output in flight, and a row left out of one read is right
+    when a later one reads it."""
+    rng = random.Random(seed)
+    counts = TokenCounts(torch.device("cpu"), lambda values, dtype: torch.as_tensor(values, dtype=dtype))
+    seqs = []
+    for _ in range(10):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 6))]
+        seqs.append(_Seq(prompt, len(prompt)))
+    for _ in range(40):
+        everyone = rng.random() < 0.3
+        for s in seqs:
+            if s.flying is not None and rng.random() < 0.7:
+                s.token_ids.append(s.flying)  # the host has it now (or else it is lost)
+            s.token_ids += [rng.randrange(VOCAB) for _ in range(rng.choice((0, 0, 1, 2)))]
+            s.flying = rng.randrange(VOCAB) if everyone or rng.random() < 0.5 else None
+        order = rng.sample(range(len(seqs)), rng.randrange(1, len(seqs) + 1))
+        part = sorted(rng.sample(range(len(order)), rng.randrange(1, len(order) + 1)))
+        flying = [i for i, k in enumerate(order) if seqs[k].flying is not None]
+        tokens = torch.tensor([seqs[order[i]].flying for i in flying]) if flying else None
+        batch = Histories(order, [seqs[k] for k in order], flying, tokens)
+        mask, got = counts.read(batch, VOCAB, part)
+        want_mask, want = _fresh([seqs[order[i]] for i in part])
+        assert torch.equal(mask, want_mask)
+        assert torch.equal(got, want)
+
+
 CONFIGS = [dict(), dict(async_scheduling=True), dict(num_kv_blocks=14, max_num_seqs=3, async_scheduling=True)]
 
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from kvscope.runner.bad_words import ban_bad_words
+from kvscope.runner.bad_words import BadWords
 from kvscope.runner.token_counts import HistoryOf, TokenCounts, Upload
 from kvscope.sampling_params import SamplingParams
 
@@ -38,11 +38,12 @@ class Adjustments:
 
     which: list[int]  # the rows, in batch order
     index: torch.Tensor  # int64 [m]: the same rows
-    penalized: list[int]  # the rows with penalties, in batch order
+    looked_up: list[int]  # the rows whose tokens are read (penalties, bad words), in batch order
+    penalized: list[int] | None  # the rows with penalties: their positions in ``looked_up`` (None: all)
     penalized_at: torch.Tensor  # int64 [p]: their positions in ``which``
-    worded: list[int]  # the rows with bad words, in batch order
+    worded: list[int] | None  # the rows with bad words: their positions in ``looked_up`` (None: all)
     worded_at: torch.Tensor  # int64 [w]: their positions in ``which``
-    words: list[list[list[int]]]  # each such row's bad words, as token ids
+    words: BadWords | None  # those rows' bad words (None: no row has any)
     allowed: torch.Tensor | None  # bool [m, vocab]: the tokens each may draw (None: no row limits them)
     bias: torch.Tensor | None  # float32 [m, vocab] (None: no row has a logit bias)
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # repetition, frequency, presence [p]
@@ -69,39 +70,49 @@ class Adjustments:
             penalties = tuple(upload([float(getattr(mine[k], name)) for k in at], torch.float32)
                               for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
         worded = [k for k, p in enumerate(mine) if p.bad_words_token_ids]
-        return cls(which, upload(which, torch.int64), [which[k] for k in at], upload(at, torch.int64),
-                   [which[k] for k in worded], upload(worded, torch.int64),
-                   [mine[k].bad_words_token_ids for k in worded], allowed, bias, penalties,
-                   len(which) == len(params))
+        looked_up = sorted({*at, *worded})  # (a row with both has its tokens looked up once)
+        return cls(which, upload(which, torch.int64), [which[k] for k in looked_up], _positions(at, looked_up),
+                   upload(at, torch.int64), _positions(worded, looked_up), upload(worded, torch.int64),
+                   BadWords([mine[k].bad_words_token_ids for k in worded], upload) if worded else None,
+                   allowed, bias, penalties, len(which) == len(params))
 
     def apply(self, logits: torch.Tensor, history_of: HistoryOf | None, counts: TokenCounts,
               upload: Upload, kernels: ModuleType | None = None) -> torch.Tensor:
         """float32 ``logits`` with these rows adjusted (a new tensor), in vLLM's order: tokens
         outside their allowed set at -inf, then the bad words' banned tokens, then the bias
         added, then the penalties on the rows' tokens (``history_of``, through ``counts``).
-        Without ``history_of``, a row has no tokens yet: its bad words of one token are banned,
-        and its penalties change nothing. ``kernels`` (:mod:`kvscope.kernels.triton_penalties`)
-        penalizes the rows in one pass, reading the counts where they are kept; without it,
-        torch does."""
+        ``history_of`` is asked once, for the rows with bad words or penalties or both: a look-up
+        costs the host per row. Without it, a row has no tokens yet: its bad words of one token
+        are banned, and its penalties change nothing. ``kernels``
+        (:mod:`kvscope.kernels.triton_penalties`) penalizes the rows in one pass, reading the
+        counts where they are kept; without it, torch does."""
         rows = logits[self.index]
         if self.allowed is not None:
             rows = rows.masked_fill(~self.allowed, float("-inf"))
-        if self.worded:
+        batch = history_of(self.looked_up) if history_of is not None and self.looked_up else None
+        if self.words is not None:
             at = self.worded_at
-            batch = history_of(self.worded) if history_of is not None else None
-            rows = rows.index_put((at,), ban_bad_words(rows[at], self.words, batch, upload))
+            rows = rows.index_put((at,), self.words.ban(rows[at], batch, upload, self.worded))
         if self.bias is not None:
             rows = rows + self.bias
-        if self.penalties is not None and history_of is not None:
+        if self.penalties is not None and batch is not None:
             at = self.penalized_at
             if kernels is not None:  # (in place: ``rows`` is this call's own copy)
-                seen = counts.locate(history_of(self.penalized), rows.shape[1])
+                seen = counts.locate(batch, rows.shape[1], self.penalized)
                 kernels.penalize_(rows, at, seen.prompt_mask, seen.output_counts, seen.pool_rows, seen.in_flight,
                                   *self.penalties)
             else:
-                seen = counts.read(history_of(self.penalized), rows.shape[1])
+                seen = counts.read(batch, rows.shape[1], self.penalized)
                 rows = rows.index_put((at,), apply_penalties(rows[at], *seen, *self.penalties))
         return rows if self.every_row else logits.index_put((self.index,), rows)
+
+
+def _positions(some: list[int], every: list[int]) -> list[int] | None:
+    """Where the entries of ``some`` are in ``every`` (both ascending); None when they are all of it."""
+    if len(some) == len(every):
+        return None
+    place = {k: i for i, k in enumerate(every)}
+    return [place[k] for k in some]
 
 
 def _pairs(per_row: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
