@@ -58,7 +58,7 @@ class KvscopeMagics(Magics):
         if args.target == "attach":
             return self._attach(args)
         if args.endpoints:
-            raise ValueError(f"%kvscope: unexpected arguments {args.endpoints} (only 'attach' takes endpoints)")
+            raise UsageError(f"%kvscope: unexpected arguments {args.endpoints} (only 'attach' takes endpoints)")
         options = dict(views=args.views, level=args.level,
                        max_steps=args.max_steps, interval=args.interval, max_load=args.max_load)
         from kvscope.demo import demo
@@ -72,9 +72,9 @@ class KvscopeMagics(Magics):
             finally:
                 dash.detach()
         elif args.target is None:
-            raise ValueError("usage: %kvscope llm | %kvscope trace | %kvscope demo (see %kvscope?)")
+            raise UsageError("usage: %kvscope llm | %kvscope trace | %kvscope demo (see %kvscope?)")
         else:  # (--html: a live dashboard would export the nothing it recorded so far, then stay attached)
-            source = None if args.target == "demo" else self._resolve(args.target)
+            source = None if args.target == "demo" else _source(args.target, self._resolve(args.target))
             if args.html and not isinstance(source, Trace):
                 raise UsageError("%kvscope: --html exports a recorded Trace, and a live dashboard has recorded "
                                  "nothing yet: give it a Trace, or use it in cell mode (%%kvscope --html ...)")
@@ -128,7 +128,7 @@ class KvscopeMagics(Magics):
         import kvscope
 
         if not args.endpoints:
-            raise ValueError("usage: %kvscope attach tcp://host:5557 [tcp://host2:5557 ...] (see %kvscope?)")
+            raise UsageError("usage: %kvscope attach tcp://host:5557 [tcp://host2:5557 ...] (see %kvscope?)")
         split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
         attached = kvscope.attach(args.endpoints, topic=args.topic, replay_endpoints=split(args.replay),
                                   metrics_urls=split(args.metrics))
@@ -138,11 +138,13 @@ class KvscopeMagics(Magics):
 
     def _resolve(self, name: str) -> Any:
         """The value of the target expression ``name`` in the notebook; one that fails to
-        evaluate is refused naming it, with the error it raised chained."""
+        evaluate is refused naming it, with the error it raised chained (a name that is a
+        directory, as ``Trace.save`` writes, is told how to load it)."""
         try:
             return eval(name, self.shell.user_ns)  # noqa: S307 - the user's own expression
         except NameError:
-            raise NameError(f"%kvscope: {name!r} is not defined in the notebook") from None
+            hint = f" (a saved trace? t = kvscope.Trace.load({name!r}), then %kvscope t)" if Path(name).is_dir() else ""
+            raise UsageError(f"%kvscope: {name!r} is not defined in the notebook{hint}") from None
         except Exception as e:
             raise UsageError(f"%kvscope: the target {name!r} raised {type(e).__name__}: {e}") from e
 
@@ -153,15 +155,23 @@ class KvscopeMagics(Magics):
             if isinstance(source, Trace):
                 raise UsageError(f"%%kvscope: {name!r} is a Trace; cell mode records an LLM while the cell "
                                  f"runs (replay a Trace with %kvscope {name})")
-            return source
+            return _source(name, source)
         from kvscope.llm import LLM
 
         found = [k for k, v in self.shell.user_ns.items() if isinstance(v, LLM) and not k.startswith("_")]
         if len(found) != 1:
-            raise ValueError(
+            raise UsageError(
                 f"%%kvscope: name the LLM to watch (found {len(found)} LLM variables: {', '.join(found) or 'none'})"
             )
         return self.shell.user_ns[found[0]]
+
+
+def _source(name: str, value: Any) -> Any:
+    """``value``, the target ``name``'s, if a dashboard can show it (an LLM or a Trace); else
+    refused naming the target (the dashboard's own TypeError named neither)."""
+    if isinstance(value, Trace) or hasattr(value, "record"):
+        return value
+    raise UsageError(f"%kvscope: the target {name!r} is of type {type(value).__name__}, not an LLM or a kvscope.Trace")
 
 
 def _built(make: Any, *args: Any, **options: Any) -> Any:

@@ -79,12 +79,50 @@ def test_demo_runs_on_the_bundled_model(ip):
 
 
 def test_errors_name_the_fix(ip):
-    with pytest.raises(ValueError, match="usage"):
+    with pytest.raises(UsageError, match="usage"):
         ip.run_line_magic("kvscope", "")
-    with pytest.raises(NameError, match="nope"):
+    with pytest.raises(UsageError, match="nope"):
         ip.run_line_magic("kvscope", "nope")
     with pytest.raises(UsageError, match="--nope"):
         ip.run_line_magic("kvscope", "llm --nope")
+
+
+@pytest.mark.parametrize("line,cell,says", [
+    ("", None, "usage: %kvscope llm"),
+    ("nope", None, "'nope' is not defined in the notebook"),
+    ("demo extra", None, "unexpected arguments ['extra']"),
+    ("attach", None, "usage: %kvscope attach"),
+    ("unset", None, "the target 'unset' is of type NoneType, not an LLM or a kvscope.Trace"),
+    ("5", None, "the target '5' is of type int, not an LLM or a kvscope.Trace"),
+    ("", "x = 1", "%%kvscope: name the LLM to watch (found 0 LLM variables"),
+    ("unset", "x = 1", "the target 'unset' is of type NoneType, not an LLM"),
+])
+def test_a_refused_line_is_one_usage_error_line_not_a_traceback(ip, line, cell, says):
+    """Jupyter shows a UsageError as one line, ``UsageError: ...``; these refusals were a
+    ValueError, NameError or TypeError, each a traceback through the magic's own code. Nothing
+    runs: no cell, no demo, no recording."""
+    ip.user_ns.update(unset=None)
+    for name in [k for k, v in ip.user_ns.items() if type(v).__name__ == "LLM"]:
+        del ip.user_ns[name]
+    ip.user_ns.pop("x", None)
+    threads = set(threading.enumerate())
+    with pytest.raises(UsageError) as refused:
+        if cell is None:
+            ip.run_line_magic("kvscope", line)
+        else:
+            ip.run_cell_magic("kvscope", line, cell)
+    assert type(refused.value) is UsageError and says in str(refused.value)  # (IPython's test: its exact type)
+    assert "x" not in ip.user_ns and set(threading.enumerate()) <= threads
+
+
+def test_a_target_naming_a_saved_trace_directory_says_how_to_load_it(ip, tmp_path, monkeypatch):
+    """``%kvscope saved_trace`` with no such variable, where a directory of that name exists:
+    the refusal says to load it with ``kvscope.Trace.load``."""
+    (tmp_path / "saved_trace").mkdir()
+    monkeypatch.chdir(tmp_path)
+    ip.user_ns.pop("saved_trace", None)
+    with pytest.raises(UsageError, match=re.escape("kvscope.Trace.load('saved_trace')")):
+        ip.run_line_magic("kvscope", "saved_trace")
 
 
 def test_a_target_that_is_none_or_fails_to_evaluate_is_refused_naming_it(ip):
@@ -93,7 +131,7 @@ def test_a_target_that_is_none_or_fails_to_evaluate_is_refused_naming_it(ip):
     that raises is refused naming the expression and its error (a bare KeyError before)."""
     ip.user_ns.update(unset=None, d={})
     threads = set(threading.enumerate())
-    with pytest.raises(TypeError, match="must be an LLM .* or a kvscope.Trace .*got NoneType"):
+    with pytest.raises(UsageError, match="the target 'unset' is of type NoneType, not an LLM or a kvscope.Trace"):
         ip.run_line_magic("kvscope", "unset")
     assert set(threading.enumerate()) <= threads  # no demo run started
     for target, error in (("d['t']", "KeyError: 't'"), ("1/0", "ZeroDivisionError")):
@@ -237,7 +275,7 @@ def test_attach_magic_shows_the_attach_dashboard(ip):
         finally:
             dash.detach()
             src.close()
-    with pytest.raises(ValueError, match="usage: %kvscope attach"):
+    with pytest.raises(UsageError, match="usage: %kvscope attach"):
         ip.run_line_magic("kvscope", "attach")
 
 
