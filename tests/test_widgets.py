@@ -846,3 +846,75 @@ def test_scrubbing_a_replay_reads_the_lifecycle_once_and_shows_it_at_every_step(
         assert [life.requests[i]["id"] for i in cols[:, 0]] == want["request_id"].tolist()
         assert cols[:, 2:4].tolist() == want[["start_step", "end_step"]].to_numpy().tolist()
     assert len(reads) - before == 0
+
+
+class FakeKernel:
+    """What a live dashboard reads of ipykernel: the execute request running now, with the
+    ``cellId`` JupyterLab and Notebook 7 put in its metadata."""
+
+    def __init__(self) -> None:
+        self.parent: dict = {}
+
+    def run(self, cell: str, execution: int) -> None:
+        self.parent = {"header": {"msg_id": f"execute-{execution}"}, "metadata": {"cellId": cell}}
+
+    def get_parent(self) -> dict:
+        return self.parent
+
+
+def test_running_again_the_cell_that_made_a_live_dashboard_detaches_that_dashboard(monkeypatch):
+    """Running a cell again replaces its output, and with it the live dashboard it showed; that
+    dashboard stayed attached, recording every step and pushing updates to widgets nobody sees
+    (JupyterLab logged an error per timeline update, and a few re-runs left as many updater
+    threads and recordings). Now the new dashboard of that cell detaches it; a dashboard of
+    another cell, and a second one the same run of the cell makes, stay live."""
+    import IPython
+
+    kernel = FakeKernel()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": kernel})())
+    llm, other = make_llm(**ENGINE), make_llm(**ENGINE)
+    made: list[Dashboard] = []
+
+    def live(source, interval: float = 0.001) -> Dashboard:
+        made.append(Dashboard(source, interval=interval, max_load=1.0))
+        return made[-1]
+
+    try:
+        kernel.run("cell-a", 1)
+        first = live(llm, interval=10.0)  # (one update, then none for 10 s)
+        beside = live(other)  # the same run of the cell: both stay
+        llm.generate(PROMPTS[:2], greedy(3), use_tqdm=False)
+        wait_for(lambda: first.num_updates >= 1)
+        llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False)  # steps its updater has not shown
+        kernel.run("cell-b", 2)
+        elsewhere = live(llm)
+        assert not any(d._closed for d in made)
+        shown = first.slider.max
+        assert shown < first.trace.step_ids[-1]
+        kernel.run("cell-a", 3)
+        again = live(llm)
+        assert first._closed and beside._closed and not elsewhere._closed
+        assert "detached" in first.status.value
+        # its output is gone: no last update of its views (the timeline's logged an error in the browser)
+        assert first.slider.max == shown
+        llm.generate(PROMPTS[:2], greedy(3), use_tqdm=False)
+        newest = llm.llm_engine.scheduler.step_count
+        assert again.trace.step_ids[-1] == elsewhere.trace.step_ids[-1] == newest
+        assert not first.trace.step_ids or first.trace.step_ids[-1] < newest
+        assert len(llm.hooks.block_sinks) == 2
+        assert [t.name for t in threading.enumerate()].count("kvscope-dashboard") == 2
+    finally:
+        for d in made:
+            d.detach()
+
+
+def test_outside_a_kernel_every_live_dashboard_stays_attached():
+    """No kernel (a script, IPython's terminal, the test shell): no cell to tell re-runs by, so
+    dashboards detach only when told to."""
+    llm = make_llm(**ENGINE)
+    dashes = [Dashboard(llm, interval=0.001, max_load=1.0) for _ in range(2)]
+    try:
+        assert not any(d._closed for d in dashes)
+    finally:
+        for d in dashes:
+            d.detach()

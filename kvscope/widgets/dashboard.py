@@ -14,6 +14,7 @@ import html
 import threading
 import time
 import traceback
+import weakref
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
@@ -76,7 +77,9 @@ class Dashboard:
     """Block pool, queues, block tables, request lifecycle, slot mapping and timeline over one trace.
 
     ``Dashboard(llm)`` is live: every later ``llm.generate`` (in any cell) updates it, until
-    :meth:`detach`. ``Dashboard(trace)`` replays a recorded or loaded trace with a step slider.
+    :meth:`detach`, or until the Jupyter cell that made it runs again (which replaces its output:
+    the new run's dashboard detaches it). ``Dashboard(trace)`` replays a recorded or loaded trace
+    with a step slider.
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
     ``views`` picks the views (a list of names, or one str of names separated by commas;
@@ -113,6 +116,9 @@ class Dashboard:
         self.interval, self.max_load = check_interval(interval), check_max_load(max_load)
         self.llm = source if hasattr(source, "record") else None
         self._closed = self.llm is None
+        self._made_in = _running_cell() if self.llm is not None else None
+        if self._made_in is not None:
+            _detach_made_in_earlier_run(self._made_in)
         self._listener = self._recording = None
         if self.llm is not None:
             self._recording = self.llm.record(level=level, max_steps=max_steps)
@@ -142,6 +148,8 @@ class Dashboard:
             frozen_heap.hold()
             self._updater = threading.Thread(target=self._update_loop, name="kvscope-dashboard", daemon=True)
             self._updater.start()
+            if self._made_in is not None:
+                _LIVE.add(self)
 
     # ------------------------------------------------------------------ layout
     def _build_layout(self) -> None:
@@ -368,6 +376,12 @@ class Dashboard:
 
     def detach(self) -> None:
         """Stop recording and updating; the dashboard stays as a replay of what it recorded."""
+        self._detach(show_last=True)
+
+    def _detach(self, show_last: bool) -> None:
+        """:meth:`detach`; ``show_last=False`` skips the views' last update, for a dashboard
+        whose output is gone (the plotly timeline logs an error in the browser for an update
+        to a figure it no longer shows)."""
         if self.llm is None or self._closed:
             return
         if self._run is not None:
@@ -376,11 +390,13 @@ class Dashboard:
         self._listener.remove()
         self._recording.__exit__(None, None, None)
         self._closed = True
+        _LIVE.discard(self)
         self._kick.set()
         self._wake.set()
         self._updater.join()
         try:
-            self._refresh()
+            if show_last:
+                self._refresh()
             self._set_status()
         finally:
             frozen_heap.release(collect=True)
@@ -398,6 +414,37 @@ class Dashboard:
         return export_html(self.trace, path, step=self._shown,
                            selected_request=self.views["pool"].selected_request if "pool" in self.views else "",
                            **kwargs)
+
+
+# The live dashboards made in a Jupyter cell (those whose ``_made_in`` is known).
+_LIVE: "weakref.WeakSet[Dashboard]" = weakref.WeakSet()
+
+
+def _running_cell() -> tuple[str, str] | None:
+    """``(cell id, execute request id)`` of the Jupyter cell running now, from the request's
+    metadata (JupyterLab and Notebook 7 send ``cellId``); None outside a kernel, or from a
+    front end that names no cell."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    get_parent = getattr(getattr(get_ipython(), "kernel", None), "get_parent", None)
+    parent = get_parent() if get_parent is not None else None
+    if not isinstance(parent, dict):
+        return None
+    cell = (parent.get("metadata") or {}).get("cellId")
+    request = (parent.get("header") or {}).get("msg_id")
+    return (cell, request) if isinstance(cell, str) and request else None
+
+
+def _detach_made_in_earlier_run(made_in: tuple[str, str]) -> None:
+    """Detach the live dashboards an earlier run of cell ``made_in[0]`` made: running the cell
+    again replaced its output, so nobody sees them, yet each kept recording the engine and
+    updating its widgets (a background run of theirs is waited for, as ``detach`` does)."""
+    cell, request = made_in
+    for dash in list(_LIVE):
+        if dash._made_in is not None and dash._made_in[0] == cell and dash._made_in[1] != request:
+            dash._detach(show_last=False)
 
 
 def dashboard(source: Any, **kwargs: Any) -> "Dashboard | AttachDashboard":
