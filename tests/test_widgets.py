@@ -918,3 +918,18 @@ def test_outside_a_kernel_every_live_dashboard_stays_attached():
     finally:
         for d in dashes:
             d.detach()
+
+
+def test_a_live_dashboard_does_not_say_idle_while_a_cell_generates():
+    """``llm.generate`` in a cell runs the engine in the kernel's own thread, not a background
+    run: the status said "live · idle" while the views moved step by step. It says "live"."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    seen: list[str] = []
+    llm.hooks.add("step.end", lambda info: seen.append(dash.status.value))
+    try:
+        llm.generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+        wait_for(lambda: dash.step == dash.trace.step_ids[-1])
+    finally:
+        dash.detach()
+    assert seen and all(s.startswith("live · ") and "idle" not in s for s in seen)

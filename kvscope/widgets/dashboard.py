@@ -77,9 +77,9 @@ class Dashboard:
     """Block pool, queues, block tables, request lifecycle, slot mapping and timeline over one trace.
 
     ``Dashboard(llm)`` is live: every later ``llm.generate`` (in any cell) updates it, until
-    :meth:`detach`, or until the Jupyter cell that made it runs again (which replaces its output:
-    the new run's dashboard detaches it). ``Dashboard(trace)`` replays a recorded or loaded trace
-    with a step slider.
+    :meth:`detach`, or until a new run of the Jupyter cell that made it (which replaced its
+    output) makes another live dashboard. ``Dashboard(trace)`` replays a recorded or loaded
+    trace with a step slider.
     Display it like any widget (the last expression of a cell, or ``display(dash)``).
 
     ``views`` picks the views (a list of names, or one str of names separated by commas;
@@ -363,7 +363,7 @@ class Dashboard:
         elif running:
             text = "background run · pausing…" if self.gate.paused else "background run · running"
         else:
-            text = "detached · replay" if self._closed else "live · idle"
+            text = "detached · replay" if self._closed else "live"  # (a cell's own generate may be running)
         text += kv_pool_label(self.trace.meta)
         if self._shown is not None:
             text += f" · showing step {self._shown}"
