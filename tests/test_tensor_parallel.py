@@ -23,7 +23,7 @@ import torch
 
 from engine_helpers import greedy, make_llm, token_ids
 from kvscope import LLM, SamplingParams
-from kvscope.distributed.channel import ChannelWriter
+from kvscope.distributed.channel import NAME_PREFIX, ChannelWriter
 from kvscope.distributed.executor import TensorParallelError
 from kvscope.model_source import BUNDLED_MODEL
 from tiny_models import ARCHS, load_hf_model, tiny_checkpoint
@@ -329,3 +329,53 @@ def test_async_tp_matches_single_rank_with_seeded_sampling_stops_logprobs_and_an
         assert finished[ids[0]] == "abort" and set(finished) == set(ids)
         assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(expected)
         llm.check_invariants()
+
+
+def test_ctrl_c_while_shutdown_waits_for_a_worker_still_releases_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C landing while shutdown() waits for a worker to leave (a second one, say, as a
+    ``with LLM(...)`` block exits after the first) is raised once the workers, rank 0's shard and
+    the shared memory are released. Landing half-way, it left the channel linked and rank 0's
+    weights and KV pool held for good: the engine was already marked closed."""
+    before = _shm()
+    llm = make_llm(tensor_parallel_size=2, num_kv_blocks=16)
+    created = _created_by(llm, before)
+    ranks = llm.llm_engine.executor._ranks
+    (worker,) = ranks.procs
+    join = worker.join
+
+    def interrupted_join(timeout: float | None = None) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        join(timeout)
+
+    monkeypatch.setattr(worker, "join", interrupted_join)
+    with pytest.raises(KeyboardInterrupt):
+        llm.shutdown()
+    _assert_released(llm, created)
+    assert ranks.runner is None
+
+
+@pytest.mark.parametrize("workers_too", [False, True], ids=["rank 0 alone", "every rank"])
+def test_ctrl_c_as_a_worker_is_spawned_raises_keyboard_interrupt_and_leaves_no_worker(
+        monkeypatch: pytest.MonkeyPatch, workers_too: bool) -> None:
+    """A Ctrl-C right as LLM() spawns its worker: a notebook's interrupt reaches rank 0 alone, a
+    terminal's every process of its group, killing the worker still starting. Either way LLM()
+    raises KeyboardInterrupt, not a TensorParallelError blaming the worker the Ctrl-C killed, and
+    neither the worker nor the channel outlives it. Landing between the spawn and its record, the
+    Ctrl-C left that worker starting up unseen by the teardown."""
+    process = type(mp.get_context("spawn").Process())
+    start = process.start
+    spawned: list[mp.process.BaseProcess] = []
+
+    def interrupted_start(self: mp.process.BaseProcess) -> None:
+        start(self)
+        spawned.append(self)
+        if workers_too:
+            os.kill(self.pid, signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(process, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        make_llm(tensor_parallel_size=2, num_kv_blocks=16)  # (in this thread: only it gets the Ctrl-C)
+    (worker,) = spawned
+    assert not worker.is_alive()
+    assert not [n for n in _shm() if n.startswith(f"{NAME_PREFIX}{os.getpid()}_")]

@@ -19,6 +19,7 @@ channel's shared memory.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import signal
 import threading
@@ -28,7 +29,7 @@ import warnings
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -69,6 +70,27 @@ def rank_devices(base: torch.device, tp_size: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(tp_size)]
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT, which only the main thread receives) until the block ends, then
+    hand it to the handler it would have reached, as the engine's ``deferred_interrupts``
+    does: this layer sits below the engine and cannot import it. Inside the engine's own
+    deferral, that handler holds it in turn."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(signal.SIGINT, None)
+        elif held and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+
 class _Ranks:
     """Rank 0's runner, the spawned ranks, and everything shared with them. ``close`` must work
     from any state, because it also runs from a finalizer (which must not hold the executor)."""
@@ -88,14 +110,17 @@ class _Ranks:
         self._stop_watch: Connection | None = None
 
     def start(self, args: list[WorkerArgs]) -> None:
-        for a, doorbell in zip(args, self.doorbells):
-            receive, send = self.ctx.Pipe(duplex=False)
-            proc = self.ctx.Process(target=worker_main, args=(a, doorbell, send), daemon=True,
-                                    name=f"kvscope-tp-rank{a.rank}")
-            proc.start()
-            send.close()  # the worker holds the only write end: EOF means it is gone
-            self.procs.append(proc)
-            self.replies.append(receive)
+        """Spawn the workers. A Ctrl-C lands once every started one is in ``procs``: landing
+        between a spawn and its record, it left that worker to ``close`` unseen."""
+        with _ctrl_c_held():
+            for a, doorbell in zip(args, self.doorbells):
+                receive, send = self.ctx.Pipe(duplex=False)
+                proc = self.ctx.Process(target=worker_main, args=(a, doorbell, send), daemon=True,
+                                        name=f"kvscope-tp-rank{a.rank}")
+                proc.start()
+                send.close()  # the worker holds the only write end: EOF means it is gone
+                self.procs.append(proc)
+                self.replies.append(receive)
 
     # ------------------------------------------------------------ waiting
     def watched(self, fn: Callable[[], T]) -> T:
@@ -199,37 +224,39 @@ class _Ranks:
     # ------------------------------------------------------------ closing
     def close(self) -> None:
         """Stop every worker (politely if the group is healthy), free rank 0's shard, release
-        the group and unlink the shared memory."""
+        the group and unlink the shared memory. A Ctrl-C lands once all that is done: it is
+        marked closed at once, so one landing half-way left the rest undone for good."""
         if self.closed:
             return
-        self.closed = True
-        if self._stop_watch is not None:
-            self._stop_watch.close()  # the watchdog's wait sees EOF and returns without aborting
-        alive = [p for p in self.procs if p.is_alive()]
-        if alive and self.failure is None:
-            self.channel.send(("shutdown",))
-            for p in alive:
-                p.join(_STOP_GRACE_S)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(_STOP_GRACE_S)
-            if p.is_alive():
-                p.kill()
-                p.join(_STOP_GRACE_S)
-            if p.is_alive():  # e.g. stuck in the GPU driver: never hang the caller on it
-                warnings.warn(f"kvscope tensor-parallel worker (pid {p.pid}) survived SIGKILL for "
-                              f"{_STOP_GRACE_S:.0f} s; leaving it behind", RuntimeWarning, stacklevel=2)
-        for conn in self.replies:
-            conn.close()
-        self.channel.close()
-        self.doorbells.clear()  # the last references: their named semaphores are unlinked on collection
-        if self.runner is not None:
-            self.runner.shutdown()  # first: its CUDA graphs pin the NCCL communicator
-            self.runner = None
-        if self.group is not None:
-            release_group(self.group, self.device, _STOP_GRACE_S)
-        self.group = self.store = None
+        with _ctrl_c_held():
+            self.closed = True
+            if self._stop_watch is not None:
+                self._stop_watch.close()  # the watchdog's wait sees EOF and returns without aborting
+            alive = [p for p in self.procs if p.is_alive()]
+            if alive and self.failure is None:
+                self.channel.send(("shutdown",))
+                for p in alive:
+                    p.join(_STOP_GRACE_S)
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(_STOP_GRACE_S)
+                if p.is_alive():
+                    p.kill()
+                    p.join(_STOP_GRACE_S)
+                if p.is_alive():  # e.g. stuck in the GPU driver: never hang the caller on it
+                    warnings.warn(f"kvscope tensor-parallel worker (pid {p.pid}) survived SIGKILL for "
+                                  f"{_STOP_GRACE_S:.0f} s; leaving it behind", RuntimeWarning, stacklevel=2)
+            for conn in self.replies:
+                conn.close()
+            self.channel.close()
+            self.doorbells.clear()  # the last references: their named semaphores are unlinked on collection
+            if self.runner is not None:
+                self.runner.shutdown()  # first: its CUDA graphs pin the NCCL communicator
+                self.runner = None
+            if self.group is not None:
+                release_group(self.group, self.device, _STOP_GRACE_S)
+            self.group = self.store = None
 
 
 def _capture(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
@@ -310,12 +337,20 @@ class TensorParallelExecutor:
 
     def _raise_failure(self, exc: BaseException) -> None:
         """Tear everything down after ``exc``, then raise the worker's failure when one caused
-        it (rank 0's own error, e.g. a broken collective, is then only its symptom), else ``exc``."""
+        it (rank 0's own error, e.g. a broken collective, is then only its symptom), else ``exc``.
+
+        A Ctrl-C (or ``SystemExit``) is raised as it is, without waiting for a worker's report:
+        a terminal's Ctrl-C reaches the workers too, and kills one still starting, whose death
+        is then its symptom. The teardown happens even when a second Ctrl-C cuts the wait short."""
         ranks = self._ranks
         worker_failed = isinstance(exc, TensorParallelError)
-        reason = str(exc) if worker_failed else ranks.find_failure(_REPORT_GRACE_S)
-        ranks.failure = reason or f"rank 0 raised {type(exc).__name__}: {exc}"
-        self.shutdown()
+        reason = str(exc) if worker_failed else None
+        try:
+            if not worker_failed and isinstance(exc, Exception):
+                reason = ranks.find_failure(_REPORT_GRACE_S)
+        finally:
+            ranks.failure = reason or f"rank 0 raised {type(exc).__name__}: {exc}"
+            self.shutdown()
         if reason is None or worker_failed:
             raise exc
         raise TensorParallelError(reason) from exc
