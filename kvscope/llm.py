@@ -12,7 +12,7 @@ from kvscope.arg_checks import check_text
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
-from kvscope.engine.interrupts import deferred_interrupts, interrupt_pending
+from kvscope.interrupts import deferred_interrupts, interrupt_pending
 from kvscope.engine.llm_engine import LLMEngine, PromptType
 from kvscope.generation_defaults import read_defaults
 from kvscope.model_source import resolve_model_dir, resolve_tokenizer_dir

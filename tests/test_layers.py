@@ -31,6 +31,7 @@ LAYER_OF: dict[str, str] = {
     "kvscope.models": "models",
     "kvscope.layers": "layers",
     "kvscope.forward_context": "forward_context",
+    "kvscope.interrupts": "interrupts",
     "kvscope.kernels": "kernels",
 }
 
@@ -38,20 +39,22 @@ LAYER_OF: dict[str, str] = {
 # docs/ARCHITECTURE.md, "Layers". "contract" is the engine's side of the runner's interface
 # (SchedulerOutput, the Executor protocol): the runner sees the engine only through it.
 ALLOWED: dict[str, set[str]] = {
-    "api": {"widgets", "attach", "trace", "engine", "contract", "data", "distributed", "runner", "models"},
+    "api": {"widgets", "attach", "trace", "engine", "contract", "data", "distributed", "runner", "models",
+            "interrupts"},
     "widgets": {"attach", "trace", "data"},
     "attach": {"trace", "engine", "data"},
     "trace": {"engine", "contract", "data"},
-    "engine": {"contract", "data"},
+    "engine": {"contract", "data", "interrupts"},
     "contract": {"data"},
     "data": set(),
-    "distributed": {"runner", "models", "kernels", "parallel_state", "contract", "data"},
+    "distributed": {"runner", "models", "kernels", "parallel_state", "contract", "data", "interrupts"},
     "runner": {"models", "layers", "kernels", "forward_context", "parallel_state", "contract", "data"},
     "models": {"layers", "parallel_state"},
     "layers": {"kernels", "forward_context", "parallel_state"},
     "forward_context": {"kernels"},
     "kernels": set(),
     "parallel_state": set(),
+    "interrupts": set(),
 }
 
 

@@ -17,7 +17,7 @@ import kvscope.llm as llm_module
 from engine_helpers import (assert_same_outputs, batch_draws_short_of_memory, drain, greedy, make_llm, run_together,
                             token_ids)
 from kvscope.engine.hooks import HOOK_POINTS
-from kvscope.engine.interrupts import deferred_interrupts
+from kvscope.interrupts import deferred_interrupts
 from kvscope.engine.validator import InvariantError
 from kvscope.sampling_params import SamplingParams
 

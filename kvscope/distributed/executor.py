@@ -19,7 +19,6 @@ channel's shared memory.
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import signal
 import threading
@@ -29,7 +28,7 @@ import warnings
 import weakref
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, TypeVar
 
 import torch
 
@@ -41,6 +40,7 @@ from kvscope.distributed.step_message import encode_step
 from kvscope.distributed.worker import WorkerArgs, worker_main
 from kvscope.engine.executor import StepHandle, StepResult
 from kvscope.engine.scheduler_output import SchedulerOutput
+from kvscope.interrupts import deferred_interrupts
 from kvscope.kernels.select import select_backend
 from kvscope.models import spec_for
 from kvscope.runner.model_runner import ModelRunner, resolve_device
@@ -70,27 +70,6 @@ def rank_devices(base: torch.device, tp_size: int) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(tp_size)]
 
 
-@contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT, which only the main thread receives) until the block ends, then
-    hand it to the handler it would have reached, as the engine's ``deferred_interrupts``
-    does: this layer sits below the engine and cannot import it. Inside the engine's own
-    deferral, that handler holds it in turn."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(signal.SIGINT, None)
-        elif held and previous == signal.SIG_DFL:
-            raise KeyboardInterrupt
-
-
 class _Ranks:
     """Rank 0's runner, the spawned ranks, and everything shared with them. ``close`` must work
     from any state, because it also runs from a finalizer (which must not hold the executor)."""
@@ -112,7 +91,7 @@ class _Ranks:
     def start(self, args: list[WorkerArgs]) -> None:
         """Spawn the workers. A Ctrl-C lands once every started one is in ``procs``: landing
         between a spawn and its record, it left that worker to ``close`` unseen."""
-        with _ctrl_c_held():
+        with deferred_interrupts():
             for a, doorbell in zip(args, self.doorbells):
                 receive, send = self.ctx.Pipe(duplex=False)
                 proc = self.ctx.Process(target=worker_main, args=(a, doorbell, send), daemon=True,
@@ -228,7 +207,7 @@ class _Ranks:
         marked closed at once, so one landing half-way left the rest undone for good."""
         if self.closed:
             return
-        with _ctrl_c_held():
+        with deferred_interrupts():
             self.closed = True
             if self._stop_watch is not None:
                 self._stop_watch.close()  # the watchdog's wait sees EOF and returns without aborting

@@ -4,7 +4,7 @@ The engine asks ``hooks.active(name)`` before it builds a payload, so a hook poi
 listener costs one dict lookup. A hook that raises is reported with its traceback and
 detached; the engine goes on. A hook's ``KeyboardInterrupt`` or ``SystemExit`` stops the call
 as a Ctrl-C does: the engine finishes the transition, and the call raises it
-(:func:`kvscope.engine.interrupts.hold`).
+(:func:`kvscope.interrupts.hold`).
 
 Block events are the busiest hook points (a prefill step of a large batch fires thousands), so
 besides hooks they go to *block sinks*: plain lists that receive each event as a
@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from kvscope.engine.interrupts import hold
+from kvscope.interrupts import hold
 
 BLOCK_EVENTS: tuple[str, ...] = (
     "block.allocated",  # a free block taken (its old cached content, if any, evicted first)

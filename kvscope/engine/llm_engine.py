@@ -29,7 +29,7 @@ from kvscope.engine.detokenizer import IncrementalDetokenizer, final_text
 from kvscope.engine.executor import DoneStep, Executor, StepHandle, StepResult
 from kvscope.engine.hooks import HookRegistry
 from kvscope.engine.input_checks import check_request_ids
-from kvscope.engine.interrupts import atomic, interrupt_pending
+from kvscope.interrupts import atomic, interrupt_pending
 from kvscope.engine.parallel_sampling import ParentRequest, child_params, child_request_ids
 from kvscope.engine.request import Request
 from kvscope.engine.scheduler import Scheduler
