@@ -45,7 +45,10 @@ def deferred_interrupts() -> Iterator[None]:
             if swap:
                 _held.clear()
             if raised is not None:
-                raise raised
+                try:
+                    raise raised
+                finally:  # this frame is in the traceback: holding the exception would be a cycle
+                    raised = None
             if signalled:
                 _deliver(previous)
 

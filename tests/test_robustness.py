@@ -6,9 +6,11 @@ passes, and greedy tokens equal a fresh engine's.
 from __future__ import annotations
 
 import contextlib
+import gc
 import signal
 import threading
 import warnings
+import weakref
 from typing import Any, Iterator
 
 import pytest
@@ -1184,3 +1186,34 @@ def test_generate_beside_another_threads_add_request_waits_for_it_rather_than_re
     assert got == fresh_tokens(PROMPTS) and len(added) == 1
     drain(llm)
     assert_healthy(llm)
+
+
+@pytest.mark.parametrize("stop", ["KeyboardInterrupt", "SystemExit", "SIGINT"])
+def test_an_engine_stopped_by_a_hooks_keyboard_interrupt_is_freed_by_del_alone(stop: str) -> None:
+    """After a hook's ``KeyboardInterrupt`` (or ``SystemExit``, or a real Ctrl-C) stopped
+    ``generate``, ``del llm`` frees the engine at once, as it does after a call that ran to its
+    end: the held exception used to reach itself through its traceback's frame, a cycle only
+    the garbage collector broke, so the engine's pool (and a tensor-parallel engine's workers)
+    stayed held until it ran."""
+    kind = SystemExit if stop == "SystemExit" else KeyboardInterrupt
+
+    def hook(**_) -> None:
+        if stop == "SIGINT":
+            signal.raise_signal(signal.SIGINT)
+        else:
+            raise kind("stop")
+
+    gc.collect()
+    gc.disable()
+    try:
+        llm = make_llm(**CONFIG)
+        with llm.hooks({"step.scheduled": hook}):
+            try:
+                llm.generate(PROMPTS, greedy(4), use_tqdm=False)
+            except kind:
+                pass
+        engine = weakref.ref(llm.llm_engine)
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()
