@@ -57,7 +57,7 @@ def time_steps(rows: int, vocab: int, steps: int, prompt: int, words_every: int,
     """Median CPU seconds of one step's ``Adjustments.apply``."""
     from kvscope.engine.scheduler_output import TokenHistory
     from kvscope.runner.logit_adjustments import Adjustments
-    from kvscope.runner.token_counts import Histories, TokenCounts
+    from kvscope.runner.token_counts import Histories, TokenCounts, histories_of
     from kvscope.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -77,16 +77,11 @@ def time_steps(rows: int, vocab: int, steps: int, prompt: int, words_every: int,
     last_sample = torch.zeros(rows, dtype=torch.int64)  # the tokens the last step drew, by row
     sample_row = torch.arange(rows).numpy()
 
+    def in_flight_tokens(flying: list[int]) -> torch.Tensor:
+        return last_sample[upload(sample_row[flying], torch.int64)]
+
     def history_of(which: list[int]) -> Histories:
-        picked = [source[i] for i in which]
-        histories = [r.history for r in picked]
-        flying = [k for k, (i, h) in enumerate(zip(which, histories))
-                  if index[i] > len(h.token_ids) - h.num_prompt_tokens]
-        tokens = None
-        if flying:
-            at = sample_row[[which[k] for k in flying]]
-            tokens = last_sample[upload(at, torch.int64)]
-        return Histories([r.seq_id for r in picked], histories, flying, tokens)
+        return histories_of(source, which, index, in_flight_tokens)
 
     counts = TokenCounts(device, upload)
     adjustments = Adjustments.of(params, vocab, device, upload)

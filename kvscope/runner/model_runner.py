@@ -36,7 +36,7 @@ from kvscope.runner.inputs import BlockTables, StepInputs, build_step_inputs
 from kvscope.runner.packed_inputs import DeviceInputs, PackedLayout, pack, views
 from kvscope.runner.prompt_logprobs import PromptLogprobs, prompt_positions
 from kvscope.runner.sampler import DeviceSample, Sampler
-from kvscope.runner.token_counts import Histories
+from kvscope.runner.token_counts import Histories, histories_of
 from kvscope.sampling_params import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -606,18 +606,12 @@ class ModelRunner:
         # (A steady step's rows are made only when read; its requests carry the same histories.)
         source = rows.reqs if type(rows) is DecodeRows else rows
 
+        def in_flight_tokens(flying: list[int]) -> torch.Tensor:
+            return self._last_sample[self.sampler.upload(self._sample_row[table_rows[flying]], torch.int64)]
+
         def history_of(which: list[int]) -> Histories:
-            """Penalized rows' tokens. A row whose output index is past its known outputs has
-            that output in flight (async scheduling): the last step sampled it on the device."""
-            picked = [source[i] for i in which]
-            histories = [r.history for r in picked]
-            flying = [k for k, (i, h) in enumerate(zip(which, histories))
-                      if index[i] > len(h.token_ids) - h.num_prompt_tokens]
-            tokens = None
-            if flying:
-                at = self._sample_row[table_rows[[which[k] for k in flying]]]
-                tokens = self._last_sample[self.sampler.upload(at, torch.int64)]
-            return Histories([r.seq_id for r in picked], histories, flying, tokens)
+            """Penalized rows' tokens, outputs in flight read from the last step's draw."""
+            return histories_of(source, which, index, in_flight_tokens)
 
         try:
             return self.sampler.sample(logits, params, index, stop_token_ids_of, history_of), {}

@@ -48,6 +48,26 @@ class Located:
 
 HistoryOf = Callable[[list[int]], Histories]  # a batch's row numbers -> those rows' tokens
 
+
+class Row(Protocol):
+    """A scheduled row as :func:`histories_of` reads it."""
+
+    seq_id: int
+    history: History
+
+
+def histories_of(source: Sequence[Row], which: list[int], index: Sequence[int],
+                 in_flight_tokens: Callable[[list[int]], torch.Tensor]) -> Histories:
+    """Rows ``which`` of ``source`` as :class:`TokenCounts` reads them. A row whose output index
+    (``index``) is past its known outputs has that output in flight (async scheduling): the last
+    step sampled it on the device, and ``in_flight_tokens`` (given those rows' numbers) reads it there."""
+    picked = [source[i] for i in which]
+    histories = [r.history for r in picked]
+    flying = [k for k, (i, h) in enumerate(zip(which, histories))
+              if index[i] > len(h.token_ids) - h.num_prompt_tokens]
+    tokens = in_flight_tokens([which[k] for k in flying]) if flying else None
+    return Histories([r.seq_id for r in picked], histories, flying, tokens)
+
 _TOKEN_IDS = attrgetter("token_ids")
 _NEWEST = itemgetter(-1)
 GROWTH = 64  # rows added at a time: the pool is copied whenever it grows
