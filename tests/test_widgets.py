@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
@@ -445,11 +446,11 @@ def test_the_paused_status_comes_when_the_steps_update_ran_before_the_hold(follo
     dash.follow.value = follow  # unticked: the user keeps the step shown (none yet)
     hold, seen = dash.gate.wait, []
 
-    def late_hold(on_hold) -> None:
+    def late_hold(on_hold, stop) -> None:
         if not seen:
             wait_for(lambda: dash.num_updates == 1)  # the update the first step woke is over
             seen.append(dash.status.value)
-        hold(on_hold)
+        hold(on_hold, stop)
 
     dash.gate.wait = late_hold
     dash.pause()
@@ -536,6 +537,141 @@ def test_a_generate_while_paused_says_the_run_is_paused_instead_of_waiting_for_e
     assert not alive and len(errors) == 1, "the call waited for the paused run"
     assert re.match(rf"LLM\.{call}: another thread's call has not stepped the engine for 1 s", str(errors[0]))
     assert token_ids(run.result(timeout=30)) == want
+    dash.detach()
+
+
+def fresh_tokens(async_scheduling: bool = False) -> list[list[int]]:
+    """The background runs' tokens from an engine nothing ran on before."""
+    llm = make_llm(async_scheduling=async_scheduling, **ENGINE)
+    return token_ids(llm.generate(PROMPTS, greedy(12), use_tqdm=False))
+
+
+def assert_stopped(run, llm) -> None:
+    """The run's Future says it was stopped, and the engine kept nothing of it: no request, no
+    step in flight (async scheduling), every block free, its tables consistent."""
+    with pytest.raises(CancelledError, match=r"stopped by Dashboard\.stop\(\)") as stopped:
+        run.result(timeout=30)
+    assert isinstance(stopped.value.__cause__, KeyboardInterrupt)
+    assert not llm.has_unfinished_requests()
+    llm.check_invariants()
+    assert llm.llm_engine.block_manager.num_free_blocks == ENGINE["num_kv_blocks"]
+
+
+def assert_live_after_stop(dash: Dashboard, llm, want: list[list[int]]) -> None:
+    """After a stop the dashboard is as live as before: a new background run gives a fresh
+    engine's tokens, and the cell's own generate moves the views."""
+    wait_for(lambda: dash.stop_button.disabled)  # (the status follows the Future's end)
+    assert "stopping" not in dash.status.value
+    run = dash.generate_async(PROMPTS, greedy(12))
+    assert token_ids(run.result(timeout=30)) == want
+    shown = dash.trace.step_ids[-1]
+    llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False)
+    newest = dash.trace.step_ids[-1]
+    assert newest > shown
+    wait_for(lambda: dash.step == newest)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_ends_the_background_run_after_the_step_under_way(async_scheduling):
+    """Stop ends a running background run at the next point between two steps, as a Ctrl-C
+    there would (generate aborts its requests); the Future raises CancelledError, where
+    ``Future.cancel`` did nothing and a Ctrl-C in the notebook only ended the wait. The stop
+    comes after the dashboard's listener had the step (a hook of the user's, later, waits for
+    it) and still lands before the next step is launched. The trace keeps the steps run, the
+    last one the step launched already (under async scheduling the one after the step held,
+    read back as its requests are aborted)."""
+    want = fresh_tokens(async_scheduling)
+    llm = make_llm(async_scheduling=async_scheduling, **ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    reached, stopped = threading.Event(), threading.Event()
+    at, launched = [], []
+
+    def hold_third_step(info) -> None:
+        if threading.current_thread() is dash._bg_thread and len(at) < 3:
+            at.append(info.step)
+            if len(at) == 3:
+                launched.append(llm.llm_engine.scheduler.step_count)
+                reached.set()
+                stopped.wait(10)
+
+    hook = llm.hooks.add("step.end", hold_third_step)
+    run = dash.generate_async(PROMPTS, greedy(12))
+    assert reached.wait(10) and not dash.stop_button.disabled
+    dash.stop()
+    assert "stopping" in dash.status.value
+    stopped.set()
+    assert_stopped(run, llm)
+    hook.remove()
+    assert launched == [at[-1] + async_scheduling]
+    assert llm.llm_engine.scheduler.step_count == dash.trace.step_ids[-1] == launched[0], "a step ran after the stop"
+    assert_live_after_stop(dash, llm, want)
+    dash.detach()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_stop_while_paused_ends_the_run_with_no_further_step(async_scheduling):
+    """Paused between two steps, Stop ends the run there, even when Pause is pressed again
+    before the run wakes: no step after the one it was paused at (under async scheduling, the
+    one launched before the pause is read back as its requests are aborted, and no other)."""
+    want = fresh_tokens(async_scheduling)
+    llm = make_llm(async_scheduling=async_scheduling, **ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    wait_for(lambda: dash.gate.waiting)
+    dash.step_once()
+    wait_for(lambda: dash.gate.waiting and dash.trace.step_ids[-1] > dash.trace.step_ids[0])
+    held, launched = dash.trace.step_ids[-1], llm.llm_engine.scheduler.step_count
+    assert launched == held + async_scheduling
+    with dash.gate._cond:  # the run wakes only once Pause has come after the Stop
+        dash.stop()
+        dash.pause()
+    assert_stopped(run, llm)
+    assert llm.llm_engine.scheduler.step_count == dash.trace.step_ids[-1] == launched, "a step ran after the stop"
+    assert not dash.gate.paused  # the next run starts unpaused
+    assert_live_after_stop(dash, llm, want)
+    dash.detach()
+
+
+def test_stop_with_no_background_run_going_does_nothing():
+    """Before any run, after one has finished, and on a replay: stop() changes nothing, and a
+    stop after a run has finished does not reach the next run."""
+    want = fresh_tokens()
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    status = dash.status.value
+    dash.stop()
+    assert dash.status.value == status and dash.run_future is None and dash.stop_button.disabled
+    first = dash.generate_async(PROMPTS, greedy(12))
+    assert token_ids(first.result(timeout=30)) == want
+    dash.stop()
+    assert token_ids(first.result()) == want
+    second = dash.generate_async(PROMPTS, greedy(12))
+    assert token_ids(second.result(timeout=30)) == want
+    dash.detach()
+    replay = Dashboard(dash.trace)
+    replay.stop()
+    assert replay.status.value.startswith("replay")
+
+
+def test_the_stop_button_is_enabled_only_while_a_background_run_goes_and_clicking_it_stops_the_run():
+    """Stop sits beside Pause / Step / Resume and, like them, is enabled only during a
+    background run; clicking it is dash.stop()."""
+    want = fresh_tokens()
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    buttons = dash.widget.children[0].children
+    assert buttons[:4] == (dash.pause_button, dash.step_button, dash.resume_button, dash.stop_button)
+    assert dash.stop_button.icon == "stop" and "kvscope-stop" in dash.stop_button._dom_classes
+    assert dash.stop_button.disabled
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    wait_for(lambda: dash.gate.waiting)
+    assert not dash.stop_button.disabled
+    dash.stop_button.click()
+    assert_stopped(run, llm)
+    wait_for(lambda: all(b.disabled for b in buttons[:4]))
+    assert_live_after_stop(dash, llm, want)
     dash.detach()
 
 

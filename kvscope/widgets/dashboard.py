@@ -5,7 +5,7 @@ runs in the engine's thread and only queues the step's record and wakes an updat
 the engine never waits for the browser. The updater pushes each update as one batch per view,
 at most every ``interval`` seconds and rarer when updates are dear (``max_load``).
 ``generate_async`` runs the engine in a background thread so the kernel stays free, and
-Pause / Step / Resume hold that thread between two engine steps.
+Pause / Step / Resume hold that thread between two engine steps; Stop ends its run there.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 import weakref
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -44,15 +44,21 @@ class StepGate:
         self._credits = 0
         self.waiting = False
 
-    def wait(self, on_hold: Callable[[], None]) -> None:
-        """Return at once unless paused; else call ``on_hold`` and block until let through."""
+    def wait(self, on_hold: Callable[[], None], stop: threading.Event | None = None) -> None:
+        """Return at once unless paused; else call ``on_hold`` and block until let through.
+        Once ``stop`` is set it never blocks, so a run being stopped is not held by a Pause that
+        comes after the Stop (whoever sets ``stop`` wakes a waiter with :meth:`resume`)."""
         if not self.paused:  # the common case costs one attribute read
             return
+
+        def held() -> bool:
+            return self.paused and self._credits == 0 and not (stop is not None and stop.is_set())
+
         with self._cond:
-            if self._credits == 0:
+            if held():
                 self.waiting = True
                 on_hold()
-            while self.paused and self._credits == 0:
+            while held():
                 self._cond.wait()
             if self._credits:
                 self._credits -= 1
@@ -71,6 +77,28 @@ class StepGate:
         with self._cond:
             self.paused, self._credits, self.waiting = False, 0, False
             self._cond.notify_all()
+
+
+class _RunStop:
+    """One background run's stop: ``requested`` by :meth:`Dashboard.stop`, raised between two
+    steps once (``delivered``): not again from the steps the run's abort reads back, which
+    under async scheduling include the one launched before the stop."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.delivered = False
+
+
+class _Stopped(KeyboardInterrupt):
+    """What :meth:`Dashboard.stop` raises between two steps of the background run: a Ctrl-C to
+    ``LLM.generate`` (which aborts its requests), told apart from a hook's own Ctrl-C."""
+
+
+def _cancelled(stop: _Stopped) -> CancelledError:
+    """What a stopped run's Future raises: a Future's own word for a run that did not finish."""
+    error = CancelledError("the background run was stopped by Dashboard.stop(); the steps it ran stay in the trace")
+    error.__cause__ = stop
+    return error
 
 
 class Dashboard:
@@ -130,6 +158,9 @@ class Dashboard:
         self._wake, self._kick = threading.Event(), threading.Event()
         self.gate = StepGate()
         self._bg_thread: threading.Thread | None = None
+        # Asked by stop(); a new one for each background run, so a late stop never reaches the next run.
+        self._stop = _RunStop()
+        self._run_control = threading.Lock()  # a run's start against stop(): which run is going
         if self.llm is not None:
             self._listener = self.trace.add_listener(self._on_step, block_events=False)
         self.views = {name: VIEW_CLASSES[name]() for name in views}
@@ -172,12 +203,14 @@ class Dashboard:
             self.pause_button = W.Button(description="Pause", icon="pause", tooltip="hold the background run after this step")
             self.step_button = W.Button(description="Step", icon="step-forward", tooltip="run one engine step")
             self.resume_button = W.Button(description="Resume", icon="play", tooltip="continue the background run")
+            self.stop_button = W.Button(description="Stop", icon="stop",
+                                        tooltip="end the background run after this step (its requests are aborted)")
             for b, fn in ((self.pause_button, self.pause), (self.step_button, self.step_once),
-                          (self.resume_button, self.resume)):
+                          (self.resume_button, self.resume), (self.stop_button, self.stop)):
                 b.add_class(f"kvscope-{b.description.lower()}")
                 b.layout.width = "90px"
                 b.on_click(lambda _b, fn=fn: fn())
-            header = [self.pause_button, self.step_button, self.resume_button, self.follow] + header
+            header = [self.pause_button, self.step_button, self.resume_button, self.stop_button, self.follow] + header
         v = self.views
         body: list[W.Widget] = [W.HBox(header, layout=W.Layout(align_items="center", flex_flow="row wrap"))]
         body += [v[n] for n in ("pool",) if n in v]
@@ -262,13 +295,24 @@ class Dashboard:
 
     # --------------------------------------------------------------------- live
     def _on_step(self, record: Any) -> None:
-        """Trace listener, in the engine's thread: queue the record, wake the updater, and,
-        while paused, hold the background run once this step has ended: between two steps, so
-        the notebook's calls on the LLM go through meanwhile."""
+        """Trace listener, in the engine's thread: queue the record, wake the updater, and, in
+        the background run, look at Pause and Stop once this step has ended: between two steps,
+        so the notebook's calls on the LLM go through while it holds, and a stop leaves the
+        engine consistent. Looked at then, not now: a Pause or Stop that comes while the step
+        ends still lands before the next one."""
         self.series.add(record)
         self._wake.set()
-        if self.gate.paused and threading.current_thread() is self._bg_thread:
-            self.llm.call_between_steps(lambda: self.gate.wait(on_hold=self._on_hold))
+        if threading.current_thread() is self._bg_thread:
+            stop = self._stop  # (this run's: the next run's comes once this one is over)
+            self.llm.call_between_steps(lambda: self._hold_or_stop(stop))
+
+    def _hold_or_stop(self, stop: _RunStop) -> None:
+        """On the background run's thread between two steps: hold while paused, then end the
+        run if stopped; ``LLM.generate`` aborts its requests on the way out."""
+        self.gate.wait(on_hold=self._on_hold, stop=stop.requested)
+        if stop.requested.is_set() and not stop.delivered:
+            stop.delivered = True
+            raise _Stopped("the background run was stopped by Dashboard.stop()")
 
     def _on_hold(self) -> None:
         """The background run holds (the engine is idle): an update at once, which shows this
@@ -302,31 +346,46 @@ class Dashboard:
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:
         """Run ``llm.generate(prompts, sampling_params)`` in a background thread.
 
-        The kernel stays free, so Pause / Step / Resume and hovering work during the run, and
-        ``llm.add_request`` / ``abort_request`` from the notebook land at the run's next step.
-        Returns a ``concurrent.futures.Future`` of the outputs.
+        The kernel stays free, so Pause / Step / Resume / Stop and hovering work during the run,
+        and ``llm.add_request`` / ``abort_request`` from the notebook land at the run's next step.
+        Returns a ``concurrent.futures.Future`` of the outputs; after :meth:`stop` it raises
+        ``concurrent.futures.CancelledError`` (``Future.cancel`` cannot stop a running Future).
         """
         if self.llm is None or self._closed:
             raise RuntimeError("generate_async needs a live dashboard (kvscope.dashboard(llm))")
-        if self._run is not None and not self._run.done():
-            raise RuntimeError("a background run is still going; wait for dashboard.run_future")
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
 
         def target() -> None:
             try:
-                fut.set_result(self.llm.generate(prompts, sampling_params, use_tqdm=False))
+                outputs = self.llm.generate(prompts, sampling_params, use_tqdm=False)
+            except _Stopped as exc:
+                self._end_run(fut, exception=_cancelled(exc))
             except BaseException as exc:
-                fut.set_exception(exc)
-            finally:
-                self.gate.resume()
-                self._set_status()
+                self._end_run(fut, exception=exc)
+            else:
+                self._end_run(fut, outputs=outputs)
 
-        self._run = fut
-        self._bg_thread = threading.Thread(target=target, name="kvscope-generate", daemon=True)
-        self._bg_thread.start()
+        with self._run_control:
+            if self._run is not None and not self._run.done():
+                raise RuntimeError("a background run is still going; wait for dashboard.run_future "
+                                   "(or end it with dashboard.stop())")
+            self._stop = _RunStop()
+            self._run = fut
+            self._bg_thread = threading.Thread(target=target, name="kvscope-generate", daemon=True)
+            self._bg_thread.start()
         self._set_status()
         return fut
+
+    def _end_run(self, fut: Future, outputs: Any = None, exception: BaseException | None = None) -> None:
+        """Let the gate go, then settle the run's Future: in this order, so that a run started
+        as soon as the Future is done is not resumed by this one's end."""
+        self.gate.resume()
+        if exception is not None:
+            fut.set_exception(exception)
+        else:
+            fut.set_result(outputs)
+        self._set_status()
 
     @property
     def run_future(self) -> Future | None:
@@ -350,6 +409,19 @@ class Dashboard:
         self.gate.resume()
         self._set_status()
 
+    def stop(self) -> None:
+        """End the background run between two engine steps (at once if paused there), as a
+        Ctrl-C there would: ``Future.cancel`` cannot stop a running Future, and a Ctrl-C in the
+        notebook only ends the wait for it. ``LLM.generate`` aborts the run's requests, the trace
+        keeps the steps it ran, and :attr:`run_future` raises ``CancelledError``. No run going:
+        nothing happens."""
+        with self._run_control:
+            if self._run is None or self._run.done():
+                return
+            self._stop.requested.set()
+        self.gate.resume()  # (after the flag: a run held at the gate wakes to a stop)
+        self._set_status()
+
     def _set_status(self) -> None:
         with self._lock:  # also called from the background run's thread
             self._write_status()
@@ -360,6 +432,8 @@ class Dashboard:
             text = f"replay · {len(self.trace.step_ids)} steps recorded"
         elif running and self.gate.waiting:
             text = f"background run · paused at step {self.trace.step_ids[-1]}"
+        elif running and self._stop.requested.is_set():
+            text = "background run · stopping…"
         elif running:
             text = "background run · pausing…" if self.gate.paused else "background run · running"
         else:
@@ -371,7 +445,7 @@ class Dashboard:
             text += f' · <span title="{html.escape(self.last_error)}" style="color:#e63946">update error (hover)</span>'
         self.status.value = text
         if self.llm is not None:
-            for b in (self.pause_button, self.step_button, self.resume_button):
+            for b in (self.pause_button, self.step_button, self.resume_button, self.stop_button):
                 b.disabled = not running
 
     def detach(self) -> None:
