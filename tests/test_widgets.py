@@ -1044,6 +1044,37 @@ def test_running_again_the_cell_that_made_a_live_dashboard_detaches_that_dashboa
             d.detach()
 
 
+def test_running_again_the_cell_of_a_dashboard_with_a_background_run_stops_that_run(monkeypatch):
+    """The dashboard a re-run replaces may have a background run going (``%kvscope demo`` run
+    again, say): it is stopped, not waited for, so the re-run goes on at once; its requests are
+    aborted and its Future raises CancelledError. The new dashboard's run is unaffected."""
+    import IPython
+
+    kernel = FakeKernel()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: type("Shell", (), {"kernel": kernel})())
+    llm = make_llm(**ENGINE)
+    made: list[Dashboard] = []
+    try:
+        kernel.run("cell-a", 1)
+        made.append(Dashboard(llm, interval=0.001, max_load=1.0))
+        made[0].pause()  # held after its first step, so it is still going when the cell runs again
+        old = made[0].generate_async(PROMPTS, greedy(12))
+        wait_for(lambda: made[0].gate.waiting)
+        kernel.run("cell-a", 2)
+        made.append(Dashboard(llm, interval=0.001, max_load=1.0))
+        with pytest.raises(CancelledError):
+            old.result(timeout=60)
+        assert made[0]._closed and made[0].trace.step_ids[-1] <= 2
+        assert not llm.has_unfinished_requests()
+        new = made[1].generate_async(PROMPTS[:2], greedy(4))
+        fresh = make_llm(**ENGINE).generate(PROMPTS[:2], greedy(4), use_tqdm=False)
+        assert token_ids(new.result(timeout=60)) == token_ids(fresh)
+        llm.check_invariants()
+    finally:
+        for d in made:
+            d.detach()
+
+
 def test_outside_a_kernel_every_live_dashboard_stays_attached():
     """No kernel (a script, IPython's terminal, the test shell): no cell to tell re-runs by, so
     dashboards detach only when told to."""

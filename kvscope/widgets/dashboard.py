@@ -514,10 +514,12 @@ def _running_cell() -> tuple[str, str] | None:
 def _detach_made_in_earlier_run(made_in: tuple[str, str]) -> None:
     """Detach the live dashboards an earlier run of cell ``made_in[0]`` made: running the cell
     again replaced its output, so nobody sees them, yet each kept recording the engine and
-    updating its widgets (a background run of theirs is waited for, as ``detach`` does)."""
+    updating its widgets. A background run of theirs is stopped, not waited for: its controls
+    went with the output, and the re-run (``%kvscope demo`` again, say) would wait for it to end."""
     cell, request = made_in
     for dash in list(_LIVE):
         if dash._made_in is not None and dash._made_in[0] == cell and dash._made_in[1] != request:
+            dash.stop()
             dash._detach(show_last=False)
 
 
