@@ -35,6 +35,9 @@ class SamplingParams:
     computes its whole prompt, the prefix cache left unread). As in vLLM, ``-1`` for either asks
     for the whole vocabulary's, ``True`` is 1, and ``seed=-1`` is no seed.
 
+    As in vLLM, ``stop`` and ``bad_words`` read back as lists once checked: ``[]`` for none, a
+    lone string as a list of it.
+
     ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
     ``max_model_len``), as vLLM's does.
 
@@ -152,13 +155,12 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY; "
                              f"from kvscope import RequestOutputKind), got {self.output_kind!r}")
-        if self.bad_words is not None:
-            words = _as_list("bad_words", self.bad_words, str)
-            if any(not w.strip() for w in words):
-                raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
-            for i, word in enumerate(words):
-                check_text(f"bad_words[{i}]", word)
-            self.bad_words = words
+        words = _as_list("bad_words", self.bad_words, str)
+        if any(not w.strip() for w in words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+        for i, word in enumerate(words):
+            check_text(f"bad_words[{i}]", word)
+        self.bad_words = words  # (vLLM's: always a list, empty for none)
         self._stop_list = _as_list("stop", self.stop, str)
         if any(not s for s in self._stop_list):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -169,6 +171,7 @@ class SamplingParams:
                              f"detokenize=True to use stop={self.stop!r}, or stop on stop_token_ids")
         if self._stop_list and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(map(len, self._stop_list)) - 1
+        self.stop = self._stop_list  # (vLLM's: always a list, a lone string in one, empty for none)
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")

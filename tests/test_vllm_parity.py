@@ -191,3 +191,24 @@ def test_n_above_1_with_greedy_sampling_is_refused():
     with pytest.raises(ValueError, match=refused):
         llm.generate([PROMPT], later, use_tqdm=False)
     assert not llm.has_unfinished_requests()
+
+
+def test_stop_and_bad_words_read_back_as_lists_as_vllm_s_do():
+    """vLLM's ``SamplingParams.__post_init__`` (vllm/sampling_params.py at 00388f6, "if self.stop
+    is None: self.stop = [] / elif isinstance(self.stop, str): self.stop = [self.stop]", and
+    ``bad_words`` None -> ``[]``) leaves both lists, so ported code iterates or extends
+    ``params.stop`` whatever was given; kvscope kept None or the lone string (``for s in
+    params.stop`` raised, or went over characters). A stop string appended to the list later
+    stops the request, as the request's own copy of the params is built when it is added."""
+    assert (SamplingParams().stop, SamplingParams().bad_words) == ([], [])
+    assert SamplingParams(stop="ab").stop == ["ab"] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(bad_words="hello").bad_words == ["hello"]
+    assert SamplingParams(stop="ab").clone().stop == ["ab"]
+    llm = make_llm()
+    free = llm.generate([PROMPT], greedy(8), use_tqdm=False)[0].outputs[0]
+    cut = free.text[2:4]
+    params = greedy(8)
+    params.stop.append(cut)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.stop_reason, out.finish_reason) == (free.text[:free.text.find(cut)], cut, "stop")
+
