@@ -77,7 +77,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics
+    # vLLM's default: an output built by hand (a test's, a mock's) needs none; the engine's have one.
+    metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)

@@ -212,3 +212,26 @@ def test_stop_and_bad_words_read_back_as_lists_as_vllm_s_do():
     out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.stop_reason, out.finish_reason) == (free.text[:free.text.find(cut)], cut, "stop")
 
+
+def test_a_request_output_built_as_vllm_builds_one():
+    """vLLM's ``RequestOutput.__init__`` (vllm/outputs.py at 003d3ee) takes ``metrics=None`` by
+    default, and vLLM builds its ``STREAM_FINISHED`` output (same file) without one, as tests and
+    mocks of ported code do; kvscope required ``metrics`` (TypeError). ``CompletionOutput``'s
+    ``cumulative_logprob`` and ``logprobs``, required there, are taken by keyword, and such
+    outputs merge with ``add`` as vLLM's do."""
+    from kvscope import CompletionOutput, RequestOutput
+
+    def built(text: str, token_ids: list[int], finished: bool) -> RequestOutput:
+        completion = CompletionOutput(index=0, text=text, token_ids=token_ids, cumulative_logprob=None,
+                                      logprobs=None, finish_reason="length" if finished else None)
+        return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2], prompt_logprobs=None,
+                             outputs=[completion], finished=finished)
+
+    done = RequestOutput(request_id="", prompt=None, prompt_token_ids=None, prompt_logprobs=None, outputs=[],
+                         finished=True)
+    assert (done.metrics, done.finished, done.outputs) == (None, True, [])
+    first = built("a", [3], False)
+    first.add(built("b", [4], True), aggregate=True)
+    assert (first.outputs[0].text, first.outputs[0].token_ids, first.finished, first.metrics) == ("ab", [3, 4], True, None)
+    assert first.outputs[0].finished()
+
