@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
-from kvscope.arg_checks import check_text
+from kvscope.arg_checks import check_text, is_int
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
@@ -152,10 +153,19 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        lora_request: Seq[None] | None = None,
+        priority: Seq[int] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order, each request's final
         cumulative output whatever its ``output_kind`` (as vLLM's ``generate``). ``use_tqdm``
         may also be what makes the progress bar (vLLM's: ``tqdm``-like, called with ``total``).
+
+        vLLM's keywords, so ported calls run: ``lora_request`` must be None (no LoRA here) and
+        ``priority`` all 0 (first come, first served), as vLLM refuses them when neither LoRA nor
+        priority scheduling is enabled; ``tokenization_kwargs`` may hold ``truncate_prompt_tokens``
+        (vLLM's place for it now), for the params that do not set their own.
 
         Calls from several threads run one after another. Requests added with
         :meth:`add_request` keep running meanwhile; their outputs come from the next
@@ -167,6 +177,9 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         for p in prompt_list:
             check_prompt(p)
+        _check_no_lora(lora_request, len(prompt_list))
+        _check_no_priority(priority, len(prompt_list))
+        truncate = _truncation(tokenization_kwargs)
         if not isinstance(sampling_params, (SamplingParams, list, tuple, type(None))):
             raise TypeError(
                 f"sampling_params must be a SamplingParams or a list of them, got "
@@ -181,6 +194,9 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
                     "pass one SamplingParams or one per prompt"
                 )
+        if truncate is not None:  # (vLLM's: the params' own truncate_prompt_tokens wins)
+            params_list = [p if not isinstance(p, SamplingParams) or p.truncate_prompt_tokens is not None
+                           else dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params_list]
         with self._one_call("LLM.generate"):
             engine = self.llm_engine
             ids: list[str] = []
@@ -212,15 +228,32 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """vLLM's ``chat``: ``messages`` (one conversation of ``{"role", "content"}`` dicts, or a
         list of them) rendered by the chat template (``chat_template``, else the tokenizer's),
         then generated like :meth:`generate`'s prompts. Each output's ``prompt`` is the
         rendered text.
+
+        vLLM's other keywords, so ported calls run: content is rendered as one string (text
+        parts joined), vLLM's ``chat_template_content_format="string"``, which ``"auto"`` picks
+        here; ``lora_request`` and ``mm_processor_kwargs`` must be None (no LoRA, no multimodal
+        models), and ``tokenization_kwargs`` is :meth:`generate`'s.
         """
         from kvscope import chat
 
         self._check_open()
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' (kvscope renders each "
+                             f"message's content as one string, its text parts joined), got "
+                             f"{chat_template_content_format!r}")
+        if mm_processor_kwargs is not None:
+            raise ValueError(f"mm_processor_kwargs must be None: kvscope runs no multimodal models, got "
+                             f"{mm_processor_kwargs!r}")
         if self.config.skip_tokenizer_init:
             raise ValueError("chat() needs a tokenizer, and this LLM has skip_tokenizer_init=True; "
                              "render the conversation yourself and pass its token ids to generate()")
@@ -231,7 +264,8 @@ class LLM:
         for conversation in chat.as_conversations(messages):
             text = chat.render(tokenizer, conversation, options)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request,
+                             tokenization_kwargs=tokenization_kwargs)
 
     def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -338,9 +372,18 @@ class LLM:
             return self.llm_engine.has_unfinished_requests() or any(  # (a copy: generate() pops its own)
                 rid not in self._generating for rid in list(self._undelivered))
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the cached free blocks; True when no cached block is left (False: running
-        requests' blocks keep their hashes, where vLLM returns False and forgets nothing)."""
+        requests' blocks keep their hashes, where vLLM returns False and forgets nothing).
+
+        vLLM's keywords, at their defaults only: kvscope neither preempts running requests to
+        reset their blocks (``reset_running_requests``) nor has a KV connector (``reset_connector``)."""
+        for name, value, why in (
+            ("reset_running_requests", reset_running_requests, "does not preempt running requests to reset their blocks"),
+            ("reset_connector", reset_connector, "has no KV connector"),
+        ):
+            if value is not False:
+                raise ValueError(f"{name} must be False: kvscope {why}, got {value!r}")
         self._check_open()
         with self._between_steps("LLM.reset_prefix_cache"):
             self._check_open()
@@ -550,6 +593,46 @@ def _closed_on_failure() -> Iterator[list[Callable[[], None]]]:
                 warnings.warn(f"closing a failed LLM's {close.__qualname__} raised {exc!r}", RuntimeWarning,
                               stacklevel=3)
         raise
+
+
+def _check_no_lora(lora_request: Any, num_prompts: int) -> None:
+    """vLLM's ``lora_request``: None, or one per prompt (all None here, as kvscope has no LoRA)."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"got {len(lora_request)} lora_request for {num_prompts} prompts; pass None or one "
+                             f"per prompt")
+        if all(r is None for r in lora_request):
+            return
+    elif lora_request is None:
+        return
+    raise ValueError(f"lora_request must be None: kvscope has no LoRA adapters (vLLM refuses one too when LoRA "
+                     f"is not enabled), got {lora_request!r}")
+
+
+def _check_no_priority(priority: Any, num_prompts: int) -> None:
+    """vLLM's ``priority``: one int per prompt, each 0 here, as vLLM requires without priority scheduling."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or not all(is_int(p) for p in priority):
+        raise TypeError(f"priority must be a list of ints, one per prompt, got {priority!r}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"got {len(priority)} priority for {num_prompts} prompts; pass None or one per prompt")
+    if any(priority):
+        raise ValueError(f"priority must be 0 for every prompt: kvscope schedules first come, first served (vLLM "
+                         f"refuses a nonzero one too unless priority scheduling is enabled), got {list(priority)!r}")
+
+
+def _truncation(tokenization_kwargs: Any) -> int | None:
+    """The ``truncate_prompt_tokens`` of vLLM's ``tokenization_kwargs``, the one key kvscope takes."""
+    if tokenization_kwargs is None:
+        return None
+    if not isinstance(tokenization_kwargs, dict):
+        raise TypeError(f"tokenization_kwargs must be a dict, got {type(tokenization_kwargs).__name__}")
+    other = sorted(map(str, set(tokenization_kwargs) - {"truncate_prompt_tokens"}))
+    if other:
+        raise ValueError(f"tokenization_kwargs may only set truncate_prompt_tokens in kvscope (text prompts are "
+                         f"tokenized as vLLM's defaults do), got {', '.join(other)}")
+    return tokenization_kwargs.get("truncate_prompt_tokens")
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -167,6 +167,46 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                        r"request_id must be a str .* got int 5"),
     "abort an int request_id": (lambda llm: llm.abort_request(5), TypeError,
                                 r"request_id must be a str or an iterable of str"),
+    # vLLM's keywords for what kvscope has not (LoRA, priority scheduling, multimodal models, a KV
+    # connector, tokenizer options): refused by name, as vLLM refuses LoRA and priority when they
+    # are not enabled; their values vLLM serves without them run (test_vllm_parity).
+    "generate lora_request": (lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, lora_request=object()),
+                              ValueError, r"^lora_request must be None: kvscope has no LoRA adapters"),
+    "generate a lora_request per prompt, too few": (
+        lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, lora_request=[None]),
+        ValueError, r"^got 1 lora_request for 2 prompts"),
+    "generate priority=[0, 1]": (lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, priority=[0, 1]),
+                                 ValueError, r"^priority must be 0 for every prompt: kvscope schedules first come"),
+    "generate priority=[0]": (lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, priority=[0]),
+                              ValueError, r"^got 1 priority for 2 prompts"),
+    "generate priority=1": (lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, priority=1),
+                            TypeError, r"^priority must be a list of ints, one per prompt, got 1"),
+    "generate tokenization_kwargs add_special_tokens": (
+        lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, tokenization_kwargs={"add_special_tokens": False}),
+        ValueError, r"^tokenization_kwargs may only set truncate_prompt_tokens in kvscope .* got add_special_tokens"),
+    "generate tokenization_kwargs truncate_prompt_tokens=0": (
+        lambda llm: llm.generate(PROMPTS, greedy(2), use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 0}),
+        ValueError, r"^truncate_prompt_tokens must be an integer >= 1"),
+    "chat chat_template_content_format='openai'": (
+        lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
+                             chat_template_content_format="openai"),
+        ValueError, r"^chat_template_content_format must be 'auto' or 'string'"),
+    "chat mm_processor_kwargs": (
+        lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
+                             mm_processor_kwargs={"num_crops": 4}),
+        ValueError, r"^mm_processor_kwargs must be None: kvscope runs no multimodal models"),
+    "chat lora_request": (lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
+                                               lora_request=object()),
+                          ValueError, r"^lora_request must be None"),
+    "reset_prefix_cache(reset_running_requests=True)": (
+        lambda llm: llm.reset_prefix_cache(reset_running_requests=True),
+        ValueError, r"^reset_running_requests must be False: kvscope does not preempt running requests"),
+    "reset_prefix_cache(reset_connector=True)": (lambda llm: llm.reset_prefix_cache(reset_connector=True),
+                                                 ValueError, r"^reset_connector must be False: kvscope has no KV connector"),
+    "SamplingParams(structured_outputs=...)": (lambda llm: SamplingParams(structured_outputs={"json": {}}),
+                                               TypeError, r"unexpected keyword argument 'structured_outputs'"),
+    "SamplingParams(logits_processors=...)": (lambda llm: SamplingParams(logits_processors=[]),
+                                              TypeError, r"unexpected keyword argument 'logits_processors'"),
 }
 
 

@@ -235,3 +235,30 @@ def test_a_request_output_built_as_vllm_builds_one():
     assert (first.outputs[0].text, first.outputs[0].token_ids, first.finished, first.metrics) == ("ab", [3, 4], True, None)
     assert first.outputs[0].finished()
 
+
+def test_generate_chat_and_reset_prefix_cache_take_vllm_s_keywords():
+    """vLLM's ``LLM.generate(prompts, sampling_params, *, use_tqdm, lora_request, priority,
+    tokenization_kwargs)``, ``LLM.chat(..., lora_request, chat_template_content_format, ...,
+    tokenization_kwargs, mm_processor_kwargs)`` and ``LLM.reset_prefix_cache(reset_running_requests=False,
+    reset_connector=False)`` (vllm/entrypoints/llm.py at 10fdb8f); kvscope raised TypeError on each
+    keyword. Ported calls at the values vLLM serves without LoRA or priority scheduling run:
+    ``lora_request=None``, ``priority`` all 0, and ``tokenization_kwargs={"truncate_prompt_tokens": k}``
+    (where vLLM's deprecation of ``SamplingParams.truncate_prompt_tokens`` sends it) keeps the
+    prompt's last k tokens, as the params' own setting does, which wins when both are set."""
+    llm = make_llm()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    kept = llm.generate([prompt], greedy(4, truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert kept.prompt_token_ids == prompt[-3:]
+    for sp in (greedy(4), [greedy(4)]):
+        out = llm.generate([prompt], sp, use_tqdm=False, lora_request=None, priority=[0],
+                           tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
+        assert (out.prompt_token_ids, token_ids([out])) == (kept.prompt_token_ids, token_ids([kept]))
+    own = llm.generate([prompt], greedy(4, truncate_prompt_tokens=5), use_tqdm=False,
+                       tokenization_kwargs={"truncate_prompt_tokens": 3})[0]
+    assert own.prompt_token_ids == prompt[-5:]
+    conversation = [{"role": "user", "content": "Hello"}]
+    plain = llm.chat(conversation, greedy(3), use_tqdm=False)[0]
+    ported = llm.chat(conversation, greedy(3), use_tqdm=False, lora_request=None, chat_template_content_format="string",
+                      tokenization_kwargs=None, mm_processor_kwargs=None)[0]
+    assert (ported.prompt, token_ids([ported])) == (plain.prompt, token_ids([plain]))
+    assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
