@@ -81,7 +81,6 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     bad_words: list[str] | None = None
-    _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # Each bad word's token ids (vLLM's), set by update_from_tokenizer when the request is added.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
     # What the sampler must do for such a row (MASKED | SEEDED | ADJUSTED), derived once when
@@ -161,17 +160,17 @@ class SamplingParams:
         for i, word in enumerate(words):
             check_text(f"bad_words[{i}]", word)
         self.bad_words = words  # (vLLM's: always a list, empty for none)
-        self._stop_list = _as_list("stop", self.stop, str)
-        if any(not s for s in self._stop_list):
+        stop = _as_list("stop", self.stop, str)
+        if any(not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        for i, text in enumerate(self._stop_list):  # (a lone surrogate never matches, and a trace cannot save it)
+        for i, text in enumerate(stop):  # (a lone surrogate never matches, and a trace cannot save it)
             check_text("stop" if isinstance(self.stop, str) else f"stop[{i}]", text)
-        if self._stop_list and not self.detokenize:  # (vLLM refuses it too)
+        if stop and not self.detokenize:  # (vLLM refuses it too)
             raise ValueError(f"stop strings need the text, which detokenize=False leaves out: pass "
                              f"detokenize=True to use stop={self.stop!r}, or stop on stop_token_ids")
-        if self._stop_list and not self.include_stop_str_in_output:
-            self.output_text_buffer_length = max(map(len, self._stop_list)) - 1
-        self.stop = self._stop_list  # (vLLM's: always a list, a lone string in one, empty for none)
+        if stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(map(len, stop)) - 1
+        self.stop = stop  # (vLLM's: always a list, a lone string in one, empty for none)
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
@@ -209,7 +208,7 @@ class SamplingParams:
 
     @property
     def stop_strings(self) -> list[str]:
-        return self._stop_list
+        return self.stop
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
