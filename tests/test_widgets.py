@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import re
 import shutil
@@ -652,6 +653,35 @@ def test_stop_with_no_background_run_going_does_nothing():
     replay = Dashboard(dash.trace)
     replay.stop()
     assert replay.status.value.startswith("replay")
+
+
+def test_a_background_run_asked_for_while_the_dashboard_detaches_is_refused(monkeypatch):
+    """detach() lets the background run finish before it stops recording. A generate_async
+    from another thread in that wait started a run on a dashboard about to stop recording it;
+    it is refused as on a detached dashboard, and the first run's outputs stand."""
+    module = importlib.import_module("kvscope.widgets.dashboard")  # (the package names a function so)
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.001, max_load=1.0)
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(12))
+    wait_for(lambda: dash.gate.waiting)
+    asked = []
+
+    def wait_then_ask(futures):
+        done = real_wait(futures)
+        try:
+            asked.append(dash.generate_async(PROMPTS, greedy(12)))
+        except RuntimeError as exc:
+            asked.append(exc)
+        return done
+
+    real_wait = module.wait
+    monkeypatch.setattr(module, "wait", wait_then_ask)
+    dash.detach()
+    assert len(asked) == 1 and isinstance(asked[0], RuntimeError), asked
+    assert "live dashboard" in str(asked[0])
+    assert token_ids(run.result(timeout=30)) == fresh_tokens()
+    assert dash.status.value.startswith("detached")
 
 
 def test_the_stop_button_is_enabled_only_while_a_background_run_goes_and_clicking_it_stops_the_run():

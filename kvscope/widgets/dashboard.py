@@ -351,8 +351,6 @@ class Dashboard:
         Returns a ``concurrent.futures.Future`` of the outputs; after :meth:`stop` it raises
         ``concurrent.futures.CancelledError`` (``Future.cancel`` cannot stop a running Future).
         """
-        if self.llm is None or self._closed:
-            raise RuntimeError("generate_async needs a live dashboard (kvscope.dashboard(llm))")
         fut: Future = Future()
         fut.set_running_or_notify_cancel()
 
@@ -367,6 +365,8 @@ class Dashboard:
                 self._end_run(fut, outputs=outputs)
 
         with self._run_control:
+            if self.llm is None or self._closed:
+                raise RuntimeError("generate_async needs a live dashboard (kvscope.dashboard(llm))")
             if self._run is not None and not self._run.done():
                 raise RuntimeError("a background run is still going; wait for dashboard.run_future "
                                    "(or end it with dashboard.stop())")
@@ -456,14 +456,15 @@ class Dashboard:
         """:meth:`detach`; ``show_last=False`` skips the views' last update, for a dashboard
         whose output is gone (the plotly timeline logs an error in the browser for an update
         to a figure it no longer shows)."""
-        if self.llm is None or self._closed:
-            return
+        with self._run_control:  # closed first: no run may start while this one is waited for
+            if self.llm is None or self._closed:
+                return
+            self._closed = True
         if self._run is not None:
             self.gate.resume()
             wait([self._run])  # its outputs or error stay in run_future
         self._listener.remove()
         self._recording.__exit__(None, None, None)
-        self._closed = True
         _LIVE.discard(self)
         self._kick.set()
         self._wake.set()
