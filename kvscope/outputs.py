@@ -1,7 +1,9 @@
 """Results returned by ``LLM.generate`` and ``LLM.step`` (vLLM's field names)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -57,36 +59,94 @@ class Logprob(float):
 
 @dataclass
 class CompletionOutput:
+    """One completion of a request. Positional arguments take vLLM's order, so a call ported from
+    vLLM fills the same fields: ``routed_experts`` is vLLM's (the MoE routing of each token, which
+    kvscope does not record), taken only at its default, None, so that ``finish_reason`` and
+    ``stop_reason`` come where vLLM's do. kvscope's own ``error`` is keyword-only."""
+
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    routed_experts: InitVar[None] = None
     finish_reason: str | None = None  # vLLM's: "stop", "length", "abort" (by the caller) or "error"
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    error: str | None = None  # why a request that failed alone inside a step ended ("error")
+    error: str | None = field(default=None, kw_only=True)  # why a request that failed alone inside a step ended
+
+    def __post_init__(self, routed_experts: None) -> None:
+        _check_inert("routed_experts", routed_experts, "kvscope records no MoE routing")
 
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
-@dataclass
+class _Required:
+    """The default of a parameter that must be given but follows an optional one (vLLM's order)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+_REQUIRED: Any = _Required()
+
+
+@dataclass(init=False)
 class RequestOutput:
+    """One request's output. As vLLM's, positional arguments take the order ``request_id, prompt,
+    prompt_token_ids, prompt_logprobs, outputs, finished, metrics, lora_request, encoder_prompt,
+    encoder_prompt_token_ids, num_cached_tokens``: the three kvscope has not (no LoRA, no
+    encoder-decoder models) are taken only at vLLM's default, None. Other keywords are ignored
+    with a warning naming them, as vLLM ignores them (for code written against a newer vLLM).
+    ``prompt_logprobs``, which vLLM requires, may be left out (None) when given by keyword.
+
+    ``metrics`` and ``num_cached_tokens`` are None on an output built by hand (vLLM's defaults);
+    the engine's outputs carry both."""
+
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
+    # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
-    # vLLM's default: an output built by hand (a test's, a mock's) needs none; the engine's have one.
-    metrics: RequestMetrics | None = None
-    num_cached_tokens: int = 0
-    # vLLM's: one entry per prompt token, None for the first, {token: Logprob} plus the top-k
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+    metrics: RequestMetrics | None
+    num_cached_tokens: int | None
     # Whether this is the output of a DELTA request, to add up with the request's earlier one
     # nobody read yet (see add); its request's params say so when the engine builds it, however
     # the request was added. A field so that dataclasses.replace and copies keep it; private,
     # keyword-only and out of repr and ==, as vLLM's RequestOutput has no such field.
-    _is_delta: bool = field(default=False, repr=False, compare=False, kw_only=True)
+    _is_delta: bool = field(default=False, repr=False, compare=False)
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        prompt_logprobs: list[dict[int, Logprob] | None] | None = None,
+        outputs: list[CompletionOutput] = _REQUIRED,
+        finished: bool = _REQUIRED,
+        metrics: RequestMetrics | None = None,
+        lora_request: None = None,
+        encoder_prompt: None = None,
+        encoder_prompt_token_ids: None = None,
+        num_cached_tokens: int | None = None,
+        *,
+        _is_delta: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        missing = [name for name, value in (("outputs", outputs), ("finished", finished)) if value is _REQUIRED]
+        if missing:
+            raise TypeError(f"RequestOutput() missing required argument(s): {', '.join(map(repr, missing))}")
+        _check_inert("lora_request", lora_request, "kvscope has no LoRA adapters")
+        _check_inert("encoder_prompt", encoder_prompt, "kvscope runs no encoder-decoder models")
+        _check_inert("encoder_prompt_token_ids", encoder_prompt_token_ids, "kvscope runs no encoder-decoder models")
+        if kwargs:
+            warnings.warn(f"RequestOutput: ignoring extra arguments: {', '.join(map(repr, sorted(kwargs)))}",
+                          UserWarning, stacklevel=2)
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.prompt_logprobs, self.outputs, self.finished = prompt_logprobs, outputs, finished
+        self.metrics, self.num_cached_tokens, self._is_delta = metrics, num_cached_tokens, _is_delta
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """vLLM's: merge the request's next output into this one, which nobody has read yet.
@@ -113,3 +173,10 @@ class RequestOutput:
                 break
             else:
                 self.outputs.append(new)
+
+
+def _check_inert(name: str, value: object, why: str) -> None:
+    """A vLLM parameter kvscope takes only at vLLM's default, None, so that a ported call reaches
+    the arguments after it; any other value is refused by name, as it would be ignored here."""
+    if value is not None:
+        raise ValueError(f"{name} must be None: {why}, got {value!r}")

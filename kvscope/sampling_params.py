@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import enum
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from kvscope.arg_checks import check_int, check_seed, check_text, is_finite_number, is_int, plain_number
 
@@ -57,39 +57,44 @@ class SamplingParams:
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    seed: int | None = None
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    # (These last, so the fields before keep their positions.)
-    min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's next field (prompt_logprob_token_ids) is not kvscope's, nor are several after it, so
+    # the fields from here on keep vLLM's relative order but are keyword-only: a positional call
+    # that long is refused rather than read into the wrong fields.
+    _: KW_ONLY
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: how many characters of a streamed text to hold back while the request runs, so
+    # that no text a stop string may yet cut off is ever reported.
+    output_text_buffer_length: int = field(default=0, init=False, repr=False, compare=False)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
-    detokenize: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     bad_words: list[str] | None = None
     # Each bad word's token ids (vLLM's), set by update_from_tokenizer when the request is added.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    # kvscope's, after vLLM's fields: vLLM's SamplingParams dropped it for generate's
+    # tokenization_kwargs (vllm-project/vllm#35441), which kvscope takes too.
+    truncate_prompt_tokens: int | None = None
     # What the sampler must do for such a row (MASKED | SEEDED | ADJUSTED), derived once when
     # built: a batch reads it per row whenever its rows change. (The engine copies and checks
     # each request's params when it is added, so a later change to the caller's object is seen.)
     sampling_flags: int = field(default=0, init=False, repr=False, compare=False)
-    # vLLM's: how many characters of a streamed text to hold back while the request runs, so
-    # that no text a stop string may yet cut off is ever reported.
-    output_text_buffer_length: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._plain_numbers()

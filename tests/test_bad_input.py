@@ -207,6 +207,23 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                                                TypeError, r"unexpected keyword argument 'structured_outputs'"),
     "SamplingParams(logits_processors=...)": (lambda llm: SamplingParams(logits_processors=[]),
                                               TypeError, r"unexpected keyword argument 'logits_processors'"),
+    # vLLM's output arguments kvscope takes only at their default, None, so that a positional call
+    # ported from vLLM reaches the arguments after them (test_vllm_parity).
+    "CompletionOutput(routed_experts=...)": (
+        lambda llm: kvscope.CompletionOutput(0, "", [], None, None, [[1]], "stop"),
+        ValueError, r"^routed_experts must be None: kvscope records no MoE routing, got \[\[1\]\]"),
+    "RequestOutput(lora_request=...)": (
+        lambda llm: kvscope.RequestOutput("r", None, [1], None, [], True, None, object()),
+        ValueError, r"^lora_request must be None: kvscope has no LoRA adapters"),
+    "RequestOutput(encoder_prompt=...)": (
+        lambda llm: kvscope.RequestOutput("r", None, [1], None, [], True, encoder_prompt="x"),
+        ValueError, r"^encoder_prompt must be None: kvscope runs no encoder-decoder models"),
+    "RequestOutput(encoder_prompt_token_ids=...)": (
+        lambda llm: kvscope.RequestOutput("r", None, [1], None, [], True, encoder_prompt_token_ids=[1]),
+        ValueError, r"^encoder_prompt_token_ids must be None: kvscope runs no encoder-decoder models"),
+    "RequestOutput without outputs and finished": (
+        lambda llm: kvscope.RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1]),
+        TypeError, r"^RequestOutput\(\) missing required argument\(s\): 'outputs', 'finished'$"),
 }
 
 

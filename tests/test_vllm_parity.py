@@ -2,6 +2,7 @@
 matches (file and function in vllm-project/vllm) and runs it through a real engine."""
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
@@ -262,3 +263,118 @@ def test_generate_chat_and_reset_prefix_cache_take_vllm_s_keywords():
                       tokenization_kwargs=None, mm_processor_kwargs=None)[0]
     assert (ported.prompt, token_ids([ported])) == (plain.prompt, token_ids([plain]))
     assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
+
+
+# vLLM's field order, the order its positional arguments take: ``SamplingParams`` is a msgspec
+# Struct (vllm/sampling_params.py at 00388f6573ccfcffad607b8c9ecdf341a4669ceb), ``CompletionOutput``
+# a dataclass and ``RequestOutput.__init__``'s parameters (vllm/outputs.py at
+# 003d3ee22261b7937258b7531aee00e10393f1d6). Written out here, not read from kvscope's classes.
+VLLM_SAMPLING_PARAMS_ORDER = [
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+    "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+    "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "flat_logprobs", "detokenize",
+    "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "output_kind",
+    "stream_interval", "skip_clone", "output_text_buffer_length", "_eos_token_id", "_all_stop_token_ids",
+    "structured_outputs", "logit_bias", "allowed_token_ids", "extra_args", "bad_words", "_bad_words_token_ids",
+    "skip_reading_prefix_cache", "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start",
+    "trace_decode_token_ids",
+]
+VLLM_COMPLETION_OUTPUT_ORDER = [
+    "index", "text", "token_ids", "cumulative_logprob", "logprobs", "routed_experts", "finish_reason", "stop_reason",
+    "lora_request", "kv_transfer_params",
+]
+VLLM_REQUEST_OUTPUT_ORDER = [
+    "request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics", "lora_request",
+    "encoder_prompt", "encoder_prompt_token_ids", "num_cached_tokens",
+]
+
+
+def test_sampling_params_built_positionally_read_each_value_where_vllm_s_would():
+    """vLLM's ``SamplingParams(1, 0.5)`` is ``n=1, presence_penalty=0.5`` (a msgspec Struct takes
+    positional arguments in field order); kvscope read it as ``temperature=0.5``. Every argument
+    up to ``prompt_logprobs`` lands in vLLM's field; the fields kvscope shares after that one
+    (past vLLM's ``prompt_logprob_token_ids``, which kvscope has not) keep vLLM's relative order
+    and are keyword-only, so a longer positional call is refused rather than misread."""
+    values = {"n": 2, "presence_penalty": 0.5, "frequency_penalty": -0.25, "repetition_penalty": 1.5,
+              "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "seed": 11, "stop": ["zz"],
+              "stop_token_ids": [3], "ignore_eos": True, "max_tokens": 9, "min_tokens": 2, "logprobs": 3,
+              "prompt_logprobs": 4}
+    positional = VLLM_SAMPLING_PARAMS_ORDER[:VLLM_SAMPLING_PARAMS_ORDER.index("prompt_logprob_token_ids")]
+    assert positional == list(values)
+    params = SamplingParams(*values.values())
+    assert {name: getattr(params, name) for name in positional} == values
+    assert SamplingParams(1, 0.5).presence_penalty == 0.5 and SamplingParams(1, 0.5).temperature == 1.0
+    with pytest.raises(TypeError, match="positional argument"):
+        SamplingParams(*values.values(), None)
+    taken = [p.name for p in inspect.signature(SamplingParams).parameters.values()]
+    shared = [name for name in VLLM_SAMPLING_PARAMS_ORDER if name in taken]
+    assert taken[:len(shared)] == shared
+    assert all(inspect.signature(SamplingParams).parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+               for name in taken[len(positional):])
+
+
+def test_completion_output_built_positionally_reads_each_value_where_vllm_s_would():
+    """vLLM's ``CompletionOutput`` (a dataclass) takes ``index, text, token_ids,
+    cumulative_logprob, logprobs, routed_experts, finish_reason, stop_reason``; kvscope took
+    ``finish_reason`` fourth, so a ported positional call set it to the cumulative log-prob.
+    ``routed_experts`` (MoE routing, which kvscope does not record) is taken at vLLM's default,
+    None, and reads back None; kvscope's own ``error`` is keyword-only."""
+    from kvscope import CompletionOutput, Logprob
+
+    values = {"index": 1, "text": "ab", "token_ids": [3, 4], "cumulative_logprob": -1.5,
+              "logprobs": [{3: Logprob(-0.5)}, {4: Logprob(-1.0)}], "routed_experts": None, "finish_reason": "stop",
+              "stop_reason": "b"}
+    assert list(values) == VLLM_COMPLETION_OUTPUT_ORDER[:len(values)]
+    completion = CompletionOutput(*values.values())
+    assert {name: getattr(completion, name) for name in values} == values
+    assert completion.error is None and completion.finished()
+    with pytest.raises(TypeError, match="positional argument"):
+        CompletionOutput(*values.values(), "failed")
+    assert CompletionOutput(*values.values(), error="failed").error == "failed"
+
+
+def test_request_output_built_positionally_reads_each_value_where_vllm_s_would():
+    """vLLM's ``RequestOutput.__init__`` takes ``request_id, prompt, prompt_token_ids,
+    prompt_logprobs, outputs, finished, metrics, lora_request, encoder_prompt,
+    encoder_prompt_token_ids, num_cached_tokens``; kvscope took ``outputs`` fourth. The three
+    kvscope has not (no LoRA, no encoder-decoder models) are taken at vLLM's default, None."""
+    from kvscope import CompletionOutput, RequestMetrics, RequestOutput
+
+    completion = CompletionOutput(index=0, text="a", token_ids=[3], cumulative_logprob=None, logprobs=None)
+    values = {"request_id": "r", "prompt": "p", "prompt_token_ids": [1, 2], "prompt_logprobs": [None, {2: -0.5}],
+              "outputs": [completion], "finished": True, "metrics": RequestMetrics(arrival_time=1.0),
+              "lora_request": None, "encoder_prompt": None, "encoder_prompt_token_ids": None, "num_cached_tokens": 2}
+    assert list(values) == VLLM_REQUEST_OUTPUT_ORDER
+    out = RequestOutput(*values.values())
+    shared = ["request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished", "metrics",
+              "num_cached_tokens"]
+    assert {name: getattr(out, name) for name in shared} == {name: values[name] for name in shared}
+    short = RequestOutput("r", None, [1], None, [], False)
+    assert (short.prompt_logprobs, short.outputs, short.finished) == (None, [], False)
+
+
+def test_a_request_output_takes_unknown_keywords_and_warns_naming_them():
+    """vLLM's ``RequestOutput.__init__`` takes ``**kwargs`` (so code written against a newer vLLM
+    runs) and ignores them, with a warning naming them; kvscope raised TypeError."""
+    from kvscope import RequestOutput
+
+    given = {"request_id": "r", "prompt": None, "prompt_token_ids": [1], "prompt_logprobs": None, "outputs": [],
+             "finished": True}
+    with pytest.warns(UserWarning, match=r"^RequestOutput: ignoring extra arguments: 'kv_transfer_params', 'later'$"):
+        out = RequestOutput(**given, later=1, kv_transfer_params={"x": 1})
+    assert out == RequestOutput(**given) and "later" not in vars(out)
+
+
+def test_a_request_output_built_by_hand_has_no_cached_token_count():
+    """vLLM's ``RequestOutput.__init__`` defaults ``num_cached_tokens`` to None, so an output built
+    by hand says nothing of the prefix cache; kvscope's said 0, no hit. The engine's outputs
+    still carry the real count, as their metrics do."""
+    from kvscope import RequestOutput
+
+    assert RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], prompt_logprobs=None, outputs=[],
+                         finished=True).num_cached_tokens is None
+    llm = make_llm()
+    prefix = list(range(5, 5 + 4 * llm.llm_engine.config.block_size))
+    first, again = (llm.generate([prefix + [3]], greedy(2), use_tqdm=False)[0] for _ in range(2))
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, again.metrics.num_cached_tokens)
+    assert again.num_cached_tokens > 0
