@@ -134,7 +134,9 @@ class KvscopeMagics(Magics):
                                   metrics_urls=split(args.metrics))
         if args.out:
             self.shell.user_ns[args.out] = attached
-        return kvscope.dashboard(attached, interval=args.interval)
+        # (--interval's default is the live dashboard's; the attach dashboard keeps its own unless given)
+        given = self._given(args, ("interval",))
+        return kvscope.dashboard(attached, **{name: getattr(args, name) for name in given})
 
     def _resolve(self, name: str) -> Any:
         """The value of the target expression ``name`` in the notebook; one that fails to

@@ -1,6 +1,7 @@
 """``%load_ext kvscope``, ``%kvscope`` and ``%%kvscope`` through IPython's own test shell."""
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 
@@ -271,10 +272,16 @@ def test_attach_magic_shows_the_attach_dashboard(ip):
         src = ip.user_ns["src"]
         try:
             assert isinstance(dash, AttachDashboard) and dash.attached is src
+            # (no --interval: the attach dashboard's own default, as kvscope.dashboard(src) has it)
+            assert dash.interval == inspect.signature(AttachDashboard).parameters["interval"].default
             wait_for(lambda: pub.publish([stored([9], None, [1], 1)]) >= 0 and src.block_hashes(src.instances[0]) == {9})
         finally:
             dash.detach()
             src.close()
+        dash = ip.run_line_magic("kvscope", f"attach {pub.endpoint} --interval 0.7 -o src")
+        dash.detach()
+        ip.user_ns["src"].close()
+        assert dash.interval == 0.7
     with pytest.raises(UsageError, match="usage: %kvscope attach"):
         ip.run_line_magic("kvscope", "attach")
 
