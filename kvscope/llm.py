@@ -7,6 +7,7 @@ import os
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
 from kvscope.arg_checks import check_text, is_int
@@ -513,6 +514,21 @@ class LLM:
         engine's tables disagree by design), at once from a hook."""
         with self._between_steps("llm.check_invariants"):
             self.llm_engine.check_invariants()
+
+    def __repr__(self) -> str:
+        """One line for a notebook's ``llm``: the model, its device, the KV blocks the requests
+        hold and the queues. Read without waiting for a step another thread runs (a repr must
+        not block), so from there it may be a step behind."""
+        name = Path(self.model_dir).name
+        if self._shut_down:
+            return f"<kvscope.LLM {name!r}: shut down>"
+        engine = self.llm_engine
+        pool, scheduler = engine.block_manager, engine.scheduler
+        tp = self.config.tensor_parallel_size
+        return (f"<kvscope.LLM {name!r} on {engine.executor.device}{f' (TP={tp})' if tp > 1 else ''}: "
+                f"{len(pool.used)} of {pool.num_blocks} KV blocks of "
+                f"{pool.block_size} tokens in use, {len(scheduler.running)} running, "
+                f"{len(scheduler.waiting)} waiting, step {scheduler.step_count}>")
 
     def _check_open(self) -> None:
         """After ``shutdown()`` the weights and KV pool are gone: say so instead of failing inside."""

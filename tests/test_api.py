@@ -1,6 +1,8 @@
 """The vLLM-compatible surface: prompt forms, ordering, streaming, abort, stops, logprobs, errors."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -611,3 +613,31 @@ def test_use_tqdm_may_be_a_tqdm_factory_as_in_vllm() -> None:
     llm = make_llm(num_kv_blocks=32)
     outs = llm.generate([[5, 6], [7, 8, 9], [10]], greedy(3), use_tqdm=Bar)
     assert len(outs) == 3 and [(b.total, b.n, b.closed) for b in made] == [(3, 3, True)]
+
+
+def test_an_llm_s_repr_says_its_model_pool_and_queues_as_the_engine_has_them_now():
+    """In a notebook ``llm`` showed ``<kvscope.llm.LLM object at 0x...>``. Its repr is one line:
+    the model, the device, the KV blocks referenced by the requests' block tables now, the queues
+    and the step; read again mid-run (from a hook) and after shutdown."""
+    llm = make_llm(block_size=4, num_kv_blocks=48, max_num_seqs=2)
+    engine, name = llm.llm_engine, Path(llm.model_dir).name
+
+    def expected(running: int, waiting: int, used: int, step: int) -> str:
+        return (f"<kvscope.LLM {name!r} on cpu: {used} of 48 KV blocks of 4 tokens in use, "
+                f"{running} running, {waiting} waiting, step {step}>")
+
+    assert repr(llm) == expected(0, 0, 0, 0)
+    seen = []
+
+    def look(info) -> None:
+        s = engine.scheduler
+        used = len({b for r in s.running for b in r.block_table})
+        seen.append((repr(llm), expected(len(s.running), len(s.waiting), used, info.step)))
+
+    hook = llm.hooks.add("step.end", look)
+    llm.generate(["the quick brown fox"] * 3, greedy(6), use_tqdm=False)
+    hook.remove()
+    assert [got for got, _ in seen] == [want for _, want in seen]
+    assert any("2 running, 1 waiting" in got for got, _ in seen)
+    llm.shutdown()
+    assert repr(llm) == f"<kvscope.LLM {name!r}: shut down>"

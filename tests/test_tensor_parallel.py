@@ -94,6 +94,8 @@ def test_greedy_outputs_match_single_rank(arch: str) -> None:
         with llm.record(level="summary") as trace:
             assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == expected
         shards = llm.llm_engine.executor.kv_shards()
+        # (the same line as TP=1's but for the rank count)
+        assert repr(llm) == repr(single).replace(" on cpu:", " on cpu (TP=2):")
     assert trace.kv_shards.to_dict("records") == shards  # the trace shows the per-rank layout
     _assert_released(llm, created)
     # 2 KV heads: one per rank, each holding half of what the single rank's pool holds

@@ -274,6 +274,7 @@ class TensorParallelExecutor:
             self._shards = runner.kv_shards() + [s for (s,) in ranks.collect("ready")]
         except BaseException as exc:
             self._raise_failure(exc)
+        self.device = devices[0]  # rank 0's, where the engine's process runs its shard
         self.num_kv_blocks = runner.num_kv_blocks
         self.vocab_size = runner.vocab_size
         self._workers_busy = False  # a step was sent whose ``done`` is not collected yet
