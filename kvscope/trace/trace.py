@@ -29,6 +29,7 @@ from kvscope.trace.pool import NO_HASH, STATE_NAMES, PoolState, block_states, to
 from kvscope.trace.record import PHASES, Launch, Scheduled, StepRecord
 from kvscope.trace.saved_files import SavedFiles
 from kvscope.trace.snapshots import SnapshotCursor
+from kvscope.trace.summary_card import summary_card
 from kvscope.trace.verify import (
     CHECKSUMS, check_checksums, check_frames, check_queues, check_replay, check_tokens, write_checksums,
 )
@@ -117,6 +118,10 @@ class Trace:
         recs = self._records()
         span = f"{recs[0].step}..{recs[-1].step}" if recs else "none"
         return f"<kvscope.Trace level={self.level!r} steps={len(recs)} ({span}) blocks={self.num_blocks}>"
+
+    def _repr_html_(self) -> str:
+        """A notebook's card of what the recording holds (:mod:`kvscope.trace.summary_card`)."""
+        return summary_card(self)
 
     # ---------------------------------------------------------------- tables
     @property
