@@ -36,7 +36,7 @@ class SamplingParams:
     for the whole vocabulary's, ``True`` is 1, and ``seed=-1`` is no seed.
 
     As in vLLM, ``stop`` and ``bad_words`` read back as lists once checked: ``[]`` for none, a
-    lone string as a list of it.
+    lone string as a list of it; ``bad_words`` and ``stop_token_ids`` keep each entry once.
 
     ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: its last
     ``max_model_len``), as vLLM's does.
@@ -164,7 +164,7 @@ class SamplingParams:
             raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
         for i, word in enumerate(words):
             check_text(f"bad_words[{i}]", word)
-        self.bad_words = words  # (vLLM's: always a list, empty for none)
+        self.bad_words = list(dict.fromkeys(words))  # (vLLM's: always a list, empty for none, each word once)
         stop = _as_list("stop", self.stop, str)
         if any(not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
@@ -179,7 +179,7 @@ class SamplingParams:
         ids = _as_list("stop_token_ids", self.stop_token_ids, int)
         if any(isinstance(t, bool) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        self.stop_token_ids = list(dict.fromkeys(ids))  # (vLLM's: each id once, in first-seen order)
         if self.temperature == 0:  # (vLLM's test is under 1e-5: after the clamp above, only 0)
             self._reset_for_greedy()
             if self.n > 1:  # (vLLM's _verify_greedy_sampling: the n completions would all be the same)

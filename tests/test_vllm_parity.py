@@ -265,6 +265,20 @@ def test_generate_chat_and_reset_prefix_cache_take_vllm_s_keywords():
     assert llm.reset_prefix_cache(reset_running_requests=False, reset_connector=False) is True
 
 
+def test_stop_token_ids_and_bad_words_read_back_without_repeats_as_vllm_s_do():
+    """vLLM's ``__post_init__`` (vllm/sampling_params.py at 00388f6, ``list(dict.fromkeys(...))``
+    on both) keeps each stop token id and bad word once, in first-seen order; kvscope kept the
+    repeats. A repeat changes nothing the engine does: the deduplicated params give the same
+    tokens as the repeated ones."""
+    params = SamplingParams(stop_token_ids=[5, 3, 5, 3, 9], bad_words=["b", "a", "b"])
+    assert (params.stop_token_ids, params.bad_words) == ([5, 3, 9], ["b", "a"])
+    llm = make_llm()
+    free = llm.generate([PROMPT], greedy(8), use_tqdm=False)[0].outputs[0]
+    stop = free.token_ids[3]
+    once, twice = (llm.generate([PROMPT], greedy(8, stop_token_ids=ids), use_tqdm=False)[0].outputs[0]
+                   for ids in ([stop], [stop, stop]))
+    assert once.token_ids == twice.token_ids == free.token_ids[:free.token_ids.index(stop) + 1]
+
 # vLLM's field order, the order its positional arguments take: ``SamplingParams`` is a msgspec
 # Struct (vllm/sampling_params.py at 00388f6573ccfcffad607b8c9ecdf341a4669ceb), ``CompletionOutput``
 # a dataclass and ``RequestOutput.__init__``'s parameters (vllm/outputs.py at
