@@ -101,3 +101,10 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
                          f"past {MAX_PORT}")
     return f"{endpoint.rpartition(':')[0]}:{offset}"
+
+
+def check_inert(name: str, value: Any, why: str, default: Any = None) -> None:
+    """A vLLM parameter kvscope takes only at vLLM's default (``None``, or ``False`` for a flag),
+    so that a ported call runs; any other value is refused by name, as it would be ignored here."""
+    if value is not default:
+        raise ValueError(f"{name} must be {default!r}: {why}, got {value!r}")

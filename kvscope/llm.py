@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
-from kvscope.arg_checks import check_text, is_int
+from kvscope.arg_checks import check_inert, check_text, is_int
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
@@ -252,9 +252,7 @@ class LLM:
             raise ValueError(f"chat_template_content_format must be 'auto' or 'string' (kvscope renders each "
                              f"message's content as one string, its text parts joined), got "
                              f"{chat_template_content_format!r}")
-        if mm_processor_kwargs is not None:
-            raise ValueError(f"mm_processor_kwargs must be None: kvscope runs no multimodal models, got "
-                             f"{mm_processor_kwargs!r}")
+        check_inert("mm_processor_kwargs", mm_processor_kwargs, "kvscope runs no multimodal models")
         if self.config.skip_tokenizer_init:
             raise ValueError("chat() needs a tokenizer, and this LLM has skip_tokenizer_init=True; "
                              "render the conversation yourself and pass its token ids to generate()")
@@ -379,12 +377,9 @@ class LLM:
 
         vLLM's keywords, at their defaults only: kvscope neither preempts running requests to
         reset their blocks (``reset_running_requests``) nor has a KV connector (``reset_connector``)."""
-        for name, value, why in (
-            ("reset_running_requests", reset_running_requests, "does not preempt running requests to reset their blocks"),
-            ("reset_connector", reset_connector, "has no KV connector"),
-        ):
-            if value is not False:
-                raise ValueError(f"{name} must be False: kvscope {why}, got {value!r}")
+        check_inert("reset_running_requests", reset_running_requests,
+                    "kvscope does not preempt running requests to reset their blocks", default=False)
+        check_inert("reset_connector", reset_connector, "kvscope has no KV connector", default=False)
         self._check_open()
         with self._between_steps("LLM.reset_prefix_cache"):
             self._check_open()

@@ -5,6 +5,8 @@ import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
+from kvscope.arg_checks import check_inert
+
 
 @dataclass
 class RequestMetrics:
@@ -75,7 +77,7 @@ class CompletionOutput:
     error: str | None = field(default=None, kw_only=True)  # why a request that failed alone inside a step ended
 
     def __post_init__(self, routed_experts: None) -> None:
-        _check_inert("routed_experts", routed_experts, "kvscope records no MoE routing")
+        check_inert("routed_experts", routed_experts, "kvscope records no MoE routing")
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -138,9 +140,9 @@ class RequestOutput:
         missing = [name for name, value in (("outputs", outputs), ("finished", finished)) if value is _REQUIRED]
         if missing:
             raise TypeError(f"RequestOutput() missing required argument(s): {', '.join(map(repr, missing))}")
-        _check_inert("lora_request", lora_request, "kvscope has no LoRA adapters")
-        _check_inert("encoder_prompt", encoder_prompt, "kvscope runs no encoder-decoder models")
-        _check_inert("encoder_prompt_token_ids", encoder_prompt_token_ids, "kvscope runs no encoder-decoder models")
+        check_inert("lora_request", lora_request, "kvscope has no LoRA adapters")
+        check_inert("encoder_prompt", encoder_prompt, "kvscope runs no encoder-decoder models")
+        check_inert("encoder_prompt_token_ids", encoder_prompt_token_ids, "kvscope runs no encoder-decoder models")
         if kwargs:
             warnings.warn(f"RequestOutput: ignoring extra arguments: {', '.join(map(repr, sorted(kwargs)))}",
                           UserWarning, stacklevel=2)
@@ -173,10 +175,3 @@ class RequestOutput:
                 break
             else:
                 self.outputs.append(new)
-
-
-def _check_inert(name: str, value: object, why: str) -> None:
-    """A vLLM parameter kvscope takes only at vLLM's default, None, so that a ported call reaches
-    the arguments after it; any other value is refused by name, as it would be ignored here."""
-    if value is not None:
-        raise ValueError(f"{name} must be None: {why}, got {value!r}")
