@@ -405,9 +405,11 @@ class LLM:
             ) from exc
         # A Ctrl-C in start() or stop() is held until the recorder is whole: landing in either, it
         # left the recorder attached for good (its hooks fed on every step, the heap frozen).
+        self._check_open()
         recorder = None
         try:
             with self._between_steps("llm.record"):  # (another thread may be stepping the engine)
+                self._check_open()  # (again: another thread may have shut it down while this one waited)
                 if self.llm_engine.in_step:  # (this thread, from a hook: its first record would be half a step)
                     raise RuntimeError("llm.record was called from inside a kvscope hook while the engine was in a "
                                        "step; start a recording between steps or from a step.end hook")

@@ -369,9 +369,14 @@ def test_a_function_a_hook_defers_between_steps_that_raises_is_reported_as_a_rai
 
 
 def test_generate_after_shutdown_says_so() -> None:
+    """Every call that needs the weights or the KV pool says the LLM was shut down (a recording
+    read the freed pool and raised an AttributeError about None)."""
     llm = make_llm(num_kv_blocks=16)
     llm.shutdown()
-    for call in (lambda: llm.generate([[5, 6]], use_tqdm=False), lambda: llm.add_request([5, 6]), llm.step):
+    calls = (lambda: llm.generate([[5, 6]], use_tqdm=False), lambda: llm.add_request([5, 6]), llm.step,
+             lambda: llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False), lambda: llm.abort_request("0"),
+             llm.reset_prefix_cache, lambda: llm.record().__enter__())
+    for call in calls:
         with pytest.raises(RuntimeError, match=r"this LLM was shut down; create a new LLM"):
             call()
 
