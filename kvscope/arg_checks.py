@@ -28,8 +28,14 @@ def is_index(value: Any) -> bool:
 
 def is_finite_number(value: Any) -> bool:
     """An int or float, not a bool, neither NaN nor infinite (NaN fails every comparison, so a
-    range check alone lets it through)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    range check alone lets it through), nor an int past float's range (``math.isfinite`` raises
+    OverflowError on it, naming no argument, and the engine computes in floats)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def plain_number(value: Any) -> Any:

@@ -70,6 +70,13 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
     "n=3 children past the seed range": (lambda llm: SamplingParams(n=3, seed=2**64 - 2), ValueError,
                                          r"^seed \+ n - 1 must be < 2\*\*64: the n=3 children draw with seeds"),
     "NaN top_p": (lambda llm: SamplingParams(top_p=float("nan")), ValueError, r"top_p must be in"),
+    # (an int past float's range: math.isfinite raised OverflowError, naming no argument)
+    "temperature an int past float's range": (lambda llm: SamplingParams(temperature=2**1100), ValueError,
+                                              r"^temperature must be a finite number >= 0"),
+    "repetition_penalty an int past float's range": (lambda llm: SamplingParams(repetition_penalty=10**400),
+                                                     ValueError, r"^repetition_penalty must be a finite number > 0"),
+    "a logit_bias an int past float's range": (lambda llm: SamplingParams(logit_bias={5: -10**400}), ValueError,
+                                               r"^logit_bias values must be finite float32 numbers"),
     "prompt_token_ids None": (lambda llm: llm.generate({"prompt_token_ids": None}, use_tqdm=False),
                               TypeError, r"prompt\['prompt_token_ids'\] must be a list of token ids"),
     "a prompt dict with multi_modal_data": (
