@@ -1,5 +1,6 @@
 """The attach dashboard shows what the attached tables hold: forests, overlap, faults, metric timelines."""
 import math
+import threading
 
 import pytest
 
@@ -115,6 +116,16 @@ def test_views_that_need_block_ids_say_so(replicas):
         dash.detach()
     with pytest.raises(ValueError, match="unknown views \\['bogus'\\] for an attached source"):
         kvscope.dashboard(att, views=["bogus"])
+
+
+def test_an_interval_past_a_day_is_refused_before_the_redraw_thread_starts(replicas):
+    """The redraw thread waits ``interval`` between redraws: one past threading's longest wait
+    killed it with an OverflowError as it started, so the dashboard never redrew."""
+    att, _ = replicas
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match=r"^interval must be a finite number of seconds >= 0 and <= 86400, got 10000000000\.0$"):
+        kvscope.dashboard(att, interval=1e10)
+    assert "kvscope-attach-dashboard" not in {t.name for t in threading.enumerate()} - before
 
 
 def test_timeline_plots_the_scraped_metrics():

@@ -243,14 +243,16 @@ def test_pool_updates_are_block_deltas_whose_size_follows_the_changes():
 
 @pytest.mark.parametrize("option, pattern", [
     (dict(max_load=0), r"^max_load must be a share of the wall time in \(0, 1\], got 0$"),
-    (dict(interval=float("nan")), r"^interval must be a finite number of seconds >= 0, got nan$"),
-    (dict(interval=-1), r"^interval must be a finite number of seconds >= 0, got -1$"),
+    (dict(interval=float("nan")), r"^interval must be a finite number of seconds >= 0 and <= 86400, got nan$"),
+    (dict(interval=-1), r"^interval must be a finite number of seconds >= 0 and <= 86400, got -1$"),
+    (dict(interval=86_401), r"^interval must be a finite number of seconds >= 0 and <= 86400, got 86401$"),
     (dict(views=[]), r"^views must name at least one view$"),
     (dict(views=3), r"^views must be view names \(a list of str, or one str separated by commas\), got int$"),
 ])
 def test_bad_dashboard_options_are_refused_by_name_and_attach_nothing(option, pattern):
     """max_load=0 used to stop live updates in the update thread (a division by zero) after
-    the first step, with nothing said in the notebook."""
+    the first step, with nothing said in the notebook; an interval past threading's longest
+    wait killed that thread the same way (an OverflowError there): one past a day is refused."""
     llm = make_llm(num_kv_blocks=16)
     with pytest.raises((ValueError, TypeError), match=pattern):
         Dashboard(llm, **option)
@@ -464,6 +466,29 @@ def test_the_paused_status_comes_when_the_steps_update_ran_before_the_hold(follo
         dash.step_once()
         wait_for(lambda: dash.trace.step_ids[-1] > newest)
     assert "pausing" in seen[0]
+    dash.resume()
+    run.result(timeout=30)
+    dash.detach()
+
+
+def test_a_tiny_max_load_throttles_updates_without_killing_the_updater():
+    """The throttle waits ``cost / max_load``: with a ``max_load`` the options take (any share in
+    (0, 1]) but tiny, that wait passed threading's longest, and the updater thread died of an
+    OverflowError after its first update: no update came again, not even the one a held run
+    asks for to show that it is paused. A tiny share throttles the updates, but a hold still
+    gets its update."""
+    llm = make_llm(**ENGINE)
+    dash = Dashboard(llm, interval=0.0, max_load=1e-15)
+    llm.generate(PROMPTS, greedy(4), use_tqdm=False)
+    wait_for(lambda: dash.num_updates >= 1)  # the first update is over: the throttle waits now
+    dash.pause()
+    run = dash.generate_async(PROMPTS, greedy(6))
+    for _ in range(2):  # the first hold, then one after a Step
+        wait_for(lambda: dash.gate.waiting)
+        newest = dash.trace.step_ids[-1]
+        wait_for(lambda: f"paused at step {newest}" in dash.status.value, timeout=5)
+        dash.step_once()
+        wait_for(lambda: dash.trace.step_ids[-1] > newest)
     dash.resume()
     run.result(timeout=30)
     dash.detach()

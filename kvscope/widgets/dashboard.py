@@ -24,7 +24,7 @@ import ipywidgets as W
 from kvscope.arg_checks import is_index
 from kvscope.trace.trace import Trace
 from kvscope.trace import frozen_heap
-from kvscope.widgets.options import check_interval, check_max_load, view_names
+from kvscope.widgets.options import MAX_INTERVAL, check_interval, check_max_load, view_names
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
@@ -340,7 +340,8 @@ class Dashboard:
             spent = time.thread_time() - start
             self.update_time_s += spent
             cost = 0.5 * (cost + spent)  # smoothed: the first update is the dearest
-            self._kick.wait(max(self.interval, cost / self.max_load - cost))
+            # (capped: a tiny max_load asks for a wait that threading refuses; a hold kicks it anyway)
+            self._kick.wait(min(max(self.interval, cost / self.max_load - cost), MAX_INTERVAL))
             self._kick.clear()
 
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:

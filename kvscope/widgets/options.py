@@ -6,6 +6,8 @@ from typing import Any
 
 from kvscope.arg_checks import is_finite_number
 
+MAX_INTERVAL = 86400.0  # seconds: a longer wait between updates is a typo, and threads refuse waits past TIMEOUT_MAX
+
 
 def view_names(views: Any) -> list[str]:
     """``views`` as a list of names: a list (or any iterable) of str, or one str of names
@@ -26,9 +28,9 @@ def view_names(views: Any) -> list[str]:
 
 
 def check_interval(interval: Any) -> float:
-    """Seconds between two browser updates: a finite number >= 0."""
-    if not is_finite_number(interval) or interval < 0:
-        raise ValueError(f"interval must be a finite number of seconds >= 0, got {interval!r}")
+    """Seconds between two browser updates: a finite number in [0, ``MAX_INTERVAL``]."""
+    if not is_finite_number(interval) or not 0 <= interval <= MAX_INTERVAL:
+        raise ValueError(f"interval must be a finite number of seconds >= 0 and <= {MAX_INTERVAL:g}, got {interval!r}")
     return float(interval)
 
 
