@@ -181,22 +181,9 @@ class LLM:
         _check_no_lora(lora_request, len(prompt_list))
         _check_no_priority(priority, len(prompt_list))
         truncate = _truncation(tokenization_kwargs)
-        if not isinstance(sampling_params, (SamplingParams, list, tuple, type(None))):
-            raise TypeError(
-                f"sampling_params must be a SamplingParams or a list of them, got "
-                f"{type(sampling_params).__name__}; build one with SamplingParams(...)"
-            )
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
-        else:  # (a None in the list samples as sampling_params=None does)
-            params_list = [self.get_default_sampling_params() if p is None else p for p in sampling_params]
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts; "
-                    "pass one SamplingParams or one per prompt"
-                )
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         if truncate is not None:  # (vLLM's: the params' own truncate_prompt_tokens wins)
-            params_list = [p if not isinstance(p, SamplingParams) or p.truncate_prompt_tokens is not None
+            params_list = [p if p.truncate_prompt_tokens is not None
                            else dataclasses.replace(p, truncate_prompt_tokens=truncate) for p in params_list]
         with self._one_call("LLM.generate"):
             engine = self.llm_engine
@@ -218,6 +205,26 @@ class LLM:
                     for rid in ids:  # (and an output of theirs a nested generate or step kept)
                         engine.abort_request(rid, report=False)
                         self._generating.discard(rid)
+
+    def _params_per_prompt(self, sampling_params: Any, num_prompts: int) -> list[SamplingParams]:
+        """``generate``'s ``sampling_params`` as one ``SamplingParams`` per prompt (None: the
+        model's defaults), each entry checked here, where its place in the list can be named."""
+        if not isinstance(sampling_params, (SamplingParams, list, tuple, type(None))):
+            raise TypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__}; build one with SamplingParams(...)"
+            )
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params or self.get_default_sampling_params()] * num_prompts
+        for i, p in enumerate(sampling_params):
+            if not isinstance(p, (SamplingParams, type(None))):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams (or None), got "
+                                f"{type(p).__name__}; build one with SamplingParams(...)")
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts; "
+                             "pass one SamplingParams or one per prompt")
+        # (a None in the list samples as sampling_params=None does)
+        return [self.get_default_sampling_params() if p is None else p for p in sampling_params]
 
     def chat(
         self,

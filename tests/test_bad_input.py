@@ -112,6 +112,9 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
         ValueError, r"^chat_template is not valid Unicode text"),
     "SamplingParams as a dict": (lambda llm: llm.generate([[5, 6]], {"max_tokens": 3}, use_tqdm=False),
                                  TypeError, r"sampling_params must be a SamplingParams .* got dict"),
+    # (it said "params must be a SamplingParams", add_request's name, not generate's argument)
+    "a dict among sampling_params": (lambda llm: llm.generate(PROMPTS, [greedy(2), {"max_tokens": 3}], use_tqdm=False),
+                                     TypeError, r"^sampling_params\[1\] must be a SamplingParams .* got dict"),
     # (add_request's argument is params: the message named generate's sampling_params)
     "add_request's params as a str": (lambda llm: llm.add_request([5, 6], params="greedy"), TypeError,
                                       r"^params must be a SamplingParams, got str"),
