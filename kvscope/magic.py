@@ -130,13 +130,18 @@ class KvscopeMagics(Magics):
         if not args.endpoints:
             raise UsageError("usage: %kvscope attach tcp://host:5557 [tcp://host2:5557 ...] (see %kvscope?)")
         split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
-        attached = kvscope.attach(args.endpoints, topic=args.topic, replay_endpoints=split(args.replay),
-                                  metrics_urls=split(args.metrics))
-        if args.out:
-            self.shell.user_ns[args.out] = attached
+        attached = _built(kvscope.attach, args.endpoints, topic=args.topic, replay_endpoints=split(args.replay),
+                          metrics_urls=split(args.metrics))
         # (--interval's default is the live dashboard's; the attach dashboard keeps its own unless given)
         given = self._given(args, ("interval",))
-        return kvscope.dashboard(attached, **{name: getattr(args, name) for name in given})
+        try:
+            dash = _built(kvscope.dashboard, attached, **{name: getattr(args, name) for name in given})
+        except BaseException:  # (the subscription runs in a thread of its own: nobody else could close it)
+            attached.close()
+            raise
+        if args.out:
+            self.shell.user_ns[args.out] = attached
+        return dash
 
     def _resolve(self, name: str) -> Any:
         """The value of the target expression ``name`` in the notebook; one that fails to
@@ -178,7 +183,7 @@ def _source(name: str, value: Any) -> Any:
 
 def _built(make: Any, *args: Any, **options: Any) -> Any:
     """``make(*args, **options)``, its refusal of an option told with the option's flag (the
-    dashboard names its Python argument: ``max_steps must be ...``)."""
+    dashboard and ``kvscope.attach`` name their Python arguments: ``max_steps must be ...``)."""
     try:
         return make(*args, **options)
     except ValueError as e:
@@ -187,11 +192,12 @@ def _built(make: Any, *args: Any, **options: Any) -> Any:
 
 def _flags(names: list[str]) -> str:
     """Options' Python names as the magic's flags: ``max_steps`` -> ``--max-steps``."""
-    return ", ".join("--" + name.replace("_", "-") for name in names)
+    return ", ".join(_FLAG_OF.get(name, "--" + name.replace("_", "-")) for name in names)
 
 
 # A refusal that starts with the option it refuses.
-_OPTION_NAME = re.compile(r"^(max_steps|max_load|interval|views)\b")
+_OPTION_NAME = re.compile(r"^(max_steps|max_load|interval|views|replay_endpoints|metrics_urls)\b")
+_FLAG_OF = {"replay_endpoints": "--replay", "metrics_urls": "--metrics"}  # kvscope.attach's names for them
 # An argument wholly in matching quotes, or an option's value after "=" in them.
 _QUOTED = re.compile(r"""^(-[\w-]+=)?(['"])(.*)\2$""", re.DOTALL)
 _ATTACH_ONLY = ("topic", "replay", "metrics")

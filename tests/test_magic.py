@@ -286,6 +286,30 @@ def test_attach_magic_shows_the_attach_dashboard(ip):
         ip.run_line_magic("kvscope", "attach")
 
 
+@pytest.mark.parametrize("line,says", [
+    ("attach {endpoint} --interval -1 -o src", "%kvscope: --interval must be a finite number of seconds >= 0"),
+    ("attach {endpoint} --interval 1e10 -o src", "%kvscope: --interval must be a finite number of seconds >= 0"),
+    ("attach nowhere -o src", "%kvscope: endpoints['nowhere'] must start with one of tcp://"),
+    ("attach {endpoint} --replay {endpoint},{endpoint} -o src", "%kvscope: --replay has 2 entries for 1 endpoints"),
+])
+def test_a_refused_attach_line_is_a_usage_error_and_leaves_no_subscription(ip, line, says):
+    """A refused option subscribed first and was refused by the dashboard after: the
+    subscription went on receiving in its thread, with no handle to close it (``-o`` was not
+    set yet) and a second one to come once the line was fixed; and each refusal was a
+    ValueError's traceback, not the magic's one-line usage error."""
+    pytest.importorskip("zmq")
+    pytest.importorskip("msgspec")
+    from attach_helpers import publisher
+
+    ip.user_ns.pop("src", None)
+    with publisher() as pub:
+        threads = set(threading.enumerate())
+        with pytest.raises(UsageError) as refused:
+            ip.run_line_magic("kvscope", line.format(endpoint=pub.endpoint))
+        assert type(refused.value) is UsageError and str(refused.value).startswith(says)
+        assert set(threading.enumerate()) <= threads and "src" not in ip.user_ns
+
+
 def test_demo_command_refuses_max_tokens_past_the_model_length_with_a_usage_error(capsys):
     """``python -m kvscope demo --max-tokens N`` past what max_model_len leaves the longest demo
     prompt exits with status 2 and one line naming the limit (a traceback from generate before);
