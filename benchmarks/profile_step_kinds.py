@@ -23,7 +23,9 @@ run the device was busy, and its idle time split into gaps shorter than ``--host
 boundaries between kernels) and longer ones (the device waiting for the host). The profiler
 slows the host, so the busy share it reports is a lower bound: it says whether the control
 plane keeps the device fed, and therefore whether a faster run needs faster kernels or a faster
-host.
+host. It ends with the bound that busy time sets (the workload's tokens over it) as a share of
+the roofline (``bench_throughput.roofline_tok_s`` at the copy bandwidth, over the timed run's
+steps), and how much of that bound the last timed run reached.
 
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-0.6b --async-scheduling
     python benchmarks/profile_step_kinds.py --config benchmarks/configs/qwen3-small-kv --async-scheduling --no-pdl
@@ -33,6 +35,7 @@ host.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -41,7 +44,8 @@ from pathlib import Path
 from typing import Sequence
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_throughput import timed_generate, workload, write_random_checkpoint  # noqa: E402
+from bench_throughput import (copy_bandwidth, roofline_tok_s, timed_generate, workload,  # noqa: E402
+                              write_random_checkpoint)
 from profile_decode import add_ab_flags, apply_ab_flags  # noqa: E402
 from profile_gaps import device_events, idle_gaps, print_idle_pairs  # noqa: E402
 
@@ -104,9 +108,9 @@ def describe_decode_steps(rows: Sequence[int], seconds: Sequence[float]) -> str:
                      for (lo, hi), v in sorted(by_rows.items(), reverse=True))
 
 
-def print_device_busy(llm, prompts, outs, host_gap_us: float) -> None:
+def print_device_busy(llm, prompts, outs, host_gap_us: float) -> float:
     """Run the workload under the profiler; print the device's busy share of the run and where
-    it idled."""
+    it idled. Returns the device's busy seconds."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -121,6 +125,17 @@ def print_device_busy(llm, prompts, outs, host_gap_us: float) -> None:
           f"({busy / span:.1%}); idle {short_idle / 1e6:.3f} s in {len(gaps) - len(long_gaps):,} gaps under "
           f"{host_gap_us:g} us, {sum(long_gaps) / 1e6:.3f} s in {len(long_gaps):,} longer ones")
     print_idle_pairs([g for g in gaps if g[0] >= host_gap_us], 1, 6, per="in the run")
+    return busy / 1e6
+
+
+def print_busy_bound(busy_s: float, timed_tok_s: float, roofline: float, bw: float, tokens: int) -> None:
+    """What the device's own work allows: the workload's tokens over its busy seconds, against
+    the roofline and the timed run. A run near this bound is the kernels' to speed up, not the
+    control plane's."""
+    bound = tokens / busy_s
+    print(f"the device's own work allows at most {bound:,.0f} tok/s: {bound / roofline:.1%} of the "
+          f"{roofline:,.0f} tok/s roofline ({bw / 1e12:.2f} TB/s); the last timed run reached {timed_tok_s / bound:.1%} "
+          "of it")
 
 
 def main() -> None:
@@ -142,6 +157,7 @@ def main() -> None:
 
     prompts, outs = workload()
     warm, _ = workload(num_seqs=32, seed=1)
+    bw = copy_bandwidth() if args.busy else 0.0  # (before the engine takes the device's memory)
     with tempfile.TemporaryDirectory() as tmp:
         write_random_checkpoint(args.config, Path(tmp))
         llm = LLM(tmp, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256,
@@ -159,7 +175,11 @@ def main() -> None:
                   f"{seconds:.3f} s, {len(kinds.times)} steps")
             print(kinds.report())
         if args.busy:
-            print_device_busy(llm, prompts, outs, args.host_gap_us)
+            steps = len(kinds.times)  # the timed run's (the profiled run adds its own)
+            busy_s = print_device_busy(llm, prompts, outs, args.host_gap_us)
+            cfg = json.loads(Path(args.config, "config.json").read_text())
+            roofline = roofline_tok_s(cfg, prompts, outs, steps, bw)
+            print_busy_bound(busy_s, sum(outs) / seconds, roofline, bw, sum(outs))
         llm.shutdown()
 
 
