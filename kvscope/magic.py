@@ -78,6 +78,11 @@ class KvscopeMagics(Magics):
             if args.html and not isinstance(source, Trace):
                 raise UsageError("%kvscope: --html exports a recorded Trace, and a live dashboard has recorded "
                                  "nothing yet: give it a Trace, or use it in cell mode (%%kvscope --html ...)")
+            if args.html and source.level == "summary":
+                raise UsageError("%kvscope: --html exports the block views, and this trace was recorded at level "
+                                 "'summary'")
+            if args.html and not source.step_ids:
+                raise UsageError("%kvscope: --html: the trace holds no engine step, so there is no page to write")
             live_only = self._given(args, _LIVE_ONLY)
             if isinstance(source, Trace) and live_only:
                 raise UsageError(f"%kvscope: {_flags(live_only)}: only with a live dashboard (an LLM, or demo); "
@@ -85,6 +90,8 @@ class KvscopeMagics(Magics):
             dash = _built(demo, **options) if args.target == "demo" else _built(Dashboard, source, **options)
         if args.out:
             self.shell.user_ns[args.out] = dash.trace
+        if args.html and not dash.trace.step_ids:  # (the cell failed, was interrupted, or does not generate)
+            raise UsageError("%%kvscope: --html: the cell ran no engine step, so there is no page to write")
         if args.html:
             dash.to_html(args.html)
         return None if cell is not None else dash

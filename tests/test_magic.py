@@ -238,6 +238,43 @@ def test_a_cell_whose_export_cannot_be_made_is_refused_before_it_runs(ip, tmp_pa
     assert llm.llm_engine.scheduler.step_count == 0
 
 
+@pytest.mark.parametrize("cell", ["x = 1", "raise ValueError('the cell failed')", "raise KeyboardInterrupt"])
+def test_a_cell_that_ran_no_step_says_its_page_has_nothing_to_show(ip, tmp_path, cell):
+    """``%%kvscope --html page`` around a cell that ran no engine step (it failed or was
+    interrupted first, or does not generate): the export raised a ValueError whose traceback ran
+    through the magic, after the cell's own. It is one usage error line; the empty trace is
+    still stored, as the recording it is, and no page is written."""
+    llm = ip.user_ns["llm"] = make_llm(num_kv_blocks=16, block_size=8)
+    ip.user_ns.pop("ts", None)
+    page = tmp_path / "page.html"
+    with pytest.raises(UsageError) as refused:
+        ip.run_cell_magic("kvscope", f"llm --html {page} -o ts", cell)
+    assert type(refused.value) is UsageError and "--html: the cell ran no engine step" in str(refused.value)
+    assert not page.exists() and ip.user_ns["ts"].step_ids == [] and llm.llm_engine.scheduler.step_count == 0
+    assert not llm.llm_engine.hooks.active("step.end")
+
+
+@pytest.mark.parametrize("level,steps,says", [
+    ("blocks", 0, "--html: the trace holds no engine step"),
+    ("summary", 3, "--html exports the block views, and this trace was recorded at level 'summary'"),
+])
+def test_a_trace_the_page_cannot_show_is_refused_for_html_by_a_usage_error(ip, tmp_path, level, steps, says):
+    """``%kvscope t --html page`` of a trace with no step, or of a ``summary`` one (``--level``
+    is checked for what the magic records, not for a Trace it is given): the export's ValueError
+    came as a traceback through the magic, after a replay was built. A usage error before that;
+    no page is written."""
+    llm = make_llm(num_kv_blocks=16, block_size=8)
+    with llm.record(level) as trace:
+        if steps:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=steps, temperature=0), use_tqdm=False)
+    ip.user_ns["tr"] = trace
+    page = tmp_path / "page.html"
+    with pytest.raises(UsageError) as refused:
+        ip.run_line_magic("kvscope", f"tr --html {page}")
+    assert type(refused.value) is UsageError and says in str(refused.value)
+    assert len(trace.step_ids) == steps and not page.exists()
+
+
 @pytest.mark.parametrize("line,says", [
     ("--html {tmp}", "--html '{tmp}': not a file name"),
     ("tr", "'tr' is a Trace; cell mode records an LLM"),
