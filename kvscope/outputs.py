@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvscope.arg_checks import check_inert
 
@@ -75,6 +75,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # vLLM's: "stop", "length", "abort" (by the caller) or "error"
     stop_reason: int | str | None = None
     error: str | None = field(default=None, kw_only=True)  # why a request that failed alone inside a step ended
+    # vLLM's fields for what kvscope has not (LoRA, a KV connector): read as None, vLLM's value then
+    lora_request: ClassVar[None] = None
+    kv_transfer_params: ClassVar[None] = None
 
     def __post_init__(self, routed_experts: None) -> None:
         check_inert("routed_experts", routed_experts, "kvscope records no MoE routing")
@@ -98,7 +101,8 @@ class RequestOutput:
     """One request's output. As vLLM's, positional arguments take the order ``request_id, prompt,
     prompt_token_ids, prompt_logprobs, outputs, finished, metrics, lora_request, encoder_prompt,
     encoder_prompt_token_ids, num_cached_tokens``: the three kvscope has not (no LoRA, no
-    encoder-decoder models) are taken only at vLLM's default, None. Other keywords are ignored
+    encoder-decoder models) are taken only at vLLM's default, None, and read back as None, as is
+    vLLM's ``kv_transfer_params`` (no KV connector). Other keywords are ignored
     with a warning naming them, as vLLM ignores them (for code written against a newer vLLM).
     ``prompt_logprobs``, which vLLM requires, may be left out (None) when given by keyword.
 
@@ -119,6 +123,12 @@ class RequestOutput:
     # the request was added. A field so that dataclasses.replace and copies keep it; private,
     # keyword-only and out of repr and ==, as vLLM's RequestOutput has no such field.
     _is_delta: bool = field(default=False, repr=False, compare=False)
+    # vLLM's attributes for what kvscope has not (LoRA, encoder-decoder models, a KV connector),
+    # taken by __init__ only at None: read as None, as vLLM's are then
+    lora_request: ClassVar[None] = None
+    encoder_prompt: ClassVar[None] = None
+    encoder_prompt_token_ids: ClassVar[None] = None
+    kv_transfer_params: ClassVar[None] = None
 
     def __init__(
         self,

@@ -392,3 +392,26 @@ def test_a_request_output_built_by_hand_has_no_cached_token_count():
     first, again = (llm.generate([prefix + [3]], greedy(2), use_tqdm=False)[0] for _ in range(2))
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, again.metrics.num_cached_tokens)
     assert again.num_cached_tokens > 0
+
+
+def test_outputs_read_back_vllm_s_attributes_for_what_kvscope_has_not():
+    """vLLM's ``RequestOutput`` (vllm/outputs.py at 003d3ee) keeps ``lora_request``,
+    ``encoder_prompt`` and ``encoder_prompt_token_ids`` as attributes and reads
+    ``kv_transfer_params`` as a property, and its ``CompletionOutput`` has ``lora_request`` and
+    ``kv_transfer_params`` fields: all None for a decoder-only model without LoRA or a KV
+    connector. kvscope took the first three in ``RequestOutput()`` and dropped them, so ported
+    code reading any of them (a log line, a generic serializer) raised AttributeError."""
+    from kvscope import CompletionOutput, RequestOutput
+
+    llm = make_llm()
+    generated = llm.generate([[5, 6, 7]], greedy(2), use_tqdm=False)[0]
+    llm.add_request([5, 6, 7], greedy(2))
+    streamed = llm.step()[0]
+    built = RequestOutput("r", None, [1], None, [CompletionOutput(0, "a", [3], None, None)], True,
+                          None, None, None, None)
+    for out in (generated, streamed, built):
+        assert [getattr(out, name) for name in ("lora_request", "encoder_prompt", "encoder_prompt_token_ids",
+                                                 "kv_transfer_params")] == [None] * 4
+        assert [(c.lora_request, c.kv_transfer_params) for c in out.outputs] == [(None, None)]
+    while llm.has_unfinished_requests():
+        llm.step()
