@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence as Seq
 
-from kvscope.arg_checks import check_inert, check_text, is_int
+from kvscope.arg_checks import check_inert, check_text, is_index
 from kvscope.config import EngineConfig
 from kvscope.engine.hooks import HookRegistry, warn_detached
 from kvscope.engine.input_checks import check_prompt
@@ -630,10 +630,11 @@ def _check_no_lora(lora_request: Any, num_prompts: int) -> None:
 
 
 def _check_no_priority(priority: Any, num_prompts: int) -> None:
-    """vLLM's ``priority``: one int per prompt, each 0 here, as vLLM requires without priority scheduling."""
+    """vLLM's ``priority``: one int per prompt (numpy's too), each 0 here, as vLLM requires without
+    priority scheduling."""
     if priority is None:
         return
-    if not isinstance(priority, (list, tuple)) or not all(is_int(p) for p in priority):
+    if not isinstance(priority, (list, tuple)) or not all(is_index(p) for p in priority):
         raise TypeError(f"priority must be a list of ints, one per prompt, got {priority!r}")
     if len(priority) != num_prompts:
         raise ValueError(f"got {len(priority)} priority for {num_prompts} prompts; pass None or one per prompt")

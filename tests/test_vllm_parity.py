@@ -415,3 +415,19 @@ def test_outputs_read_back_vllm_s_attributes_for_what_kvscope_has_not():
         assert [(c.lora_request, c.kv_transfer_params) for c in out.outputs] == [(None, None)]
     while llm.has_unfinished_requests():
         llm.step()
+
+
+def test_a_priority_of_numpy_zeros_runs_as_vllm_runs_it():
+    """vLLM's ``generate`` passes each ``priority[i]`` on and refuses only a nonzero one without
+    priority scheduling, so numpy's zeros (``list(np.zeros(n, int))``) run there; kvscope
+    refused them as "not a list of ints", though it takes numpy integers everywhere else."""
+    import numpy as np
+
+    llm = make_llm()
+    prompts = [[5, 6, 7], [8, 9]]
+    plain = llm.generate(prompts, greedy(3), use_tqdm=False)
+    zeros = llm.generate(prompts, greedy(3), use_tqdm=False, priority=list(np.zeros(2, dtype=np.int64)))
+    assert token_ids(zeros) == token_ids(plain)
+    with pytest.raises(ValueError, match=r"^priority must be 0 for every prompt"):
+        llm.generate(prompts, greedy(3), use_tqdm=False, priority=[np.int64(0), np.int32(2)])
+    assert not llm.has_unfinished_requests()
