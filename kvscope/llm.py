@@ -255,7 +255,7 @@ class LLM:
         from kvscope import chat
 
         self._check_open()
-        if chat_template_content_format not in ("auto", "string"):
+        if not isinstance(chat_template_content_format, str) or chat_template_content_format not in ("auto", "string"):
             raise ValueError(f"chat_template_content_format must be 'auto' or 'string' (kvscope renders each "
                              f"message's content as one string, its text parts joined), got "
                              f"{chat_template_content_format!r}")

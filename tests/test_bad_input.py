@@ -201,6 +201,11 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
         lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
                              chat_template_content_format="openai"),
         ValueError, r"^chat_template_content_format must be 'auto' or 'string'"),
+    # (numpy's "The truth value of an array with more than one element is ambiguous", naming nothing)
+    "chat chat_template_content_format an array": (
+        lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
+                             chat_template_content_format=np.array(["auto", "string"])),
+        ValueError, r"^chat_template_content_format must be 'auto' or 'string' .* got array\(\['auto', 'string'\]"),
     "chat mm_processor_kwargs": (
         lambda llm: llm.chat([{"role": "user", "content": "hi"}], greedy(2), use_tqdm=False,
                              mm_processor_kwargs={"num_crops": 4}),
