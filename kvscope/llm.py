@@ -515,7 +515,8 @@ class LLM:
     def check_invariants(self) -> None:
         """Raise if any control-plane invariant (docs/ARCHITECTURE.md) is broken right now:
         between two steps when another thread is stepping (half-way through a transition the
-        engine's tables disagree by design), at once from a hook."""
+        engine's tables disagree by design), at once from a hook. Refused from a ``block.*``
+        hook, which fires half-way through such a transition."""
         with self._between_steps("llm.check_invariants"):
             self.llm_engine.check_invariants()
 

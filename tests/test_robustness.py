@@ -1217,3 +1217,34 @@ def test_an_engine_stopped_by_a_hooks_keyboard_interrupt_is_freed_by_del_alone(s
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_check_invariants_from_a_block_hook_says_the_tables_are_mid_change() -> None:
+    """A block event fires half-way through the block manager's change (a block taken before its
+    table holds it, freed before its request leaves the queues), where the validator's tables
+    disagree by design: a check from that hook says so by name instead of raising an
+    InvariantError for an engine that is fine. From every other hook point it checks at once."""
+    llm = make_llm(**CONFIG)
+    outcomes: dict[str, list[BaseException | None]] = {p: [] for p in HOOK_POINTS}
+
+    def checker(point: str):
+        def hook(**_: Any) -> None:
+            try:
+                llm.check_invariants()
+                outcomes[point].append(None)
+            except Exception as exc:
+                outcomes[point].append(exc)
+        return hook
+
+    with llm.hooks([(p, checker(p)) for p in HOOK_POINTS]):
+        outs = llm.generate(PROMPTS, greedy(6), use_tqdm=False)
+        llm.reset_prefix_cache()
+    assert all(outcomes.values()), [p for p, o in outcomes.items() if not o]  # every point fired
+    for point, seen in outcomes.items():
+        if point.startswith("block."):
+            assert all(isinstance(e, RuntimeError) and not isinstance(e, InvariantError)
+                       and repr(point) in str(e) for e in seen), (point, seen[:2])
+        else:
+            assert seen == [None] * len(seen), (point, seen[:2])
+    assert token_ids(outs) == fresh_tokens(PROMPTS)
+    assert_healthy(llm)

@@ -123,6 +123,7 @@ class HookRegistry:
         self.block_sinks: tuple[list, ...] = ()  # every sink; read by the block manager per event
         self._tuple_sinks: tuple[list[BlockEvent], ...] = ()
         self._column_sinks: tuple[list, ...] = ()
+        self.block_hook_firing: str | None = None  # the block event whose hooks run now, if any
 
     def add(self, name: str, fn: Hook, first: bool = False, after_first: bool = False) -> HookHandle:
         """Call ``fn(**payload)`` at hook point ``name``; see ``HOOK_POINTS``. ``first``: before
@@ -214,8 +215,8 @@ class HookRegistry:
         for sink in self.block_sinks:
             sink.append(ev)
         if event in self._hooks:
-            self.fire(event, step=step, block_id=block_id, request_id=request_id,
-                      ref_count=ref_count, block_hash=block_hash)
+            self._fire_block(event, step=step, block_id=block_id, request_id=request_id,
+                             ref_count=ref_count, block_hash=block_hash)
 
     def emit_blocks(self, batch: BlockEvents) -> None:
         """Several block events, in order, as :meth:`emit_block` would give them one by one;
@@ -227,8 +228,18 @@ class HookRegistry:
         for sink in self._column_sinks:
             sink.append(batch)
         for e in events if hooked else ():
-            self.fire(e.event, step=e.engine_step, block_id=e.block_id, request_id=e.request_id,
-                      ref_count=e.ref_count, block_hash=e.block_hash)
+            self._fire_block(e.event, step=e.engine_step, block_id=e.block_id, request_id=e.request_id,
+                             ref_count=e.ref_count, block_hash=e.block_hash)
+
+    def _fire_block(self, event: str, **payload: Any) -> None:
+        """A block event's hooks run half-way through the engine's change of its tables: marked,
+        so that a check of those tables from such a hook can say so rather than raise a false
+        alarm."""
+        outer, self.block_hook_firing = self.block_hook_firing, event
+        try:
+            self.fire(event, **payload)
+        finally:
+            self.block_hook_firing = outer
 
     def fire(self, name: str, **payload: Any) -> None:
         fns = self._hooks.get(name)

@@ -741,6 +741,12 @@ class LLMEngine:
             self._num_released += 1
 
     def check_invariants(self) -> None:
+        """Run the validator; refused from a block event's hook, where the tables disagree by design."""
+        if self.hooks.block_hook_firing is not None:
+            raise RuntimeError(
+                f"check_invariants() from a {self.hooks.block_hook_firing!r} hook: block events fire "
+                "half-way through a change of the engine's tables, which disagree there by design; "
+                "check from a 'step.scheduled', 'step.end' or 'request.*' hook, or between steps")
         check_invariants(self.scheduler)
 
 
