@@ -540,6 +540,37 @@ def test_ring_buffer_keeps_the_last_steps(async_scheduling):
         ring.full.pool_arrays(everything.step_ids[0])
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_ring_buffer_drops_no_step_while_held_and_the_steps_kept_meanwhile_go_after(async_scheduling):
+    """Reading one step's several tables of a live ring buffer raced the engine: the step could
+    be dropped between two reads (a dashboard showing its oldest step, an export). While
+    ``hold_steps()`` holds it, a step run meanwhile drops none (the engine does not wait); once
+    released, the excess goes at once, and the pool replays as before. Checked against a
+    recording of every step."""
+    llm = _tight_llm(async_scheduling=async_scheduling)
+    prompts, params = _workload(n=6)
+    with llm.record("full") as everything, llm.record("blocks", 3) as ring:
+        for p, sp in zip(prompts, params):
+            llm.add_request(p, sp)
+        for _ in range(4):
+            llm.step()
+        held = ring.step_ids
+        with ring.hold_steps():
+            for _ in range(3):
+                llm.step()
+            assert ring.step_ids[:3] == held and ring.step_ids == everything.step_ids[everything.step_ids.index(held[0]):]
+            for step in held:  # (read after the steps that would have dropped it)
+                for k in POOL:
+                    np.testing.assert_array_equal(ring.pool_arrays(step)[k], everything.pool_arrays(step)[k])
+        assert ring.step_ids == everything.step_ids[-3:]
+        while llm.has_unfinished_requests():
+            llm.step()
+    assert ring.step_ids == everything.step_ids[-3:]
+    for step in ring.step_ids:
+        assert_frame_equal(ring.blocks(step), everything.blocks(step))
+        assert_frame_equal(ring.scheduled(step), everything.scheduled(step))
+
+
 def _assert_same_trace(a: Trace, b: Trace) -> None:
     assert a.meta == b.meta and a.step_ids == b.step_ids
     assert (a.level, a.num_blocks, a.block_size) == (b.level, b.num_blocks, b.block_size)

@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import threading
 import time
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ pytest.importorskip("plotly")
 from engine_helpers import Cycle, greedy, make_llm, token_ids, watch_launches  # noqa: E402
 from pool_reference import bucket_summary  # noqa: E402
 
-from kvscope.trace import Trace  # noqa: E402
+from kvscope.trace import Recorder, Trace  # noqa: E402
 from kvscope.widgets import BlockPoolView, BlockTablesView, Dashboard, export_html  # noqa: E402
 from kvscope.widgets.export import load_payload  # noqa: E402
 from kvscope.widgets.pool_sync import KEYFRAME, PoolUpdate, apply_update  # noqa: E402
@@ -757,6 +757,63 @@ def test_a_live_dashboard_follows_the_newest_step_until_the_user_moves_away(max_
     dash.follow.value = True
     assert dash.step == dash.trace.step_ids[-1]
     dash.detach()
+
+
+def _long_background_run(max_steps: int) -> tuple[Dashboard, Recorder, Future]:
+    """A live dashboard whose ring buffer drops a step at every step of a background run, and
+    a recording of every step of it beside (the test stops both)."""
+    llm = make_llm(num_kv_blocks=64, block_size=4, max_num_batched_tokens=32)
+    everything = Recorder(llm.llm_engine, "full")
+    everything.start()
+    dash = Dashboard(llm, max_steps=max_steps, interval=0.01, max_load=1.0)
+    run = dash.generate_async([[5 + i, 6, 7, 8 + i] for i in range(6)], greedy(240))  # (stopped by the test)
+    wait_for(lambda: len(dash.trace.step_ids) == max_steps)
+    return dash, everything, run
+
+
+def test_showing_the_oldest_step_while_the_ring_buffer_drops_it_shows_a_whole_step():
+    """Scrubbing back in a live run longer than ``max_steps``: the step shown (and the slider's
+    minimum, which the updater raises) is the oldest kept, which the engine drops meanwhile. A
+    view that read it after the drop raised a KeyError (an IndexError from the step's summary
+    row), in the notebook or as a lasting "update error" in the status. Each show now holds the
+    steps it reads: every view shows one step, as a recording of every step has it."""
+    dash, recorder, run = _long_background_run(max_steps=4)
+    everything = recorder.trace
+    for _ in range(12):
+        oldest = dash.trace.step_ids[0]
+        dash.show_step(oldest)
+        v, step = dash.views, dash.step
+        assert v["pool"].step == v["slots"].step == v["queues"].step == v["tables"].step == step
+        assert v["queues"].queues["used"] == everything.steps.set_index("step").at[step, "num_used_blocks"]
+        wait_for(lambda: dash.trace.step_ids[0] > oldest)  # (the next show's oldest is a new one)
+    dash.stop()
+    recorder.stop()
+    dash.detach()
+    assert dash.last_error is None
+
+
+def test_an_export_during_a_background_run_is_the_pool_of_the_steps_it_names(tmp_path):
+    """``dash.to_html`` while the run goes: the export reads each of the steps it picked, and
+    the ring buffer dropped the oldest of them meanwhile (a KeyError, most exports). It holds
+    them now: each exported step's pool, rebuilt from the page's deltas as the browser does, is
+    the pool a recording of every step saw."""
+    dash, recorder, run = _long_background_run(max_steps=8)
+    everything, pages = recorder.trace, []
+    for i in range(3):
+        oldest = dash.trace.step_ids[0]
+        pages.append(load_payload(dash.to_html(tmp_path / f"{i}.html").read_text()))
+        wait_for(lambda: dash.trace.step_ids[0] > oldest)  # (the next export's steps are new ones)
+    dash.stop()
+    recorder.stop()
+    dash.detach()
+    for payload in pages:
+        n = dash.trace.num_blocks
+        state, refs = np.zeros(n, np.uint8), np.zeros(n, np.int32)
+        for step, view in zip(payload["steps"], payload["views"]["pool"]):
+            update = PoolUpdate(base64.b64decode(view["delta"]), view["delta_base"], view["version"])
+            apply_update(state, refs, update)
+            want = everything.pool_arrays(step)
+            assert (state == want["state"]).all() and (refs == want["ref_count"]).all()
 
 
 def test_a_slider_move_while_an_update_waits_for_the_lock_is_not_undone():

@@ -114,6 +114,7 @@ class Recorder:
         self.baseline: SparsePool | PoolState | None = None  # dense once the ring buffer drops a step
         self.last_dropped_step: int | None = None
         self.lock = threading.Lock()
+        self._holds = 0  # readers holding the retained steps (Trace.hold_steps): none is dropped meanwhile
         self._blocks = level != "summary"
         self._snapshots = SnapshotTaker(engine.block_manager.num_blocks) if level == "full" else None
         # A request id is free again once its request's final output is out, so one id may name
@@ -234,6 +235,18 @@ class Recorder:
 
     def requests_frame(self) -> pd.DataFrame:
         return frame("requests", [r.row() for r in list(self._request_rows)])
+
+    def hold(self) -> None:
+        """Keep every retained step until :meth:`release`: the steps run meanwhile are added and
+        none is dropped, so a reader's several reads of one step find it (the engine never waits)."""
+        with self.lock:
+            self._holds += 1
+
+    def release(self) -> None:
+        """End a :meth:`hold`; the last one drops at once the steps past ``max_steps``."""
+        with self.lock:
+            self._holds -= 1
+            self._drop_excess()
 
     # ---------------------------------------------------------------- hooks
     def _add_row(self, request_id: str) -> _RequestRow:
@@ -400,21 +413,29 @@ class Recorder:
                 self._chunk_events += num_events(events)
                 events.clear()
                 self._unpacked.append((rec, self._chunk_events))
-                if (self._listeners_read_events() or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS
-                        or len(self.records) > self.max_steps):
+                if self._listeners_read_events() or len(self._unpacked) >= CHUNK_STEPS or self._chunk_events >= CHUNK_EVENTS:
                     self._pack_chunk()
-            if len(self.records) > self.max_steps:
-                old = self.records.popleft()
-                if self.baseline is not None:  # dense from the first drop on: one apply per step
-                    self.baseline = self._dense_baseline()
-                    self.baseline.apply(old)
-                if old.pool is not None:
-                    self.records[0].pool = merge_keyframe(old.pool, self.records[0].pool)
-                self.last_dropped_step = old.step
-                oldest = self.records[0].step
-                while self._finished and self._finished[0][0] < oldest:
-                    self._drop_row(self._finished.popleft()[1])
+            if self._drop_excess():
                 self._renew_request_ids()
+
+    def _drop_excess(self) -> bool:
+        """Drop the oldest records past ``max_steps``, unless a reader holds them (with the lock
+        held); whether any went."""
+        if self._holds or len(self.records) <= self.max_steps:
+            return False
+        self._pack_chunk()  # (a dropped record's events move the baseline)
+        while len(self.records) > self.max_steps:
+            old = self.records.popleft()
+            if self.baseline is not None:  # dense from the first drop on: one apply per step
+                self.baseline = self._dense_baseline()
+                self.baseline.apply(old)
+            if old.pool is not None:
+                self.records[0].pool = merge_keyframe(old.pool, self.records[0].pool)
+            self.last_dropped_step = old.step
+        oldest = self.records[0].step
+        while self._finished and self._finished[0][0] < oldest:
+            self._drop_row(self._finished.popleft()[1])
+        return True
 
     def _renew_request_ids(self) -> None:
         """Code what comes next with a new request-id table once the current one names

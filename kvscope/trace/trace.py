@@ -11,10 +11,11 @@ import bisect
 import json
 import operator
 import threading
+from contextlib import contextmanager
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -54,6 +55,10 @@ class TraceSource(Protocol):
 
     def add_listener(self, fn: "Listener", *, block_events: bool = True) -> "ListenerHandle": ...
 
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
 
 class _Loaded:
     def __init__(self, records: list[StepRecord], baseline: PoolState | None, requests: pd.DataFrame) -> None:
@@ -67,6 +72,12 @@ class _Loaded:
 
     def add_listener(self, fn: "Listener", *, block_events: bool = True) -> "ListenerHandle":
         raise RuntimeError("a loaded trace does not record; listeners need a live trace from llm.record()")
+
+    def hold(self) -> None:
+        """Nothing to hold: a loaded trace drops no step."""
+
+    def release(self) -> None:
+        """Nothing held."""
 
 
 class Trace:
@@ -113,6 +124,16 @@ class Trace:
         ``block_events=False`` when ``fn`` does not read ``record.block_events``, which then need
         not be packed every step (see :meth:`Recorder.add_listener`)."""
         return self._source.add_listener(fn, block_events=block_events)
+
+    @contextmanager
+    def hold_steps(self) -> Iterator["Trace"]:
+        """While the block runs, a live ring buffer drops none of its steps (those run meanwhile
+        are added), so several reads of one step find it; the excess goes when the block ends."""
+        self._source.hold()
+        try:
+            yield self
+        finally:
+            self._source.release()
 
     def __repr__(self) -> str:
         recs = self._records()

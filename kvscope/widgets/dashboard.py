@@ -236,12 +236,12 @@ class Dashboard:
         """Show recorded step ``step`` (the nearest recorded one at or before it) in every view."""
         if not is_index(step):  # (NaN, 1.5 or True once showed a step nobody asked for)
             raise TypeError(f"step must be an integer (the nearest recorded step at or before it is shown), got {step!r}")
-        ids = self.trace.step_ids
-        if not ids:
-            return
-        step = ids[max(0, bisect.bisect_right(ids, step) - 1)]
-        data = StepData(self.trace, step, self.series)
-        with self._lock:
+        with self._lock, self.trace.hold_steps():  # (a live ring buffer would drop the oldest while it is read)
+            ids = self.trace.step_ids
+            if not ids:
+                return
+            step = ids[max(0, bisect.bisect_right(ids, step) - 1)]
+            data = StepData(self.trace, step, self.series)
             for view in self.views.values():
                 view.show(data)
             self._shown = step

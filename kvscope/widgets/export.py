@@ -99,12 +99,14 @@ def export_html(
     if trace.level == "summary":
         raise ValueError("export_html needs a trace recorded at level 'blocks' or 'full' (the page shows the "
                          "block views); this one is 'summary'")
-    ids = trace.step_ids
-    if not len(ids):
-        raise ValueError("the trace has no recorded steps to export")
-    steps = exported_steps(ids, max_steps)
+    with trace.hold_steps():  # (a live ring buffer would drop the oldest steps while they are read)
+        ids = trace.step_ids
+        if not len(ids):
+            raise ValueError("the trace has no recorded steps to export")
+        steps = exported_steps(ids, max_steps)
+        payload = zlib.compress(json.dumps(export_payload(trace, steps), separators=(",", ":")).encode(), 9)
+        figure = pio.to_json(timeline_figure(trace))
     start = steps[-1] if step is None else min(steps, key=lambda s: abs(s - step))
-    payload = zlib.compress(json.dumps(export_payload(trace, steps), separators=(",", ":")).encode(), 9)
     meta = {"num_blocks": int(trace.num_blocks), "block_size": int(trace.block_size), "step": start,
             "selected_request": selected_request, "num_steps_recorded": len(ids),
             "model": str(trace.meta.get("model", ""))}
@@ -133,7 +135,7 @@ section {{ margin: 10px 0; }}
 <div id="kvscope-timeline"></div>
 <script type="application/json" id="kvscope-meta">{_json_script(meta)}</script>
 <script type="application/json" id="kvscope-modules">{_json_script(modules)}</script>
-<script type="application/json" id="kvscope-figure">{_json_script_raw(pio.to_json(timeline_figure(trace)))}</script>
+<script type="application/json" id="kvscope-figure">{_json_script_raw(figure)}</script>
 <script type="application/octet-stream" id="kvscope-data">{base64.b64encode(payload).decode("ascii")}</script>
 <script type="module">{(STATIC / "common.js").read_text()}
 {(STATIC / "export.js").read_text()}</script>

@@ -142,10 +142,11 @@ class BlockPoolView(_CarriesTables, _StepView):
             step = int(content["step"])
             # A live ring buffer may have dropped the step the browser showed: no facts, and no
             # traceback in the notebook (ipywidgets shows a handler's); ``held`` tells the browser
-            # to say so rather than wait for facts.
-            held = step in self.trace.step_ids
-            self.send({"type": "details", "step": step, "held": held,
-                       "blocks": snapshot.block_details(StepData(self.trace, step), content["blocks"]) if held else {}})
+            # to say so rather than wait for facts. Held while read: it is not dropped meanwhile.
+            with self.trace.hold_steps():
+                held = step in self.trace.step_ids
+                details = snapshot.block_details(StepData(self.trace, step), content["blocks"]) if held else {}
+            self.send({"type": "details", "step": step, "held": held, "blocks": details})
 
 
 class BlockTablesView(_CarriesTables, _StepView):
