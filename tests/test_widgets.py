@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import CancelledError, Future
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -435,6 +436,18 @@ def test_pause_step_resume_hold_the_background_run_between_steps():
     dash.detach()
 
 
+def step_held_run(dash: Dashboard, check: Callable[[int], None] = lambda newest: None, holds: int = 2) -> None:
+    """Through ``holds`` holds of a paused background run: each time, wait until the status says
+    it is paused at the newest step, ``check`` that step, then Step once past it."""
+    for _ in range(holds):
+        wait_for(lambda: dash.gate.waiting)
+        newest = dash.trace.step_ids[-1]
+        wait_for(lambda: f"paused at step {newest}" in dash.status.value, timeout=5)
+        check(newest)
+        dash.step_once()
+        wait_for(lambda: dash.trace.step_ids[-1] > newest)
+
+
 @pytest.mark.parametrize("follow", [True, False], ids=["following", "not-following"])
 def test_the_paused_status_comes_when_the_steps_update_ran_before_the_hold(follow):
     """A step's listener wakes the updater before the run holds after that step: an update in
@@ -458,13 +471,10 @@ def test_the_paused_status_comes_when_the_steps_update_ran_before_the_hold(follo
     dash.gate.wait = late_hold
     dash.pause()
     run = dash.generate_async(PROMPTS, greedy(12))
-    for _ in range(2):  # the forced hold, then one after a Step
-        wait_for(lambda: dash.gate.waiting)
-        newest = dash.trace.step_ids[-1]
-        wait_for(lambda: f"paused at step {newest}" in dash.status.value, timeout=5)
-        assert dash.step == (newest if follow else dash.trace.step_ids[0])  # (unticked: the slider's first step)
-        dash.step_once()
-        wait_for(lambda: dash.trace.step_ids[-1] > newest)
+    def shown(newest: int) -> None:  # (unticked: the slider's first step)
+        assert dash.step == (newest if follow else dash.trace.step_ids[0])
+
+    step_held_run(dash, shown)  # the forced hold, then one after a Step
     assert "pausing" in seen[0]
     dash.resume()
     run.result(timeout=30)
@@ -483,12 +493,7 @@ def test_a_tiny_max_load_throttles_updates_without_killing_the_updater():
     wait_for(lambda: dash.num_updates >= 1)  # the first update is over: the throttle waits now
     dash.pause()
     run = dash.generate_async(PROMPTS, greedy(6))
-    for _ in range(2):  # the first hold, then one after a Step
-        wait_for(lambda: dash.gate.waiting)
-        newest = dash.trace.step_ids[-1]
-        wait_for(lambda: f"paused at step {newest}" in dash.status.value, timeout=5)
-        dash.step_once()
-        wait_for(lambda: dash.trace.step_ids[-1] > newest)
+    step_held_run(dash)  # the first hold, then one after a Step
     dash.resume()
     run.result(timeout=30)
     dash.detach()
