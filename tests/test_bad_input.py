@@ -156,6 +156,8 @@ REQUEST_CASES: dict[str, tuple[Callable[[LLM], Any], type[Exception], str]] = {
                            r"^engine must be an LLMEngine, got LLM; for an LLM, use llm.record\(...\)"),
     "record level='all'": (lambda llm: llm.record(level="all").__enter__(), ValueError,
                            r"^level must be one of 'summary', 'blocks', 'full', got 'all'"),
+    "record level an array": (lambda llm: llm.record(level=np.array(["blocks", "full"])).__enter__(), ValueError,
+                              r"^level must be one of 'summary', 'blocks', 'full', got array"),
     "record max_steps=0": (lambda llm: llm.record(max_steps=0).__enter__(), ValueError,
                            r"^max_steps must be an integer >= 1, got 0"),
     # Fields changed after the params were built: checked again when the request is added.

@@ -1373,3 +1373,17 @@ def test_a_live_ring_buffer_holds_the_request_ids_of_its_own_steps(monkeypatch, 
         for k, v in whole.pool_arrays(step).items():
             np.testing.assert_array_equal(ring.pool_arrays(step)[k], v)
     _assert_same_trace(ring, Trace.load(ring.save(tmp_path / "ring")))
+
+
+def test_saving_to_a_path_that_names_a_file_is_refused_by_name(tmp_path):
+    """``save`` writes a directory of files: a path that names a file is refused naming it and
+    what it must be (it raised mkdir's bare FileExistsError), and the file is left as it was."""
+    llm = make_llm(block_size=4)
+    with llm.record("blocks") as trace:
+        llm.generate([[3, 4, 5]], greedy(2), use_tqdm=False)
+    file = tmp_path / "trace.parquet"
+    file.write_bytes(b"mine")
+    with pytest.raises(NotADirectoryError, match=f"^{re.escape(str(file))}: not a directory;"):
+        trace.save(file)
+    assert file.read_bytes() == b"mine"
+    _assert_same_trace(trace, Trace.load(trace.save(tmp_path / "trace")))

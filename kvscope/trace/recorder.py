@@ -104,7 +104,7 @@ class Recorder:
         if not (hasattr(engine, "hooks") and hasattr(engine, "block_manager")):
             hint = "; for an LLM, use llm.record(...) or pass llm.llm_engine" if hasattr(engine, "llm_engine") else ""
             raise TypeError(f"engine must be an LLMEngine, got {type(engine).__name__}{hint}")
-        if level not in LEVELS:
+        if not isinstance(level, str) or level not in LEVELS:  # (an array's `in` raises numpy's own error)
             raise ValueError(f"level must be one of {', '.join(map(repr, LEVELS))}, got {level!r}")
         check_int("max_steps", max_steps)
         self.engine = engine

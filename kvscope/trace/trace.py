@@ -272,6 +272,9 @@ class Trace:
         """Write the trace as parquet files (plus ``meta.json``) into directory ``path``, and
         ``checksums.json``, the SHA-256 of each, so that a load can tell an edited file."""
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"{path}: not a directory; Trace.save writes a directory of files, "
+                                     "so give it a directory's path (made if missing)")
         path.mkdir(parents=True, exist_ok=True)
         write_checksums(path, self._write(path))
         return path
