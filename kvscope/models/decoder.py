@@ -43,7 +43,16 @@ def head_dim_of(config: Any) -> int:
 
 def check_supported(config: Any, tp: int | None = None) -> None:
     """Refuse configs this decoder would silently compute wrongly, or could not shard over
-    ``tp`` ranks (default: this process's tensor-parallel group)."""
+    ``tp`` ranks (default: this process's tensor-parallel group).
+
+    ``LLM`` calls it before any weight loads or worker starts, so it refuses everything the
+    build would: the architecture first (another family's config may lack the fields read
+    below), then the RoPE settings, which only the build read before.
+    """
+    from kvscope.models import spec_for  # (the package imports this module)
+
+    spec_for(config)
+    rope_config_from_hf(config)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
