@@ -1,17 +1,57 @@
-"""Checkpoints a vLLM user brings, loaded through ``LLM(...)``: what kvscope cannot run is refused
-at the call by name, before any worker starts or weight loads."""
+"""Checkpoints a vLLM user brings, loaded through ``LLM(...)``: what loads gives transformers'
+log-probs on the same weights, and what kvscope cannot run is refused at the call by name,
+before any worker starts or weight loads."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from kvscope import LLM
-from tiny_models import TINY, make_tiny_checkpoint
+from kvscope import LLM, SamplingParams
+from kvscope.models.loader import CheckpointMismatchError
+from tiny_models import TINY, load_hf_model, make_tiny_checkpoint, tiny_checkpoint
+
+PROMPT = [7, 3, 250, 41, 99, 12, 180, 5, 64, 33, 201, 8]
 
 
 def load(path: Path, **config) -> LLM:
     return LLM(str(path), device="cpu", dtype="float32", skip_tokenizer_init=True, **config)
+
+
+def assert_matches_transformers(path: Path) -> None:
+    """Every prompt token's log-prob, and the greedy continuation's, as transformers gives them
+    (float32 on both sides: a wrong weight or rotation is far outside the tolerance)."""
+    out = load(path).generate([{"prompt_token_ids": PROMPT}], SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=0), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    ids = PROMPT + list(completion.token_ids)
+    with torch.no_grad():
+        truth = torch.log_softmax(load_hf_model(path)(torch.tensor([ids])).logits[0], dim=-1)
+    assert list(completion.token_ids) == truth[len(PROMPT) - 1:-1].argmax(-1).tolist()
+    got = [lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:] + completion.logprobs)]
+    want = [truth[i, t].item() for i, t in enumerate(ids[1:])]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_a_sharded_checkpoint_loads_the_files_its_index_names(tmp_path: Path) -> None:
+    """A safetensors file beside the shards that the index does not name (Mistral's repositories
+    ship ``consolidated.safetensors`` so) is not part of the model for transformers or vLLM;
+    kvscope loaded every file it found, and refused the checkpoint for tensors that "appear twice"."""
+    load_hf_model(tiny_checkpoint("llama")).save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    stray = make_tiny_checkpoint(tmp_path / "other", "llama", seed=1) / "model.safetensors"
+    shutil.copy(stray, tmp_path / "consolidated.safetensors")
+    assert_matches_transformers(tmp_path)
+
+
+def test_a_shard_its_index_names_but_the_directory_lacks_is_named(tmp_path: Path) -> None:
+    load_hf_model(tiny_checkpoint("llama")).save_pretrained(tmp_path, max_shard_size="40KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointMismatchError, match=rf"names 1 file\(s\) that .* lacks: {shard.name}$"):
+        load(tmp_path)
 
 
 def test_an_architecture_without_llama_fields_is_refused_by_name(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ parameters one to one, except the projections the model packs together (the mode
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from collections.abc import Hashable
 
@@ -17,6 +18,7 @@ from torch import nn
 from kvscope.layers.sharding import default_weight_loader
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
+INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensors to files
 
 
 class CheckpointMismatchError(ValueError):
@@ -46,15 +48,14 @@ def _to_ckpt_name(param_name: str, shard_id: Hashable,
 
 
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` from ``model_dir/*.safetensors``.
+    """Fill every parameter of ``model`` from the checkpoint's safetensors files
+    (:func:`checkpoint_files`).
 
     Raises :class:`CheckpointMismatchError` naming the tensor when the checkpoint lacks one the
     model needs, holds one the model does not know, or has the wrong shape. With tied word
     embeddings a checkpoint ``lm_head.weight`` (if any) is ignored.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    files = checkpoint_files(model_dir)
     mapping = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model, "tie_word_embeddings", False)
     params = dict(model.named_parameters())
@@ -70,6 +71,30 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     if missing:
         raise CheckpointMismatchError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s): "
                                       f"{', '.join(missing)}")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of the model: where an index maps its tensors to files, the files it
+    names, as transformers and vLLM read them (a file beside the shards, such as the
+    ``consolidated.safetensors`` Mistral's repositories ship, is not part of the model); else
+    every ``*.safetensors`` file of the directory."""
+    directory = Path(model_dir)
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        return files
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointMismatchError(f"{index} is not a safetensors index (a weight_map of tensor "
+                                      f"names to files): {e!r}") from e
+    absent = [name for name in names if not (directory / name).is_file()]
+    if absent:
+        raise CheckpointMismatchError(f"{index} names {len(absent)} file(s) that {model_dir} lacks: "
+                                      f"{', '.join(absent)}")
+    return [directory / name for name in names]
 
 
 def _load_file(file: Path, params: dict[str, nn.Parameter], mapping: dict, tied: bool,
