@@ -3,6 +3,7 @@ log-probs on the same weights, and what kvscope cannot run is refused at the cal
 before any worker starts or weight loads."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -46,6 +47,14 @@ def test_a_sharded_checkpoint_loads_the_files_its_index_names(tmp_path: Path) ->
     assert_matches_transformers(tmp_path)
 
 
+def test_a_config_naming_no_architecture_runs_as_its_model_type(tmp_path: Path) -> None:
+    shutil.copytree(tiny_checkpoint("qwen2"), tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert_matches_transformers(tmp_path)
+
+
 def test_a_shard_its_index_names_but_the_directory_lacks_is_named(tmp_path: Path) -> None:
     load_hf_model(tiny_checkpoint("llama")).save_pretrained(tmp_path, max_shard_size="40KB")
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
@@ -64,6 +73,18 @@ def test_an_architecture_without_llama_fields_is_refused_by_name(tmp_path: Path)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"unsupported model \(architectures=\['GPT2LMHeadModel'\].*"
                                          r"LlamaForCausalLM"):
+        load(tmp_path)
+
+
+def test_an_architecture_kvscope_does_not_run_is_refused_by_name_on_a_family_it_runs(tmp_path: Path) -> None:
+    """A Llama reward model (``LlamaForSequenceClassification``, model_type ``llama``) was taken
+    for a ``LlamaForCausalLM`` by its model_type, built, and refused for a tensor, ``score.weight``."""
+    import transformers
+
+    architecture = "LlamaForSequenceClassification"
+    config = transformers.LlamaConfig(**TINY, pad_token_id=2, architectures=[architecture])
+    getattr(transformers, architecture)(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"^unsupported model \(architectures=\['{architecture}'\]"):
         load(tmp_path)
 
 

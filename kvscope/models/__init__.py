@@ -19,14 +19,17 @@ SUPPORTED_ARCHITECTURES = tuple(s.architecture for s in SPECS)
 
 
 def spec_for(hf_config: Any) -> ArchSpec:
-    """The spec matching ``architectures[0]``, falling back to ``model_type``."""
-    archs = getattr(hf_config, "architectures", None) or []
+    """The spec of the first of ``architectures`` kvscope runs (vLLM's order); by ``model_type``
+    only when the config names none. A config naming only other classes is another model over
+    the family's layers (a ``LlamaForSequenceClassification`` reward model), not the causal LM."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
     model_type = getattr(hf_config, "model_type", None)
+    by_architecture = {spec.architecture: spec for spec in SPECS}
+    for arch in archs:
+        if arch in by_architecture:
+            return by_architecture[arch]
     for spec in SPECS:
-        if archs and archs[0] == spec.architecture:
-            return spec
-    for spec in SPECS:
-        if model_type == spec.model_type:
+        if not archs and model_type == spec.model_type:
             return spec
     raise ValueError(f"unsupported model (architectures={archs}, model_type={model_type!r}); "
                      f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
