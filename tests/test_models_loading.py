@@ -88,6 +88,32 @@ def test_an_architecture_kvscope_does_not_run_is_refused_by_name_on_a_family_it_
         load(tmp_path)
 
 
+def fp8_checkpoint(path: Path) -> Path:
+    """A Qwen3 checkpoint laid out as its FP8 releases are: e4m3 projection weights, each with a
+    ``weight_scale_inv`` per 128x128 block, and the config's ``quantization_config`` saying so."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_checkpoint(path, "qwen3")
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        rows, cols = tensors[name].shape
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale_inv"] = torch.ones(-(-rows // 128), -(-cols // 128))
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                         weight_block_size=[128, 128])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_quantized_checkpoint_is_refused_by_its_quantization(tmp_path: Path) -> None:
+    """The model was built in full and then refused for a tensor it has no parameter for
+    (``...weight_scale_inv``), never naming the quantization."""
+    with pytest.raises(NotImplementedError, match=r"^quantization_config \(quant_method='fp8'\) is not supported"):
+        load(fp8_checkpoint(tmp_path))
+
+
 def test_an_unsupported_rope_is_refused_before_tensor_parallel_workers_start(tmp_path: Path) -> None:
     """Only the model's build read the RoPE settings, so under tensor parallelism a YaRN
     checkpoint started the workers and came back as a worker's traceback."""

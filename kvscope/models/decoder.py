@@ -47,12 +47,14 @@ def check_supported(config: Any, tp: int | None = None) -> None:
 
     ``LLM`` calls it before any weight loads or worker starts, so it refuses everything the
     build would: the architecture first (another family's config may lack the fields read
-    below), then the RoPE settings, which only the build read before.
+    below), then the RoPE settings, which only the build read before, and a quantization,
+    which the loader would refuse only for a tensor that names no parameter.
     """
     from kvscope.models import spec_for  # (the package imports this module)
 
     spec_for(config)
     rope_config_from_hf(config)
+    _refuse_quantized(config)
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
@@ -65,6 +67,17 @@ def check_supported(config: Any, tp: int | None = None) -> None:
     if bad:
         raise ValueError(f"tensor_parallel_size={tp} cannot shard this model: "
                          f"{', '.join(bad)} not divisible by {tp}")
+
+
+def _refuse_quantized(config: Any) -> None:
+    """A quantized checkpoint's scales and packed weights are tensors no layer here holds."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None))
+    raise NotImplementedError(f"quantization_config (quant_method={method!r}) is not supported: "
+                              "kvscope runs unquantized float32 / float16 / bfloat16 checkpoints")
 
 
 class DecoderAttention(nn.Module):
