@@ -55,6 +55,20 @@ def test_a_config_naming_no_architecture_runs_as_its_model_type(tmp_path: Path) 
     assert_matches_transformers(tmp_path)
 
 
+def test_rotary_tables_a_training_framework_saved_are_ignored(tmp_path: Path) -> None:
+    """ColossalAI-trained Llamas carry each layer's ``rotary_emb.cos_cached`` / ``sin_cached``
+    buffers; transformers and vLLM skip them, kvscope refused them as unexpected tensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_checkpoint("llama"), tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(TINY["num_hidden_layers"]):
+        for table in ("cos_cached", "sin_cached"):
+            tensors[f"model.layers.{layer}.self_attn.rotary_emb.{table}"] = torch.zeros(1, 1, 64, 16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    assert_matches_transformers(tmp_path)
+
+
 def test_a_shard_its_index_names_but_the_directory_lacks_is_named(tmp_path: Path) -> None:
     load_hf_model(tiny_checkpoint("llama")).save_pretrained(tmp_path, max_shard_size="40KB")
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]

@@ -17,7 +17,8 @@ from torch import nn
 
 from kvscope.layers.sharding import default_weight_loader
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
+# RoPE buffers some checkpoints saved (older transformers; ColossalAI's cos/sin tables), as vLLM skips them
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of tensors to files
 
 
