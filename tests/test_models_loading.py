@@ -102,6 +102,14 @@ def test_an_architecture_kvscope_does_not_run_is_refused_by_name_on_a_family_it_
         load(tmp_path)
 
 
+def test_query_heads_the_kv_heads_do_not_divide_are_refused_at_load(tmp_path: Path) -> None:
+    """transformers cannot run such a model either; kvscope built it, warmed it up and raised
+    only from the attention of every step."""
+    path = make_tiny_checkpoint(tmp_path, "llama", num_attention_heads=4, num_key_value_heads=3, head_dim=16)
+    with pytest.raises(ValueError, match=r"^num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
+        load(path)
+
+
 def fp8_checkpoint(path: Path) -> Path:
     """A Qwen3 checkpoint laid out as its FP8 releases are: e4m3 projection weights, each with a
     ``weight_scale_inv`` per 128x128 block, and the config's ``quantization_config`` saying so."""

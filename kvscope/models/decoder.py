@@ -61,6 +61,9 @@ def check_supported(config: Any, tp: int | None = None) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise NotImplementedError(f"only full attention is supported, got layer_types={layer_types}")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads:  # (each KV head serves a whole group of query heads)
+        raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
     tp = get_tp_size() if tp is None else tp
     fields = ("num_attention_heads", "num_key_value_heads", "intermediate_size")  # the vocabulary is padded
     bad = [f"{f}={getattr(config, f)}" for f in fields if getattr(config, f) % tp]
