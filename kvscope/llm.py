@@ -80,6 +80,7 @@ class LLM:
 
         from kvscope.kv_pool_check import check_kv_pool_fits
         from kvscope.models.decoder import check_supported
+        from kvscope.models.loader import checkpoint_files
 
         self._shut_down = False
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
@@ -103,6 +104,7 @@ class LLM:
             )
         # (the model first: a rank count it cannot shard would be taken for a pool too large)
         check_supported(hf_config, self.config.tensor_parallel_size)
+        checkpoint_files(model_dir)  # (here, not in a tensor-parallel worker's traceback)
         check_kv_pool_fits(self.config, hf_config)
         self._sampling_defaults = read_defaults(self.config.generation_config, model_dir)
         self.model_dir = model_dir

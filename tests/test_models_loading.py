@@ -143,3 +143,17 @@ def test_an_unsupported_rope_is_refused_before_tensor_parallel_workers_start(tmp
     path = make_tiny_checkpoint(tmp_path, "llama", rope_scaling=yarn)
     with pytest.raises(NotImplementedError, match=r"^rope_type 'yarn' is not supported"):
         load(path, tensor_parallel_size=2)
+
+
+def test_a_checkpoint_without_safetensors_is_refused_before_tensor_parallel_workers_start(tmp_path: Path) -> None:
+    """kvscope reads safetensors only: a checkpoint saved as ``pytorch_model.bin`` is refused by
+    name in the caller's process. Only the weights' load looked, so under tensor parallelism the
+    workers started first and the refusal came back as a worker's traceback."""
+    from safetensors.torch import load_file
+
+    path = tmp_path / "bin"
+    shutil.copytree(tiny_checkpoint("llama"), path)
+    torch.save(load_file(path / "model.safetensors"), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^no \*\.safetensors files in {path}"):
+        load(path, tensor_parallel_size=2)
