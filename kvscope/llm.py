@@ -104,7 +104,6 @@ class LLM:
             )
         # (the model first: a rank count it cannot shard would be taken for a pool too large)
         check_supported(hf_config, self.config.tensor_parallel_size)
-        checkpoint_files(model_dir)  # (here, not in a tensor-parallel worker's traceback)
         check_kv_pool_fits(self.config, hf_config)
         self._sampling_defaults = read_defaults(self.config.generation_config, model_dir)
         self.model_dir = model_dir
@@ -113,6 +112,7 @@ class LLM:
         with _closed_on_failure() as closers:
             if publisher is not None:
                 closers.append(publisher.close)
+            checkpoint_files(model_dir)  # (here, not in a tensor-parallel worker's traceback)
             executor = _make_executor(self.config, hf_config, model_dir, max_model_len)
             closers.append(executor.shutdown)
             self._start_engine(executor, tokenizer, max_model_len, publisher)
