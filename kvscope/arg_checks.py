@@ -78,6 +78,7 @@ def check_seed(name: str, value: Any) -> int:
     return value
 
 
+MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
 MAX_PORT = 65535  # the largest tcp port (ZMQ takes more without a word, modulo 65536)
 MAX_HWM = 2**31 - 1  # ZMQ takes the high-water mark as a C int
 
@@ -107,6 +108,15 @@ def offset_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None
         raise ValueError(f"endpoint {endpoint!r} offset by data_parallel_rank={data_parallel_rank} is port {offset}, "
                          f"past {MAX_PORT}")
     return f"{endpoint.rpartition(':')[0]}:{offset}"
+
+
+def check_seconds(name: str, value: Any, minimum: float | None = None) -> None:
+    """A wait in seconds: finite, at most ``MAX_SECONDS``, and ``>= minimum`` (without one, any
+    positive value); else a ValueError naming ``name``."""
+    if is_finite_number(value) and value <= MAX_SECONDS and (value > 0 if minimum is None else value >= minimum):
+        return
+    low = "> 0" if minimum is None else f">= {minimum:g}"
+    raise ValueError(f"{name} must be a finite number of seconds {low} and <= {MAX_SECONDS:g}, got {value!r}")
 
 
 def check_inert(name: str, value: Any, why: str, default: Any = None) -> None:

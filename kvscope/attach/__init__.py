@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-from kvscope.arg_checks import MAX_HWM, MAX_PORT, check_int, is_finite_number, offset_endpoint, tcp_port
+from kvscope.arg_checks import MAX_HWM, MAX_PORT, check_int, check_seconds, offset_endpoint, tcp_port
 from kvscope.attach._deps import MODULES, require
 from kvscope.attach.subscriber import DEFAULT_MAX_MESSAGE_BYTES
 from kvscope.attach.wire import INT64_MAX
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 Endpoints = Union[str, Sequence[str], Mapping[str, str]]
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 _URL_SCHEMES = ("http://", "https://")
-MAX_SECONDS = 86400.0  # a day: a longer wait is a typo, and threads refuse timeouts past TIMEOUT_MAX
 MIN_MESSAGE_BYTES = 1024  # a smaller limit could refuse even an empty batch under a long topic
 MIN_METRICS_INTERVAL = 0.1  # seconds: a shorter interval polls /metrics back to back, a dead URL in a busy loop
 
@@ -63,8 +62,8 @@ def attach(
         check_int(arg, value, low)
         if value > limit:
             raise ValueError(f"{arg} must be an integer in {low}..{limit}, got {value!r}")
-    _check_seconds("metrics_interval", metrics_interval, MIN_METRICS_INTERVAL)
-    _check_seconds("replay_timeout", replay_timeout)
+    check_seconds("metrics_interval", metrics_interval, MIN_METRICS_INTERVAL)
+    check_seconds("replay_timeout", replay_timeout)
     named = _by_name(endpoints, "endpoints")
     replays = _matched(replay_endpoints, named, "replay_endpoints")
     urls = _matched(metrics_urls, named, "metrics_urls")
@@ -85,14 +84,6 @@ def attach(
     ]
     return Attached(streams, topic, urls or None, metrics_interval=metrics_interval, hwm=hwm,
                     max_events=max_events, replay_timeout=replay_timeout, max_message_bytes=max_message_bytes)
-
-
-def _check_seconds(arg: str, value: object, minimum: float | None = None) -> None:
-    """A wait in seconds: finite, at most a day, and ``>= minimum`` (without one, any positive value)."""
-    if is_finite_number(value) and value <= MAX_SECONDS and (value > 0 if minimum is None else value >= minimum):
-        return
-    low = "> 0" if minimum is None else f">= {minimum:g}"
-    raise ValueError(f"{arg} must be a finite number of seconds {low} and <= {MAX_SECONDS:g}, got {value!r}")
 
 
 def _by_name(value: Endpoints, arg: str) -> dict[str, str]:

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import ipywidgets as W
 
-from kvscope.arg_checks import is_index
+from kvscope.arg_checks import MAX_SECONDS, is_index
 from kvscope.trace.trace import Trace
 from kvscope.trace import frozen_heap
-from kvscope.widgets.options import MAX_INTERVAL, check_interval, check_max_load, view_names
+from kvscope.widgets.options import check_interval, check_max_load, view_names
 from kvscope.widgets.snapshot import StepData, StepSeries
 from kvscope.widgets.views import VIEW_CLASSES, kv_pool_label
 
@@ -341,7 +341,7 @@ class Dashboard:
             self.update_time_s += spent
             cost = 0.5 * (cost + spent)  # smoothed: the first update is the dearest
             # (capped: a tiny max_load asks for a wait that threading refuses; a hold kicks it anyway)
-            self._kick.wait(min(max(self.interval, cost / self.max_load - cost), MAX_INTERVAL))
+            self._kick.wait(min(max(self.interval, cost / self.max_load - cost), MAX_SECONDS))
             self._kick.clear()
 
     def generate_async(self, prompts: Any, sampling_params: Any = None) -> Future:

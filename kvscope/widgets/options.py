@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.arg_checks import is_finite_number
-
-MAX_INTERVAL = 86400.0  # seconds: a longer wait between updates is a typo, and threads refuse waits past TIMEOUT_MAX
+from kvscope.arg_checks import check_seconds, is_finite_number
 
 
 def view_names(views: Any) -> list[str]:
@@ -28,9 +26,8 @@ def view_names(views: Any) -> list[str]:
 
 
 def check_interval(interval: Any) -> float:
-    """Seconds between two browser updates: a finite number in [0, ``MAX_INTERVAL``]."""
-    if not is_finite_number(interval) or not 0 <= interval <= MAX_INTERVAL:
-        raise ValueError(f"interval must be a finite number of seconds >= 0 and <= {MAX_INTERVAL:g}, got {interval!r}")
+    """Seconds between two browser updates: a finite number in [0, ``MAX_SECONDS``]."""
+    check_seconds("interval", interval, minimum=0)
     return float(interval)
 
 
